@@ -1,0 +1,1 @@
+"""jkv package."""
