@@ -1,0 +1,93 @@
+"""Public API: `LLM(...).generate(prompts, SamplingParams(...))`.
+
+    from jkv import LLM, SamplingParams
+    llm = LLM("smollm2-135m-instruct")
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
+    print(out[0].text, out[0].metrics.ttft)
+
+A prompt is a string, a list of token ids, or a chat conversation (a list of
+{"role", "content"} dicts, rendered with the model's chat template).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from typing import Sequence, Union
+
+from tqdm import tqdm
+
+from models import DEFAULT_MODEL, Model, load_model
+
+from .engine import DenseEngine, Request
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+Message = dict
+Prompt = Union[str, Sequence[int], Sequence[Message]]
+_ids = itertools.count()
+
+
+def _is_chat(p) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(m, dict) for m in p)
+
+
+def _is_token_ids(p) -> bool:
+    return isinstance(p, (list, tuple)) and len(p) > 0 and all(isinstance(t, int) for t in p)
+
+
+class LLM:
+    """A model plus an engine. `model` is a registered name, a HF directory, a .gguf file or a `Model`."""
+
+    def __init__(self, model: str | os.PathLike | Model = DEFAULT_MODEL, *, dtype: str = "float32",
+                 max_batch_size: int = 16):
+        if max_batch_size < 1:
+            raise ValueError(f"{max_batch_size=} must be >= 1")
+        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+        self.tokenizer = self.model.tokenizer
+        self.max_batch_size = max_batch_size
+        self._engine = DenseEngine(self.model)
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        if _is_chat(prompt):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of chat messages")
+            return self.tokenizer.apply_chat_template(prompt)
+        if _is_token_ids(prompt):
+            vocab = self.model.cfg.vocab_size
+            bad = [t for t in prompt if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+            return list(prompt)
+        raise TypeError(f"prompt {prompt!r:.80} must be a string, a list of token ids or a list of "
+                        "{'role', 'content'} messages")
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or a batch (mixed lengths allowed). Returns one output per prompt, in order."""
+        if isinstance(prompts, str) or _is_chat(prompts) or _is_token_ids(prompts):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if not prompts:
+            return []
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
+        t0 = time.perf_counter()
+        requests = [Request(str(next(_ids)), p, self.encode_prompt(p), sp) for p, sp in zip(prompts, params)]
+        outputs: list[RequestOutput] = []
+        chunks = range(0, len(requests), self.max_batch_size)
+        for i in tqdm(chunks, desc="generate", disable=not use_tqdm):
+            outputs.extend(self._engine.generate(requests[i:i + self.max_batch_size], t0=t0))
+        return outputs
