@@ -27,8 +27,8 @@ class StageTimes:
 
     fetch: chunk_tokens * fetch_s_per_token + fetch_chunk_latency_s per chunk (L3 -> L2 link).
     upload: chunk_tokens * upload_s_per_token per chunk (L2 -> L1, PCIe).
-    compute: compute_overhead_s + compute_s_per_token * computed tokens
-             + attention_s_per_pair * computed tokens * cached tokens (attending to the prefix).
+    compute: compute_overhead_s + compute_s_per_token * q + attention_s_per_pair * q * (n + q/2)
+             for q computed tokens attending to n cached tokens and (causally) to each other.
     """
 
     chunk_tokens: int
@@ -47,12 +47,18 @@ class StageTimes:
                 raise ValueError(f"{field.name}={getattr(self, field.name)} must be >= 0")
 
     @classmethod
-    def paper_like(cls, chunk_tokens: int = 256) -> "StageTimes":
+    def paper_like(cls, chunk_tokens: int = 256, link_gbps: float = 400.0) -> "StageTimes":
         """Scaled to CALVO's testbed (§2.3.2, §4.1: Llama-3.1-8B, 400 Gbps RDMA, one 80 GB GPU):
-        ~0.36 s to load 28K cached tokens, ~20 ms to prefill a 28-token query."""
-        return cls(chunk_tokens=chunk_tokens, fetch_s_per_token=11e-6, upload_s_per_token=3e-6,
-                   compute_s_per_token=1.5e-4, compute_overhead_s=0.015,
-                   fetch_chunk_latency_s=2e-4, attention_s_per_pair=2e-9)
+        ~0.36 s to load 28K cached tokens and ~20 ms to prefill a 28-token query (§2.3.2's R1);
+        dense prefill at ~16 GFLOP/token and attention at ~0.5 MFLOP per (query, key) pair
+        (causal: half) on ~300 TFLOP/s effective. `link_gbps` scales the L3 -> L2 time from the
+        paper's 400 Gbps (e.g. 25 for the thin links jkv targets)."""
+        if link_gbps <= 0:
+            raise ValueError(f"{link_gbps=} must be > 0")
+        return cls(chunk_tokens=chunk_tokens, fetch_s_per_token=11e-6 * 400.0 / link_gbps,
+                   upload_s_per_token=3e-6,
+                   compute_s_per_token=6e-5, compute_overhead_s=0.017,
+                   fetch_chunk_latency_s=2e-4, attention_s_per_pair=1e-9)
 
     def fetch_s(self) -> float:
         return self.chunk_tokens * self.fetch_s_per_token + self.fetch_chunk_latency_s
@@ -61,8 +67,9 @@ class StageTimes:
         return self.chunk_tokens * self.upload_s_per_token
 
     def compute_s(self, compute_tokens: int, cached_tokens: int) -> float:
-        return (self.compute_overhead_s + self.compute_s_per_token * compute_tokens
-                + self.attention_s_per_pair * compute_tokens * cached_tokens)
+        q = compute_tokens
+        return (self.compute_overhead_s + self.compute_s_per_token * q
+                + self.attention_s_per_pair * q * (cached_tokens + q / 2))
 
 
 @dataclasses.dataclass(frozen=True)

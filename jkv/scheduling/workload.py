@@ -11,6 +11,7 @@ Fig. 10 samples 25/50/75/100%).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import pathlib
 import re
@@ -147,8 +148,8 @@ def build_workload(config: WorkloadConfig,
                    documents: Sequence[tuple[str, str]] | None = None) -> list[WorkloadRequest]:
     """Requests sorted by arrival. Deterministic given config.seed, documents and tokenize."""
     rng = np.random.default_rng(config.seed)
-    docs = list(documents) if documents is not None else load_local_documents()
-    corpus = np.concatenate([tokenize(text) for _, text in docs]).astype(np.int32)
+    docs = tuple(documents) if documents is not None else tuple(load_local_documents())
+    corpus = _corpus(docs, tokenize)
     if corpus.size == 0:
         raise ValueError("the documents tokenize to nothing; pass non-empty documents")
     contexts = []
@@ -172,6 +173,14 @@ def build_workload(config: WorkloadConfig,
         requests.append(WorkloadRequest(rid, float(arrival), int(cid), context, query, cached,
                                         float(rng.choice(config.slo_factors))))
     return requests
+
+
+@functools.lru_cache(maxsize=4)
+def _corpus(docs: tuple[tuple[str, str], ...], tokenize) -> np.ndarray:
+    """All documents' tokens, i32[n] (cached: QPS sweeps rebuild workloads from one corpus)."""
+    corpus = np.concatenate([tokenize(text) for _, text in docs]).astype(np.int32)
+    corpus.flags.writeable = False
+    return corpus
 
 
 def _query(context: np.ndarray, tokenize, rng: np.random.Generator,

@@ -87,3 +87,20 @@ def test_proactive_allocation_never_hurts_when_device_is_short():
                                   proactive=False)
     assert all(r.finish_s > r.arrival_s for r in proactive + reactive)
     assert np.mean([r.ttft_s for r in proactive]) <= np.mean([r.ttft_s for r in reactive]) + 1e-9
+
+
+def test_paper_like_link_scaling():
+    fast, thin = StageTimes.paper_like(link_gbps=400), StageTimes.paper_like(link_gbps=25)
+    assert thin.fetch_s_per_token == pytest.approx(16 * fast.fetch_s_per_token)
+    assert thin.compute_s(100, 1000) == fast.compute_s(100, 1000)
+    with pytest.raises(ValueError, match="link_gbps"):
+        StageTimes.paper_like(link_gbps=0)
+
+
+def test_experiment_script_runs_end_to_end(tmp_path, capsys):
+    from experiments.calvo_sim import main
+    main(["--contexts", "2", "--queries", "3", "--min-context", "1024", "--max-context", "2048",
+          "--out-dir", str(tmp_path)])
+    assert (tmp_path / "calvo_sim.csv").stat().st_size > 0
+    assert (tmp_path / "calvo_sim.png").stat().st_size > 0
+    assert "pipelined SJF mean TTFT" in capsys.readouterr().out
