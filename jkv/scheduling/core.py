@@ -135,6 +135,15 @@ class PipelineCore:
 
     # -- admission and removal ----------------------------------------------------------------
     def add(self, request: PipelineRequest, priority: tuple) -> None:
+        self.check(request)
+        rid = request.request_id
+        sort_key = (tuple(priority), self._seq)
+        self._seq += 1
+        self._jobs[rid] = Job(request, sort_key, valid_chunks=request.num_chunks)
+        bisect.insort(self._order, (sort_key, rid))
+
+    def check(self, request: PipelineRequest) -> None:
+        """ValueError unless `request` can be added (unique id, fits in L1)."""
         rid = request.request_id
         if rid in self._jobs:
             raise ValueError(f"request id {rid!r} is already in the pipeline")
@@ -143,10 +152,6 @@ class PipelineCore:
                              f"({request.num_chunks} chunks + {request.compute_slots} compute) but "
                              f"L1 holds {self.device.capacity}; raise device capacity or load a "
                              "shorter prefix")
-        sort_key = (tuple(priority), self._seq)
-        self._seq += 1
-        self._jobs[rid] = Job(request, sort_key, valid_chunks=request.num_chunks)
-        bisect.insort(self._order, (sort_key, rid))
 
     def drop(self, request_id: Hashable) -> bool:
         """Cancel or fail a request: no new tasks; its slots come back once nothing is in flight.

@@ -135,6 +135,30 @@ class LoadingPipeline:
             self._cv.notify_all()
         return future
 
+    def submit_many(self, requests: Iterable[PipelineRequest]) -> list[concurrent.futures.Future]:
+        """Admit a burst of requests atomically, so dispatchers see them all before choosing
+        (same-instant arrivals are ordered by policy, not by submission race)."""
+        requests = list(requests)
+        futures = []
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("pipeline is closed; create a new LoadingPipeline")
+            ids = [r.request_id for r in requests]
+            if len(set(ids)) != len(ids):
+                raise ValueError(f"duplicate request ids in one burst: {ids}")
+            for request in requests:
+                self._core.check(request)
+            now = time.monotonic()
+            for request in requests:
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.set_running_or_notify_cancel()
+                self._core.add(request, self.policy.key(request.info))
+                self._futures[request.request_id] = future
+                self._submitted[request.request_id] = now
+                futures.append(future)
+            self._cv.notify_all()
+        return futures
+
     def cancel(self, request_id: Hashable) -> bool:
         """Stop a request that is not yet computing; its future raises CancelledError."""
         with self._cv:
