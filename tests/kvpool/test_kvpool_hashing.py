@@ -1,5 +1,6 @@
 """Chained prefix hashing: keys name whole prefixes, never alias, are process-independent."""
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -71,7 +72,8 @@ def test_single_token_change_changes_every_later_key(tokens, pos, new):
 def test_keys_do_not_depend_on_python_hash_seed():
     code = ("from jkv.kvpool.hashing import ChunkNamespace, chunk_keys;"
             "print(chunk_keys(list(range(12)), ChunkNamespace('m', 'float16', 4))[-1].name)")
-    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=os.getcwd())
+    env = dict(os.environ, PYTHONHASHSEED="12345",
+               PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[2]))
     other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            check=True).stdout.strip()
     assert other == chunk_keys(list(range(12)), ChunkNamespace("m", "float16", 4))[-1].name

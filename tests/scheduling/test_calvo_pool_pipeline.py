@@ -6,12 +6,11 @@ import pytest
 
 from jkv.kvpool import HostKVPool
 from jkv.kvpool.hashing import ChunkNamespace, chunk_keys
-from jkv.kvpool.redis_pool import RedisKVPool
 from jkv.scheduling import (LoadingPipeline, PipelineConfig, RequestInfo, StageFunctions,
                             make_policy, run_serialized)
 from jkv.scheduling.pool_stages import pool_fetch
 from jkv.scheduling.simulator import StageTimes, simulate_pipelined, to_pipeline_request
-from tests.kvpool.conftest import REDIS_SERVER, RedisServer
+from tests.kvpool.redis_server import RedisServer, needs_redis_server
 from tests.scheduling.fake_stages import FakeStages, chunk_data, expected_value, make_request
 
 NS = ChunkNamespace("fake-model", "int64", 4)
@@ -61,9 +60,10 @@ def test_wrong_size_chunk_is_a_miss_not_a_hit():
     assert run_with_pool(pool, [request]) == [1]
 
 
-@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server binary not found: install it "
-                                                 "with `apt-get install -y redis-server`")
+@needs_redis_server
 def test_dead_redis_pool_degrades_to_recompute(tmp_path):
+    pytest.importorskip("redis", reason="the `redis` Python client is not installed")
+    from jkv.kvpool.redis_pool import RedisKVPool
     server = RedisServer(tmp_path).start()
     try:
         pool = RedisKVPool(server.url, socket_timeout_s=0.5, retry_after_s=60)
