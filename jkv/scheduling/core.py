@@ -115,15 +115,16 @@ class PipelineCore:
     """State machine over L2 (`host_slots`) and L1 (`device_slots`) capacities, in chunks.
 
     proactive: reserve L1 at the first fetch (CALVO); False reserves it only when needed.
-    host_reserve: L2 slots that requests without L1 may never take (>= 1 avoids deadlock).
+    host_reserve: L2 slots that requests without L1 may never take (>= 1: avoids deadlock).
     """
 
     def __init__(self, host_slots: int, device_slots: int, *, proactive: bool = True,
                  host_reserve: int = 1):
-        if host_slots < 1 or device_slots < 1:
-            raise ValueError(f"{host_slots=} and {device_slots=} must be >= 1 chunk slots")
-        if not 0 <= host_reserve < host_slots:
-            raise ValueError(f"{host_reserve=} must be in [0, host_slots={host_slots})")
+        if host_slots < 2 or device_slots < 1:
+            raise ValueError(f"{host_slots=} must be >= 2 and {device_slots=} >= 1 chunk slots")
+        if not 1 <= host_reserve < host_slots:
+            # 0 would let requests without L1 fill L2 and deadlock against requests holding L1.
+            raise ValueError(f"{host_reserve=} must be in [1, host_slots={host_slots})")
         self.host = SlotPool("L2 host", host_slots)
         self.device = SlotPool("L1 device", device_slots)
         self.proactive = proactive

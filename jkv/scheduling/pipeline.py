@@ -90,6 +90,8 @@ class PipelineConfig:
                              "that own L1 space)")
         if self.device_slots < 1:
             raise ValueError(f"{self.device_slots=} must be >= 1")
+        if not 1 <= self.host_reserve < self.host_slots:
+            raise ValueError(f"{self.host_reserve=} must be in [1, host_slots); 0 can deadlock")
         if self.fetch_depth < 1 or self.upload_depth < 1:
             raise ValueError(f"{self.fetch_depth=} and {self.upload_depth=} must be >= 1")
 
@@ -124,16 +126,7 @@ class LoadingPipeline:
     def submit(self, request: PipelineRequest) -> concurrent.futures.Future:
         """Admit a request; the future resolves to a PipelineResult (or raises the stage error,
         or CancelledError). Raises ValueError if it can never fit, RuntimeError if closed."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        future.set_running_or_notify_cancel()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("pipeline is closed; create a new LoadingPipeline")
-            self._core.add(request, self.policy.key(request.info))
-            self._futures[request.request_id] = future
-            self._submitted[request.request_id] = time.monotonic()
-            self._cv.notify_all()
-        return future
+        return self.submit_many([request])[0]
 
     def submit_many(self, requests: Iterable[PipelineRequest]) -> list[concurrent.futures.Future]:
         """Admit a burst of requests atomically, so dispatchers see them all before choosing
