@@ -49,3 +49,23 @@ def pool_fetch(pool: KVPool, host_buffers: np.ndarray,
         return True
 
     return fetch
+
+
+def write_back(pool: KVPool, keys: Sequence[ChunkKey], chunks: np.ndarray,
+               first_chunk: int = 0) -> int:
+    """After prefill, store the chunks the pool lacks (prefill writes new chunks back).
+
+    keys: the prompt's chunk keys; chunks: [n, ...] KV of chunks first_chunk .. first_chunk+n-1
+    (one row per chunk, e.g. [n, L, 2, H_kv, C, D]). Returns how many chunks were written;
+    a dead or full pool writes fewer, which only costs future hits.
+    """
+    if first_chunk < 0 or first_chunk + len(chunks) > len(keys):
+        raise ValueError(f"chunks {first_chunk}..{first_chunk + len(chunks) - 1} are outside the "
+                         f"prompt's {len(keys)} chunk keys")
+    wanted = keys[first_chunk:first_chunk + len(chunks)]
+    present = pool.contains_many(wanted)
+    written = 0
+    for key, chunk, there in zip(wanted, chunks, present):
+        if not there:
+            written += pool.put(key, np.ascontiguousarray(chunk))
+    return written

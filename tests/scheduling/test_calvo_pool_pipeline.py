@@ -103,3 +103,18 @@ def test_simulator_makes_the_engines_scheduling_decisions():
                     if stage == "compute"]
     assert engine_order == sim_order
     assert sim_order != [i.request_id for i in infos]   # the policy actually reordered
+
+
+def test_write_back_stores_only_missing_chunks_and_then_they_load():
+    from jkv.scheduling.pool_stages import write_back
+    request = pooled_request("w", ctx=4, num_chunks=4, query=2)
+    keys = request.payload["keys"]
+    pool = HostKVPool(1 << 20)
+    assert run_with_pool(pool, [request]) == [0]               # cold pool: full recompute
+    pool.put(keys[1], chunk_data(4, 1))
+    computed = np.stack([chunk_data(4, i) for i in range(4)])  # [n, WIDTH] KV rows of prefill
+    assert write_back(pool, keys, computed) == 3
+    assert pool.stats().puts == 4
+    assert run_with_pool(pool, [request]) == [4]               # warm pool: everything loads
+    with pytest.raises(ValueError, match="outside"):
+        write_back(pool, keys, computed, first_chunk=1)
