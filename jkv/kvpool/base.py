@@ -1,0 +1,169 @@
+"""The L3 KV pool interface (CALVO §2.2: the remote CPU-DRAM prefix cache) and its metadata.
+
+A pool maps `ChunkKey` -> (payload bytes, `ChunkMeta`). Readers fetch many chunks at once into
+host buffers they preallocated (the L2 staging area), so a load costs one round trip and one
+copy per chunk. Every backend obeys one rule: a pool may *miss* (evicted, unreachable, corrupt)
+but must never return bytes that were not written under that key — a miss means "recompute",
+a wrong hit means wrong tokens. Payloads are verified by length and CRC32C against the metadata
+stored with them, and the metadata names its own key.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+from collections.abc import Sequence
+
+import crc32c
+import numpy as np
+
+from jkv.kvpool.hashing import ChunkKey, ChunkNamespace, chunk_keys
+
+Payload = bytes | bytearray | memoryview | np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkMeta:
+    """Describes one stored chunk. `shape`/`dtype` let a reader view its buffer as the KV array
+    (e.g. `[L, 2, H_kv, C, D]`); `nbytes` and `crc32c` verify the payload; `key_name` ties the
+    metadata to the key it was written under."""
+
+    key_name: str
+    nbytes: int
+    crc32c: int
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+    num_tokens: int = 0
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "ChunkMeta":
+        fields = json.loads(raw)
+        fields["shape"] = tuple(fields["shape"])
+        return cls(**fields)
+
+    def view(self, buffer: np.ndarray | memoryview | bytearray) -> np.ndarray:
+        """The first `nbytes` of `buffer` viewed as the stored array (`dtype`, `shape`)."""
+        flat = np.frombuffer(memoryview(buffer).cast("B")[:self.nbytes], dtype=np.uint8)
+        if not self.shape:
+            return flat
+        return flat.view(np.dtype(self.dtype)).reshape(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStats:
+    entries: int
+    bytes_used: int
+    capacity_bytes: int | None
+    hits: int
+    misses: int
+    puts: int
+    rejected_puts: int
+    evictions: int
+    errors: int
+
+
+def payload_view(payload: Payload) -> memoryview:
+    """A flat byte view of `payload` (no copy for bytes and C-contiguous arrays)."""
+    if isinstance(payload, np.ndarray):
+        if not payload.flags.c_contiguous:
+            raise ValueError(f"ndarray payload must be C-contiguous, got strides {payload.strides}; "
+                             "pass np.ascontiguousarray(x)")
+        return memoryview(payload.reshape(-1).view(np.uint8))
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return memoryview(payload).cast("B")
+    raise TypeError(f"payload must be bytes or a numpy array, got {type(payload).__name__}")
+
+
+def make_meta(key: ChunkKey, payload: Payload, num_tokens: int | None = None) -> ChunkMeta:
+    """Metadata for `payload` stored under `key` (shape/dtype recorded for ndarray payloads)."""
+    view = payload_view(payload)
+    shape = tuple(payload.shape) if isinstance(payload, np.ndarray) else ()
+    dtype = payload.dtype.name if isinstance(payload, np.ndarray) else "uint8"
+    return ChunkMeta(key_name=key.name, nbytes=view.nbytes, crc32c=crc32c.crc32c(view),
+                     dtype=dtype, shape=shape,
+                     num_tokens=key.namespace.chunk_tokens if num_tokens is None else num_tokens)
+
+
+def buffer_view(key: ChunkKey, buffer, index: int) -> memoryview:
+    """Writable flat byte view of a caller's preallocated buffer (ValueError if unusable)."""
+    if isinstance(buffer, np.ndarray):
+        if not buffer.flags.c_contiguous or not buffer.flags.writeable:
+            raise ValueError(f"buffers[{index}] for {key.name} must be a writeable C-contiguous "
+                             "array")
+        return memoryview(buffer.reshape(-1).view(np.uint8))
+    view = memoryview(buffer)
+    if view.readonly:
+        raise ValueError(f"buffers[{index}] for {key.name} is read-only; pass a bytearray or array")
+    return view.cast("B")
+
+
+def check_fits(key: ChunkKey, meta: ChunkMeta, view: memoryview, index: int) -> None:
+    if view.nbytes < meta.nbytes:
+        raise ValueError(f"buffers[{index}] holds {view.nbytes} bytes but {key.name} needs "
+                         f"{meta.nbytes}; allocate buffers of the chunk size")
+
+
+def verified(key: ChunkKey, meta: ChunkMeta, payload: memoryview) -> bool:
+    """True iff `payload` is exactly what was written under `key` (length, CRC32C, key name)."""
+    return (meta.key_name == key.name and meta.nbytes == payload.nbytes
+            and crc32c.crc32c(payload) == meta.crc32c)
+
+
+class KVPool(abc.ABC):
+    """L3 prefix-cache pool. Thread-safe: executors of the loading pipeline call it concurrently.
+
+    All methods degrade on backend failure rather than raise: reads miss, writes return False.
+    Caller errors (a buffer too small, a non-contiguous array) raise ValueError.
+    """
+
+    @abc.abstractmethod
+    def put(self, key: ChunkKey, payload: Payload, meta: ChunkMeta | None = None) -> bool:
+        """Store a chunk (payload copied). False if rejected (too big, pool unreachable)."""
+
+    @abc.abstractmethod
+    def get_many(self, keys: Sequence[ChunkKey],
+                 buffers: Sequence[np.ndarray | bytearray | memoryview]) -> list[ChunkMeta | None]:
+        """Copy each hit's payload into the front of buffers[i]; return its meta, or None on a miss.
+
+        buffers[i] must hold at least the stored payload (else ValueError naming the key).
+        """
+
+    @abc.abstractmethod
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Presence of each key (a hint: a later get may still miss after eviction)."""
+
+    @abc.abstractmethod
+    def delete(self, key: ChunkKey) -> bool:
+        """Remove a chunk; True if it was present."""
+
+    @abc.abstractmethod
+    def stats(self) -> PoolStats:
+        """Counters since creation plus current occupancy."""
+
+    def close(self) -> None:
+        """Release connections/memory. Idempotent."""
+
+    def contains(self, key: ChunkKey) -> bool:
+        return self.contains_many([key])[0]
+
+    def longest_prefix(self, tokens: Sequence[int] | np.ndarray, namespace: ChunkNamespace) -> int:
+        """Number of leading full chunks of `tokens` present in the pool (0 on a dead pool)."""
+        return self.longest_prefix_keys(chunk_keys(tokens, namespace))
+
+    def longest_prefix_keys(self, keys: Sequence[ChunkKey]) -> int:
+        hits = self.contains_many(keys)
+        count = 0
+        for present in hits:
+            if not present:
+                break
+            count += 1
+        return count
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,113 @@
+"""Binary linear cost model (CALVO §3.2) and the five ordering policies."""
+import math
+
+import numpy as np
+import pytest
+
+from jkv.scheduling import POLICY_NAMES, CostModel, RequestInfo, make_policy
+
+TRUE = CostModel(a=1.3e-5, b=4e-3, c=2.1e-4, d=1.5e-2)
+
+
+def synthetic_profile(seed=0, n=400, noise=2e-3):
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(0, 32_000, n)
+    ctx[:20] = 0                                   # full misses: no load at all
+    query = rng.integers(1, 2_000, n)
+    t_load = TRUE.t_load(ctx) + np.where(ctx > 0, rng.normal(0, noise, n), 0)
+    t_comp = TRUE.t_comp(query) + rng.normal(0, noise, n)
+    return ctx, query, t_load, t_comp
+
+
+def test_fit_recovers_known_coefficients_from_noisy_timings():
+    fitted = CostModel.fit(*synthetic_profile(), deployment="synthetic")
+    assert fitted.a == pytest.approx(TRUE.a, rel=0.02)
+    assert fitted.c == pytest.approx(TRUE.c, rel=0.02)
+    assert fitted.b == pytest.approx(TRUE.b, abs=1e-3)
+    assert fitted.d == pytest.approx(TRUE.d, abs=1e-3)
+
+
+def test_fit_total_recovers_slopes_and_joint_intercept():
+    ctx, query, t_load, t_comp = synthetic_profile(seed=1)
+    keep = ctx > 0
+    fitted = CostModel.fit_total(ctx[keep], query[keep], (t_load + t_comp)[keep])
+    assert fitted.a == pytest.approx(TRUE.a, rel=0.03)
+    assert fitted.c == pytest.approx(TRUE.c, rel=0.03)
+    assert fitted.b + fitted.d == pytest.approx(TRUE.b + TRUE.d, abs=2e-3)
+
+
+def test_cost_is_the_sum_of_both_lines_and_no_load_costs_nothing():
+    assert TRUE.cost(1000, 10) == pytest.approx(1.3e-2 + 4e-3 + 2.1e-3 + 1.5e-2)
+    assert TRUE.t_load(0) == 0.0
+    np.testing.assert_allclose(TRUE.cost(np.array([0, 1000]), np.array([10, 10])),
+                               [TRUE.t_comp(10), TRUE.cost(1000, 10)])
+
+
+def test_save_load_round_trip(tmp_path):
+    model = CostModel(1e-5, 2e-3, 3e-4, 4e-2, deployment="smollm2/cpu/1gbit")
+    model.save(tmp_path / "cost.json")
+    assert CostModel.load(tmp_path / "cost.json") == model
+    (tmp_path / "bad.json").write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="not a calvo-binary-linear"):
+        CostModel.load(tmp_path / "bad.json")
+
+
+def test_fit_errors_are_clear():
+    with pytest.raises(ValueError, match="distinct ctx_tokens"):
+        CostModel.fit([5, 5, 5], [1, 2, 3], [1, 1, 1], [1, 2, 3])
+    with pytest.raises(ValueError, match="differ in length"):
+        CostModel.fit([1, 2], [1, 2, 3], [1, 1], [1, 2])
+    with pytest.raises(ValueError, match="finite"):
+        CostModel(math.nan, 0, 0, 0)
+
+
+def info(rid, arrival, cached, compute, deadline=math.inf):
+    return RequestInfo(rid, arrival, cached, compute, deadline)
+
+
+def order(policy, requests):
+    return [r.request_id for r in sorted(requests, key=policy.key)]
+
+
+# The paper's §2.3.2 example: R1 arrives first, loads 0.361 s + computes 0.019 s; R2 loads
+# 0.199 s + computes 0.025 s. Cost model: 1e-5 s/ctx token, 1e-3 s/query token.
+PAPER = CostModel(a=1e-5, b=0.0, c=1e-3, d=0.0)
+R1 = info("R1", 0.0, cached=36_100, compute=19, deadline=10.0)
+R2 = info("R2", 0.1, cached=19_900, compute=25, deadline=9.0)
+
+
+def test_fifo_and_sjf_pt_are_blind_to_loading():
+    assert order(make_policy("fifo"), [R2, R1]) == ["R1", "R2"]
+    assert order(make_policy("sjf-pt"), [R2, R1]) == ["R1", "R2"]   # 19 < 25 query tokens
+
+
+def test_sjf_orders_by_modelled_cost():
+    assert order(make_policy("sjf", PAPER), [R1, R2]) == ["R2", "R1"]  # 0.224 s < 0.380 s
+    many = [info(i, float(i), cached=c, compute=q) for i, (c, q) in
+            enumerate([(30_000, 10), (0, 500), (10_000, 100), (20_000, 1)])]
+    costs = [PAPER.cost(r.cached_tokens, r.compute_tokens) for r in many]
+    assert order(make_policy("sjf", PAPER), many) == list(np.argsort(costs, kind="stable"))
+
+
+def test_edf_orders_by_deadline_and_lstf_by_slack():
+    # A: deadline 1.0, cost 0.9 -> slack 0.1; B: deadline 0.8, cost 0.1 -> slack 0.7.
+    a = info("A", 0.0, cached=90_000, compute=0, deadline=1.0)
+    b = info("B", 0.0, cached=10_000, compute=0, deadline=0.8)
+    assert order(make_policy("edf"), [a, b]) == ["B", "A"]
+    assert order(make_policy("lstf", PAPER), [a, b]) == ["A", "B"]
+    no_deadline = info("C", 0.0, cached=0, compute=1)
+    assert order(make_policy("edf"), [no_deadline, a]) == ["A", "C"]
+
+
+def test_ties_fall_back_to_arrival():
+    x, y = info("x", 2.0, 100, 10), info("y", 1.0, 100, 10)
+    for name in POLICY_NAMES:
+        assert order(make_policy(name, PAPER), [x, y]) == ["y", "x"]
+
+
+def test_policy_names_are_validated():
+    with pytest.raises(ValueError, match="valid: fifo, sjf-pt, sjf, edf, lstf"):
+        make_policy("round-robin")
+    with pytest.raises(ValueError, match="pass cost_model"):
+        make_policy("lstf")
+    assert make_policy("SJF_PT").name == "sjf-pt"
