@@ -85,6 +85,7 @@ class Connection:
         self._ops: collections.deque[Operation] = collections.deque()
         self._control: collections.deque[bytes] = collections.deque()
         self._pending: dict[int, Operation] = {}
+        self._inflight: Operation | None = None  # op whose frames the sender is writing
         self._seq_tx = 0
         self._seq_rx = 0
         self._ping_queued = False
@@ -132,6 +133,8 @@ class Connection:
                 text = farewell.encode()[:_MAX_ERROR_TEXT]
                 self._farewell = (Header(Op.ERROR, 0, 0, 0, 0, len(text), 0, crc32c(text)), text)
             ops = list(self._ops) + list(self._pending.values())
+            if self._inflight is not None:
+                ops.append(self._inflight)
             self._ops.clear()
             self._pending.clear()
             self._cond.notify_all()
@@ -166,7 +169,8 @@ class Connection:
                 if op.transfer.deadline is not None and now > op.transfer.deadline:
                     del self._pending[seq]
                     expired.append(op)
-            expired += [op for op in self._ops
+            candidates = list(self._ops) + ([self._inflight] if self._inflight else [])
+            expired += [op for op in candidates
                         if op.transfer.deadline is not None and now > op.transfer.deadline]
         for op in expired:
             t = op.transfer
@@ -192,9 +196,12 @@ class Connection:
                     if self.failed is not None:
                         break
                     op = self._ops.popleft() if self._ops else None
+                    self._inflight = op
                 self._flush_control()
                 if op is not None:
                     self._send_op(op)
+                    with self._cond:
+                        self._inflight = None
             if self._farewell is not None:
                 self.sock.settimeout(1.0)
                 self._send_frame(*self._farewell, paced=False)
