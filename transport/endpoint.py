@@ -46,7 +46,7 @@ from transport.connection import Connection, Frame, Operation
 from transport.errors import AuthError, OpTimeout, TransportError
 from transport.metrics import Metrics
 from transport.pacing import TokenBucket
-from transport.peer import REGIONS_METHOD, Peer
+from transport.peer import RDMA_QP_METHOD, RDMA_REGIONS_METHOD, REGIONS_METHOD, Peer
 from transport.region import Region, RegionTable, as_byte_view
 from transport.shm import ShmRing
 from transport.transfer import Transfer
@@ -94,7 +94,8 @@ class Endpoint:
     def __init__(self, name: str, backend: str = "tcp", *, secret: bytes | str,
                  bandwidth: str | float | None = None, timeout: float = 5.0,
                  heartbeat: float | None = None, op_timeout: float | None = 60.0,
-                 max_message: int = 256 << 20, rpc_workers: int = 4, ring_bytes: int = 32 << 20):
+                 max_message: int = 256 << 20, rpc_workers: int = 4, ring_bytes: int = 32 << 20,
+                 rdma_device=None):
         if not isinstance(name, str) or not name or len(name.encode()) > 200:
             raise ValueError(f"endpoint name {name!r} must be a non-empty string (<= 200 bytes)")
         if backend not in BACKENDS:
@@ -122,7 +123,13 @@ class Endpoint:
         self.rdma = None
         if backend == "rdma":
             from transport.rdma import open_device
-            self.rdma = open_device()  # raises BackendUnavailable with the fix on this machine
+            # raises BackendUnavailable naming the fix (--transport tcp) on machines without RDMA
+            self.rdma = rdma_device if rdma_device is not None else open_device()
+        elif rdma_device is not None:
+            raise ValueError(f"rdma_device is only used with backend='rdma', not {backend!r}")
+        self._mr: dict[int, object] = {}  # rdma: region id -> MemoryKeys
+        self._rdma_out: dict[str, object] = {}  # rdma: peer name -> RdmaChannel we write through
+        self._rdma_in: dict[str, object] = {}  # rdma: peer name -> passive QP the peer writes through
         self.regions = RegionTable()
         self.metrics = Metrics()
         self.pacer = TokenBucket(bandwidth) if bandwidth is not None else None
@@ -146,6 +153,11 @@ class Endpoint:
                                             name=f"jkvt-notify-{name}")
         self._watchdog.start()
         self._dispatcher.start()
+        self._rdma_poller = None
+        if self.rdma is not None:
+            self._rdma_poller = threading.Thread(target=self._poll_rdma, daemon=True,
+                                                 name=f"jkvt-rdma-{name}")
+            self._rdma_poller.start()
 
     def __repr__(self) -> str:
         return f"<Endpoint {self.name!r} {self.backend} at {self.address}>"
@@ -158,12 +170,25 @@ class Endpoint:
 
     # ------------------------------------------------------------------ regions / handlers
     def register(self, name: str, array) -> Region:
-        """Expose a writable C-contiguous buffer to authenticated peers under ``name``."""
-        return self.regions.register(name, array)
+        """Expose a writable C-contiguous buffer to authenticated peers under ``name``
+        (rdma: also registers it with the NIC)."""
+        region = self.regions.register(name, array)
+        if self.rdma is not None:
+            from transport.rdma import buffer_address
+            try:
+                self._mr[region.id] = self.rdma.register(buffer_address(region.view), region.nbytes)
+            except Exception:
+                self.regions.unregister(name)
+                raise
+        return region
 
     def unregister(self, name: str) -> None:
         """Stop accepting writes into ``name``; frames aimed at it are rejected from now on."""
+        region = self.regions.by_name(name)
         self.regions.unregister(name)
+        keys = self._mr.pop(region.id, None)
+        if keys is not None:
+            self.rdma.deregister(keys)
 
     def serve(self, method: str, handler: Handler) -> None:
         """Answer ``call(method, payload)``: ``handler(peer_name, payload) -> bytes-like``.
@@ -338,6 +363,74 @@ class Endpoint:
             p = self._peers.get(conn.peer_name)
             if p is not None and p._conn is conn:
                 del self._peers[conn.peer_name]
+            channel = self._rdma_out.pop(conn.peer_name, None)
+            passive = self._rdma_in.pop(conn.peer_name, None)
+        if channel is not None:  # the control channel is the liveness signal for RDMA too
+            channel.fail(error)
+            channel.close()
+        if passive is not None:
+            passive.close()
+
+    # ------------------------------------------------------------------ rdma control plane
+    def _rdma_control(self, peer_name: str, method: str, payload: memoryview) -> bytes:
+        import json
+        if method == RDMA_REGIONS_METHOD:
+            table = []
+            for rid, keys in list(self._mr.items()):
+                region = self.regions.by_id(rid)
+                if region is not None:
+                    table.append([region.name, rid, region.nbytes, keys.addr, keys.rkey])
+            return json.dumps(table).encode()
+        qp = self.rdma.create_qp()  # RDMA_QP_METHOD: the peer asks for a QP to write through
+        qp.connect(bytes(payload))
+        with self._lock:
+            old = self._rdma_in.pop(peer_name, None)
+            self._rdma_in[peer_name] = qp
+        if old is not None:
+            old.close()
+        return qp.local_info()
+
+    def _rdma_channel(self, peer: Peer):
+        """The channel this endpoint writes to ``peer`` through (QP set up on first use)."""
+        from transport.rdma import RdmaChannel
+        with self._lock:
+            channel = self._rdma_out.get(peer.name)
+        if channel is not None:
+            return channel
+        qp = self.rdma.create_qp()
+        try:
+            qp.connect(bytes(peer.call(RDMA_QP_METHOD, qp.local_info())))
+        except Exception:
+            qp.close()
+            raise
+        channel = RdmaChannel(self.rdma, qp, peer.name, self._local_keys)
+        with self._lock:
+            existing = self._rdma_out.setdefault(peer.name, channel)
+        if existing is not channel:
+            channel.close()
+        return existing
+
+    def _local_keys(self, addr: int, nbytes: int):
+        for keys in list(self._mr.values()):
+            if keys.addr <= addr and addr + nbytes <= keys.addr + keys.nbytes:
+                return keys
+        return None
+
+    def _poll_rdma(self) -> None:
+        while not self._closed.is_set():
+            with self._lock:
+                channels = list(self._rdma_out.values())
+            completed = 0
+            now = time.monotonic()
+            for ch in channels:
+                try:
+                    completed += ch.poll()
+                except Exception as e:  # a broken CQ fails that peer's transfers, not the loop
+                    log.warning("polling RDMA completions for %r failed: %s", ch.peer_name, e)
+                    ch.fail(TransportError(f"RDMA completion polling failed: {e}"))
+                ch.expire(now)
+            if not completed:
+                self._closed.wait(0.0002)
 
     def _connection_closed(self, conn: Connection) -> None:
         with self._lock:
@@ -359,6 +452,8 @@ class Endpoint:
         try:
             if method == REGIONS_METHOD:
                 result = self.regions.encode()
+            elif method in (RDMA_REGIONS_METHOD, RDMA_QP_METHOD) and self.rdma is not None:
+                result = self._rdma_control(conn.peer_name, method, payload)
             else:
                 handler = self._handlers.get(method)
                 if handler is None:
@@ -431,5 +526,13 @@ class Endpoint:
             executor.shutdown(wait=True, cancel_futures=True)
         self._notify_q.put(None)
         self._dispatcher.join()
-        if self.rdma is not None:
+        if self._rdma_poller is not None:
+            self._rdma_poller.join()
+            for item in list(self._rdma_out.values()) + list(self._rdma_in.values()):
+                item.close()
+            self._rdma_out.clear()
+            self._rdma_in.clear()
+            for keys in self._mr.values():
+                self.rdma.deregister(keys)
+            self._mr.clear()
             self.rdma.close()

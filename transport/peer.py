@@ -12,6 +12,7 @@ order — this is the ordering guarantee ``then=`` relies on.
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Iterable, NamedTuple
@@ -23,6 +24,8 @@ from transport.transfer import Transfer
 from transport.wire import Op, pack_named
 
 REGIONS_METHOD = "_jkv.regions"
+RDMA_REGIONS_METHOD = "_jkv.rdma_regions"
+RDMA_QP_METHOD = "_jkv.rdma_qp"
 
 
 class Mask(NamedTuple):
@@ -63,11 +66,17 @@ class Peer:
 
     # ------------------------------------------------------------------ regions
     def regions(self, refresh: bool = False, timeout: float | None = None) -> dict[str, RemoteRegion]:
-        """The peer's registered regions by name (fetched over RPC, cached)."""
+        """The peer's registered regions by name (fetched over RPC, cached; with rdma also
+        their NIC address and rkey)."""
         with self._lock:
             if self._remote and not refresh:
                 return dict(self._remote)
-        table = decode_region_table(self.call(REGIONS_METHOD, b"", timeout=timeout))
+        if self.endpoint.rdma is not None:
+            rows = json.loads(bytes(self.call(RDMA_REGIONS_METHOD, b"", timeout=timeout)))
+            table = {name: RemoteRegion(name, rid, nbytes, addr, rkey)
+                     for name, rid, nbytes, addr, rkey in rows}
+        else:
+            table = decode_region_table(self.call(REGIONS_METHOD, b"", timeout=timeout))
         with self._lock:
             self._remote = table
         return dict(table)
@@ -124,15 +133,50 @@ class Peer:
     def write_many(self, items: Iterable[WriteItem | tuple], *, timeout: float | None = None) -> Transfer:
         """Several writes (e.g. one layer's blocks, each with its mask) as one transfer. Applied
         in order; each mask right after its own block, so early blocks become usable early."""
+        items = [WriteItem(*item) for item in items]
+        if not items:
+            raise ValueError("write_many needs at least one item")
+        if self.endpoint.rdma is not None:
+            return self._rdma_write_many(items, timeout)
         frames, nbytes = [], 0
         for item in items:
-            f, n = self._write_frames(WriteItem(*item))
+            f, n = self._write_frames(item)
             frames += f
             nbytes += n
-        if not frames:
-            raise ValueError("write_many needs at least one item")
         t = Transfer("write", self.name, nbytes, self._deadline(timeout))
         return self._conn.submit(Operation(t, frames, "ack"))
+
+    def _rdma_write_many(self, items: list[WriteItem], timeout: float | None) -> Transfer:
+        planned, nbytes = [], 0
+        for region, offset, data, then in items:
+            view = as_byte_view(data, what="write data")
+            self._check_fits(region, offset, len(view), "write")
+            mask = None
+            if then is not None:
+                mregion, moff, value = Mask(*then)
+                mview = as_byte_view(bytes([value]) if isinstance(value, int) else value,
+                                     what="mask value")
+                self._check_fits(mregion, moff, len(mview), "mask write")
+                mask = (mregion, moff, mview)
+                nbytes += len(mview)
+            planned.append((region, offset, view, mask))
+            nbytes += len(view)
+        channel = self.endpoint._rdma_channel(self)
+        t = Transfer("write", self.name, nbytes, self._deadline(timeout))
+        metrics = self.endpoint.metrics
+        metrics.begin("tx", "write")
+        t.add_done_callback(lambda tr: metrics.end("tx", "write", tr.nbytes, tr.error is None))
+        try:
+            channel.post_writes(planned, self.regions(), t)
+        except TransportError as e:
+            t.fail(e)
+        return t
+
+    def _check_fits(self, region: str, offset: int, length: int, what: str) -> None:
+        r = self._region(region)
+        if offset < 0 or offset + length > r.nbytes:
+            raise ValueError(f"{what} of {length} bytes at offset={offset} does not fit peer "
+                             f"{self.name!r} region {region!r} of {r.nbytes} bytes")
 
     def call_async(self, method: str, payload=b"", *, timeout: float | None = None,
                    into=None) -> Transfer:

@@ -111,6 +111,8 @@ class RemoteRegion:
     name: str
     id: int
     nbytes: int
+    addr: int = 0  # rdma only: virtual address and rkey of the remote memory region
+    rkey: int = 0
 
 
 def decode_region_table(data) -> dict[str, RemoteRegion]:

@@ -75,6 +75,11 @@ def _paced_rate(make_endpoint, backend, peer_bw=None, endpoint_bw=None, seconds=
 @pytest.mark.parametrize("backend, bw", [("tcp", "100mbit"), ("tcp", "2gbit"), ("shm", "1gbit")])
 def test_pacing_accuracy_one_second(make_endpoint, backend, bw):
     achieved, target = _paced_rate(make_endpoint, backend, peer_bw=bw)
+    if achieved < 0.95 * target:
+        # Undershoot means this (shared, 2-core) machine starved the sender for longer than
+        # the bucket's 20 ms credit cap; measure once more. Overshoot is never retried: it
+        # would be a pacer bug.
+        achieved, target = _paced_rate(make_endpoint, backend, peer_bw=bw)
     assert achieved == pytest.approx(target, rel=0.05), f"{achieved / 1e6:.1f} Mbit/s vs {bw}"
 
 
