@@ -137,10 +137,11 @@ def _select_kernel(valid_ref, scores_ref, idx_out_ref, key_out_ref, *, k: int, l
     lax.fori_loop(take // SEL_CHUNK, pl.cdiv(k, SEL_CHUNK), fill, 0)
 
 
-def _sort_pass_kernel(idx_ref, key_ref, idx_out_ref, key_out_ref, *, shift: int):
-    # idx_ref / key_ref / outs: i32[k] (row r). Stable counting sort by one digit of the key,
-    # descending: digit of ~key in unsigned order.
+def _sort_pass_kernel(shift_ref, idx_ref, key_ref, idx_out_ref, key_out_ref):
+    # shift_ref: i32[1] (the digit's bit offset), idx_ref / key_ref / outs: i32[k] (row r).
+    # Stable counting sort by one digit of the key, descending: digit of ~key in unsigned order.
     k = idx_ref.shape[0]
+    shift = shift_ref[0]
     lanes = jnp.arange(SEL_CHUNK, dtype=jnp.int32)
     digits = jnp.arange(NUM_BUCKETS, dtype=jnp.int32)
     num_chunks = pl.cdiv(k, SEL_CHUNK)
@@ -198,17 +199,26 @@ def topk_select_pallas(
         interpret=interpret,
         name="topk_select",
     )(valid_len, scores)
-    for shift in range(low_bits, 32, RADIX_BITS):
-        idx, key = pl.pallas_call(
-            functools.partial(_sort_pass_kernel, shift=shift),
-            grid=(rows,),
-            in_specs=[row_spec, row_spec],
-            out_specs=[row_spec, row_spec],
-            out_shape=[sel_shape, sel_shape],
-            compiler_params=compiler_params(num_warps=4),
-            interpret=interpret,
-            name=f"topk_sort_pass{shift}",
-        )(idx, key)
+    sort_pass = pl.pallas_call(
+        _sort_pass_kernel,
+        grid=(rows,),
+        in_specs=[pl.no_block_spec, row_spec, row_spec],
+        out_specs=[row_spec, row_spec],
+        out_shape=[sel_shape, sel_shape],
+        compiler_params=compiler_params(num_warps=4),
+        interpret=interpret,
+        name="topk_sort_pass",
+    )
+    shifts = range(low_bits, 32, RADIX_BITS)
+    if interpret:  # one traced pass in a loop: interpret-mode compile time grows per launch
+        def body(p, carry):
+            shift = jnp.full((1,), low_bits + RADIX_BITS * p, jnp.int32)
+            return tuple(sort_pass(shift, *carry))
+
+        idx, key = lax.fori_loop(0, len(shifts), body, (idx, key))
+    else:  # unrolled launches: a device while loop would sync with the host every pass
+        for shift in shifts:
+            idx, key = sort_pass(jnp.full((1,), shift, jnp.int32), idx, key)
     return idx
 
 
