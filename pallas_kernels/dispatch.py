@@ -13,8 +13,9 @@
 Backends: "pallas" (compiled Pallas Triton kernels; GPU only), "interpret" (the same kernels in
 Pallas interpret mode; for tests on CPU, slow), "xla" (the pure-jnp references, which XLA compiles
 well on CPU), "auto" (pallas when JAX's default backend is a GPU, else xla; the default). The
-choice is read when an op is traced, so set it before jitting callers: `set_backend(name)` or
-`with backend(name): ...` (a context manager that restores the previous choice).
+choice is read when an op is traced, and `jax.jit` caches traces per function, so a caller jitted
+before a switch keeps its old backend: choose once at startup with `set_backend(name)`; tests use
+`with backend(name): ...` (restores the previous choice) around freshly jitted functions.
 
 Shapes are validated here, once, with errors that name the value; the kernel modules assume them.
 """
