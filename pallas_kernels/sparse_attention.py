@@ -33,6 +33,11 @@ _MIN_GROUP = 16  # Triton dots need every dimension >= 16: the query group is pa
 _M_INIT = -1e30  # finite start for the running max: exp(-inf - -inf) would be NaN
 
 
+def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    # HIGHEST: f32 operands stay IEEE f32 on the GPU (the Triton default would round them to TF32).
+    return jnp.dot(a, b, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
 def _attention_kernel(
     valid_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, scale: float, split_len: int
 ):
@@ -54,15 +59,13 @@ def _attention_kernel(
         # Masked loads: slots past valid_count may hold NaN; they must not reach a dot (0 * NaN).
         keys = plgpu.load(k_ref.at[block], mask=live[:, None], other=0.0)
         values = plgpu.load(v_ref.at[block], mask=live[:, None], other=0.0)
-        logits = jnp.dot(q, keys.T, preferred_element_type=jnp.float32) * scale  # [G_pad, BLOCK_K]
+        logits = _dot(q, keys.T) * scale  # [G_pad, BLOCK_K]
         logits = jnp.where(live[None, :], logits, -jnp.inf)
         m_next = jnp.maximum(m, jnp.max(logits, axis=1))
         correction = jnp.exp(m - m_next)
         p = jnp.exp(logits - m_next[:, None])
         l_next = correction * l + jnp.sum(p, axis=1)
-        o_next = correction[:, None] * o + jnp.dot(
-            p.astype(values.dtype), values, preferred_element_type=jnp.float32
-        )
+        o_next = correction[:, None] * o + _dot(p.astype(values.dtype), values)
         return o_next, m_next, l_next
 
     init = (
@@ -171,11 +174,11 @@ def sparse_decode_attention_partials_reference(
     keys = jnp.where(valid[..., None], k_sel.astype(jnp.float32), 0.0)
     values = jnp.where(valid[..., None], v_sel.astype(jnp.float32), 0.0)
     q_rows = q.reshape(rows, group, head_dim).astype(jnp.float32)
-    logits = jnp.einsum("rgd,rkd->rgk", q_rows, keys) * scale
+    logits = jnp.einsum("rgd,rkd->rgk", q_rows, keys, precision=lax.Precision.HIGHEST) * scale
     logits = jnp.where(valid[:, None, :], logits, -jnp.inf)
     lse = jax.nn.logsumexp(logits, axis=-1)  # -inf for empty rows
     probs = jnp.where(valid[:, None, :], jnp.exp(logits - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
-    out = jnp.einsum("rgk,rkd->rgd", probs, values)
+    out = jnp.einsum("rgk,rkd->rgd", probs, values, precision=lax.Precision.HIGHEST)
     return out.reshape(batch, heads, head_dim), lse.reshape(batch, heads)
 
 

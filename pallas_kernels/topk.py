@@ -304,7 +304,10 @@ def topk_select_reference(
 def partial_scores_reference(q_partial: jax.Array, k_partial: jax.Array) -> jax.Array:
     """f32[R, N] = sum over the G query heads of q_partial[r, g] · k_partial[r, n]."""
     return jnp.einsum(
-        "rgd,rnd->rn", q_partial.astype(jnp.float32), k_partial.astype(jnp.float32)
+        "rgd,rnd->rn",
+        q_partial.astype(jnp.float32),
+        k_partial.astype(jnp.float32),
+        precision=lax.Precision.HIGHEST,
     )
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import dispatch
+from pallas_kernels.topk import topk_select_reference
 
 from .helpers import INTERPRET
 
@@ -159,3 +160,19 @@ def test_attention_output_keeps_query_dtype():
     )
     with dispatch.backend("xla"):
         assert dispatch.sparse_decode_attention(*args).dtype == jnp.bfloat16
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU with a CUDA jax")
+def test_auto_runs_compiled_kernels_on_gpu():
+    dispatch.set_backend("auto")
+    assert dispatch.resolved_backend() == "pallas"
+    scores = jnp.asarray(np.random.default_rng(0).standard_normal((4, 5000)), jnp.bfloat16)
+    valid_len = jnp.asarray([5000, 17, 0, 4097], jnp.int32)
+    select = jax.jit(functools.partial(dispatch.topk_select, k=1000))
+    assert "pallas_call" in str(select.trace(scores, valid_len).jaxpr)
+    got = select(scores, valid_len)
+    assert got.devices().pop().platform == "gpu"
+    np.testing.assert_array_equal(
+        np.asarray(got), np.asarray(topk_select_reference(scores, valid_len, 1000))
+    )
