@@ -9,7 +9,7 @@ if KERNEL_MODE not in ("interpret", "compiled"):
 INTERPRET = KERNEL_MODE == "interpret"
 
 # Hypothesis: every new shape recompiles the interpreted kernels (~1-2 s), so few examples.
-HYPOTHESIS_SETTINGS = dict(max_examples=6, deadline=None, derandomize=True)
+HYPOTHESIS_SETTINGS = dict(max_examples=4, deadline=None, derandomize=True)
 
 
 def poison_beyond(array: np.ndarray, lengths: np.ndarray, value: float = np.nan) -> np.ndarray:

@@ -95,7 +95,7 @@ def test_random_shapes_match_reference(data):
     _assert_topk(jnp.asarray(poison_beyond(scores, valid_len), dtype), valid_len, k)
 
 
-@pytest.mark.parametrize("group,k_dtype", [(1, jnp.float32), (3, jnp.bfloat16), (7, jnp.float32)])
+@pytest.mark.parametrize("group,k_dtype", [(1, jnp.bfloat16), (7, jnp.float32)])
 def test_fused_matches_reference(group, k_dtype):
     rng = np.random.default_rng(group)
     rows, n, d_p, k = 3, 700, 19, 100  # d_p = 0.3 * 64 rounded: not a power of two
