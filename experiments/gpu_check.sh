@@ -24,4 +24,4 @@ JKV_KERNEL_MODE=compiled XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 170 \
     "$PYTHON" -m pytest tests/kernels -q -x -p no:cacheprovider
 
 echo "# 2/2 micro-benchmark"
-XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 60 "$PYTHON" experiments/bench_kernels.py --device gpu
+XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 70 "$PYTHON" experiments/bench_kernels.py --device gpu

@@ -119,8 +119,8 @@ def topk_select(scores: jax.Array, valid_len: jax.Array, k: int) -> jax.Array:
     """Indices i32[R, k] of the k largest scores[r, :valid_len[r]], score descending, ties by
     lower index; slots past min(k, valid_len[r]) are -1. scores: f32|bf16[R, N]."""
     _check_k(k)
-    if scores.ndim != 2:
-        raise ValueError(f"{scores.shape=} must be [R, N]")
+    if scores.ndim != 2 or 0 in scores.shape:
+        raise ValueError(f"{scores.shape=} must be [R, N] with R, N >= 1")
     _check_lengths("valid_len", valid_len, scores.shape[0])
     interpret = _kernel_mode()
     if interpret is None:
@@ -134,7 +134,7 @@ def topk_select_fused(
     """topk_select of InfiniGen scores sum_g q_partial[r, g] · k_partial[r, n].
     q_partial: [R, G, d_p], k_partial: [R, N, d_p] -> i32[R, k]."""
     _check_k(k)
-    if q_partial.ndim != 3 or k_partial.ndim != 3:
+    if q_partial.ndim != 3 or k_partial.ndim != 3 or 0 in k_partial.shape:
         raise ValueError(f"{q_partial.shape=} must be [R, G, d_p], {k_partial.shape=} [R, N, d_p]")
     if q_partial.shape[0] != k_partial.shape[0] or q_partial.shape[2] != k_partial.shape[2]:
         raise ValueError(f"{q_partial.shape=} and {k_partial.shape=} disagree on R or d_p")

@@ -88,6 +88,8 @@ def _default_splits(rows: int, k: int) -> int:
 def _check_shapes(q, k_sel, v_sel, valid_count):
     batch, heads, head_dim = q.shape
     rows, k, d_k = k_sel.shape
+    if k == 0 or batch == 0:
+        raise ValueError(f"{k_sel.shape=} and {q.shape=} must have k >= 1 and B >= 1")
     if v_sel.shape != k_sel.shape:
         raise ValueError(f"{v_sel.shape=} must equal {k_sel.shape=}")
     if d_k != head_dim:

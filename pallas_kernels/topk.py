@@ -195,7 +195,7 @@ def topk_select_pallas(
         in_specs=[pl.no_block_spec, pl.BlockSpec((None, n), lambda r: (r, 0))],
         out_specs=[row_spec, row_spec],
         out_shape=[sel_shape, sel_shape],
-        compiler_params=compiler_params(num_warps=4),
+        compiler_params=compiler_params(num_warps=8),  # [ROW_CHUNK, 16] compare tiles
         interpret=interpret,
         name="topk_select",
     )(valid_len, scores)

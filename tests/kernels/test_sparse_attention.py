@@ -128,3 +128,10 @@ def test_random_shapes(data):
     valid_count = rng.integers(0, k + 1, batch * kv_heads)
     args = _inputs(rng, batch, kv_heads, group, k, head_dim, valid_count, dtype)
     _assert_close(_kernel(*args), _reference(*args), dtype)
+
+
+def test_128k_token_row():
+    rng = np.random.default_rng(14)
+    k = 26_215  # 20% of a 128K-token row
+    args = _inputs(rng, 1, 1, 1, k, 16, np.array([k - 100]), jnp.float32)
+    _assert_close(_kernel(*args), _reference(*args), jnp.float32)

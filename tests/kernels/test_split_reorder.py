@@ -86,3 +86,12 @@ def test_random_shapes(data):
     kv_index = rng.integers(-1, n, (batch * heads_per_batch, k)).astype(np.int32)
     got = _assert_matches(kv_index, kv_mask, heads_per_batch)
     _check_invariants(kv_index, kv_mask, heads_per_batch, *got)
+
+
+def test_128k_token_rows():
+    rng = np.random.default_rng(5)
+    n, k = 131_072, 26_215
+    kv_mask = rng.integers(0, 3, (1, n)).astype(np.int8)
+    kv_index = rng.permutation(n)[: 2 * k].reshape(2, k).astype(np.int32)  # 2 KV heads
+    kv_index[1, -1000:] = -1
+    _assert_matches(kv_index, kv_mask, 2)

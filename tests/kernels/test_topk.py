@@ -117,3 +117,10 @@ def test_partial_scores_match_reference_on_floats():
     got = topk.partial_scores_pallas(q_partial, k_partial, interpret=INTERPRET)
     want = topk.partial_scores_reference(q_partial, k_partial)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_128k_token_row():
+    rng = np.random.default_rng(4)
+    n, k = 131_072, 26_215  # the longest rows the engine serves; k = 20%
+    scores = poison_beyond(rng.standard_normal((1, n)).astype(np.float32), [n - 5])
+    _assert_topk(jnp.asarray(scores, jnp.bfloat16), np.array([n - 5]), k)
