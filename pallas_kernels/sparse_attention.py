@@ -86,6 +86,8 @@ def _default_splits(rows: int, k: int) -> int:
 
 
 def _check_shapes(q, k_sel, v_sel, valid_count):
+    if q.ndim != 3 or k_sel.ndim != 3:
+        raise ValueError(f"{q.shape=} must be [B, H, D] and {k_sel.shape=} [B*H_kv, k, D]")
     batch, heads, head_dim = q.shape
     rows, k, d_k = k_sel.shape
     if k == 0 or batch == 0:

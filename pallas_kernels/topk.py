@@ -21,7 +21,7 @@ bf16 scores have 16 significant key bits, so they need half the passes of f32.
 
 `topk_scores_kernel` computes InfiniGen-style scores (sum over the G query heads of q_p · K_p^T)
 for `topk_select_fused`; its output feeds the select. It is a separate launch because the select
-reads each row ~5-9 times: recomputing q·K_p in every pass would re-read d_p times more bytes.
+reads each row 6-10 times: recomputing q·K_p in every pass would re-read d_p times more bytes.
 """
 from __future__ import annotations
 
