@@ -137,7 +137,7 @@ def recall_at_k(projection: np.ndarray, calibration: Calibration, top_ratio: flo
     queries, keys = queries[jnp.asarray(chosen)], keys[jnp.asarray(chosen)]
     bits = w.shape[-1]
 
-    def head(w, q, K):
+    def head(w, q, K, positions):
         target, valid = exact_topk_mask(q, positions, K, top_ratio)
         codes_q = hash_codes(q[:, None, :], w[None])[:, 0]  # [Q, W]
         codes_k = hash_codes(K[:, None, :], w[None])[:, 0]  # [N, W]
@@ -146,7 +146,8 @@ def recall_at_k(projection: np.ndarray, calibration: Calibration, top_ratio: flo
         found, _ = topk_mask(similarity - 0.5 * jnp.arange(K.shape[0]) / K.shape[0], positions, top_ratio)
         return ((found & target).sum(1) / target.sum(1)).mean()
 
-    return float(jax.jit(jax.vmap(jax.vmap(head)))(w, queries, keys).mean())
+    per_head = jax.vmap(jax.vmap(head, in_axes=(0, 0, 0, None)), in_axes=(0, 0, 0, None))
+    return float(jax.jit(per_head)(w, queries, keys, positions).mean())
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
