@@ -21,7 +21,7 @@ from jkv.eval.tasks import TASKS
 from jkv.selection import get_selector
 from jkv.selection.calibration import calibration_tokens, collect_calibration
 from jkv.selection.simple import Dense
-from jkv.selection.sparse_decode import decode, prefill_to_host
+from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def evaluate(model, config: EvalConfig, selectors=None, progress: bool = True) -
         else:
             sample = TASKS[task](tokenizer, length, index, seed=config.seed)
             prompt, max_tokens, forced = sample.prompt, sample.max_tokens, None
-        host = prefill_to_host(model, [prompt], len(prompt) + max_tokens)
+        host = prefill_to_host(model, [prompt], pool_capacity([prompt], max_tokens))
         runs = [("dense", 1.0, Dense())] + [(n, r, s) for (n, r), s in selectors.items()]
         dense_logits = None
         for name, ratio, selector in runs:

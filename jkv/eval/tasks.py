@@ -90,7 +90,7 @@ def passkey(tokenizer, length: int, index: int, seed: int = 0) -> Sample:
         return ("There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it.\n\n"
                 + _with_needles(n, [(depth, needle)]) + "\n\n" + question)
 
-    return Sample("passkey", _fit(tokenizer, build, length), key, 8, _contains(key))
+    return Sample("passkey", _fit(tokenizer, build, length), key, 16, _contains(key))
 
 
 def passkey_multi(tokenizer, length: int, index: int, seed: int = 0, num_needles: int = 4) -> Sample:
@@ -105,7 +105,7 @@ def passkey_multi(tokenizer, length: int, index: int, seed: int = 0, num_needles
         return ("Some special magic numbers are hidden inside the following text. Memorize them.\n\n"
                 + _with_needles(n, needles) + "\n\n" + question)
 
-    return Sample("passkey_multi", _fit(tokenizer, build, length), values[target], 12, _contains(values[target]))
+    return Sample("passkey_multi", _fit(tokenizer, build, length), values[target], 20, _contains(values[target]))
 
 
 def kv_retrieval(tokenizer, length: int, index: int, seed: int = 0) -> Sample:
@@ -131,7 +131,7 @@ def kv_retrieval(tokenizer, length: int, index: int, seed: int = 0) -> Sample:
         if abs(len(tokens) - length) <= per_pair:
             break
         count = max(2, count - (len(tokens) - length) // per_pair)
-    return Sample("kv_retrieval", tokens, value, 14, _contains(value))
+    return Sample("kv_retrieval", tokens, value, 24, _contains(value))
 
 
 def variable_tracking(tokenizer, length: int, index: int, seed: int = 0, hops: int = 4) -> Sample:

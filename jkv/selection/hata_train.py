@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import math
 
@@ -32,6 +33,7 @@ class HATATrainConfig:
     learning_rate: float = 5e-3
     top_ratio: float = 0.2  # label: the exact top 20% (SmartGen's max selection ratio)
     balance_weight: float = 0.1
+    key_sample: int = 384  # keys per step, drawn at random (0 = all): cost and regularization
     seed: int = 0
 
     def __post_init__(self):
@@ -39,6 +41,8 @@ class HATATrainConfig:
             raise ValueError(f"bits={self.bits} must be a positive multiple of 32")
         if self.train_steps < 1:
             raise ValueError(f"train_steps={self.train_steps} must be >= 1")
+        if self.key_sample < 0:
+            raise ValueError(f"key_sample={self.key_sample} must be >= 0 (0 uses every key)")
         if not 0 < self.top_ratio <= 1:
             raise ValueError(f"top_ratio={self.top_ratio} must be in (0, 1]")
 
@@ -82,45 +86,52 @@ def init_projection(calibration: Calibration, bits: int, seed: int) -> np.ndarra
     return (w / np.maximum(scale, 1e-6)[:, :, None, None]).astype(np.float32)
 
 
-def _head_loss(w, log_beta, q, positions, K, target, valid, balance_weight):
+def _head_loss(w, log_beta, q, positions, K, config):
+    """Listwise loss of one KV head. q: [Q, D], positions: i32[Q] (index of each query's last
+    visible key in K), K: [n, D], w: [D, bits]."""
+    target, valid = exact_topk_mask(q, positions, K, config.top_ratio)
     bits = w.shape[-1]
     code_q, code_k = jnp.tanh(q @ w), jnp.tanh(K @ w)
-    similarity = code_q @ code_k.T / bits  # [Q, N] in [-1, 1]
+    similarity = code_q @ code_k.T / bits  # [Q, n] in [-1, 1]
     logits = jnp.where(valid, jnp.exp(log_beta) * similarity, -jnp.inf)
     log_probs = jax.nn.log_softmax(logits, axis=1)
-    rank = -(jnp.where(target, log_probs, 0.0).sum(1) / target.sum(1)).mean()
+    rank = -(jnp.where(target, log_probs, 0.0).sum(1) / jnp.maximum(target.sum(1), 1)).mean()
     balance = (code_k.mean(0) ** 2).mean()
-    return rank + balance_weight * balance
+    return rank + config.balance_weight * balance
 
 
 def train_projection(calibration: Calibration, config: HATATrainConfig = HATATrainConfig(),
                      projection: np.ndarray | None = None) -> tuple[np.ndarray, list[float]]:
     """Fit hash projections on calibration queries/keys -> (f32[L, H_kv, D, bits], loss per step)."""
     queries, positions, keys = stack_calibration(calibration)
-    masks = jax.vmap(jax.vmap(lambda q, K: exact_topk_mask(q, positions, K, config.top_ratio)))(queries, keys)
-    target, valid = masks
+    num_keys = keys.shape[2]
+    sample = config.key_sample if 0 < config.key_sample < num_keys else num_keys
     if projection is None:
         projection = init_projection(calibration, config.bits, config.seed)
     params = {"w": jnp.asarray(projection), "log_beta": jnp.full(projection.shape[:2], math.log(config.bits / 8.0))}
+    head_loss = functools.partial(_head_loss, config=config)
+    per_head = jax.vmap(jax.vmap(head_loss, in_axes=(0, 0, 0, None, 0)), in_axes=(0, 0, 0, None, 0))
 
-    def loss_fn(p):
-        per_head = jax.vmap(jax.vmap(_head_loss, in_axes=(0, 0, 0, None, 0, 0, 0, None)),
-                            in_axes=(0, 0, 0, None, 0, 0, 0, None))(
-            p["w"], p["log_beta"], queries, positions, keys, target, valid, config.balance_weight)
-        return per_head.mean()
+    def loss_fn(p, queries, positions, keys, key_index):
+        # Labels are the exact top-k among the sampled keys: ranking within a random subset.
+        sampled = keys[:, :, key_index]
+        offsets = jnp.searchsorted(key_index, positions, side="right") - 1  # last sampled key <= position
+        return per_head(p["w"], p["log_beta"], queries, offsets, sampled).mean()
 
     optimizer = optax.adam(config.learning_rate)
 
     @jax.jit
-    def step(p, state):
-        loss, grads = jax.value_and_grad(loss_fn)(p)
+    def step(p, state, rng, queries, positions, keys):
+        key_index = jnp.sort(jax.random.choice(rng, num_keys, (sample,), replace=False))
+        loss, grads = jax.value_and_grad(loss_fn)(p, queries, positions, keys, key_index)
         updates, state = optimizer.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
     state = optimizer.init(params)
     losses = []
+    rng = jax.random.key(config.seed)
     for i in range(config.train_steps):
-        params, state, loss = step(params, state)
+        params, state, loss = step(params, state, jax.random.fold_in(rng, i), queries, positions, keys)
         losses.append(float(loss))
         if i % 50 == 0 or i == config.train_steps - 1:
             log.info("hata step %d loss %.4f", i, losses[-1])

@@ -26,6 +26,9 @@ import numpy as np
 
 from jkv.selection.base import Selector
 
+PREFILL_BUCKET = 64
+CAPACITY_BUCKET = 256
+
 
 @dataclasses.dataclass
 class HostKV:
@@ -80,7 +83,9 @@ def prefill_to_host(model, prompts: list[list[int]], capacity: int) -> HostKV:
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     if capacity < lengths.max():
         raise ValueError(f"{capacity=} must be >= the longest prompt ({lengths.max()} tokens)")
-    tokens = np.zeros((len(prompts), int(lengths.max())), np.int32)
+    # Pad the prompt axis to a multiple of PREFILL_BUCKET so nearby lengths share one compile.
+    padded = min(capacity, -(-int(lengths.max()) // PREFILL_BUCKET) * PREFILL_BUCKET)
+    tokens = np.zeros((len(prompts), padded), np.int32)
     for b, prompt in enumerate(prompts):
         tokens[b, :len(prompt)] = prompt
     cfg = model.cfg
@@ -94,6 +99,13 @@ def prefill_to_host(model, prompts: list[list[int]], capacity: int) -> HostKV:
 
     last_logits, _ = model.prefill(jnp.asarray(tokens), jnp.asarray(lengths), on_layer=to_host)
     return HostKV(keys, values, lengths, np.asarray(last_logits, np.float32))
+
+
+def pool_capacity(prompts: list[list[int]], max_tokens: int) -> int:
+    """Slots for the longest prompt plus max_tokens, rounded up to CAPACITY_BUCKET so requests of
+    similar length reuse the selectors' compiled shapes."""
+    needed = max(len(p) for p in prompts) + max_tokens
+    return -(-needed // CAPACITY_BUCKET) * CAPACITY_BUCKET
 
 
 def gather_rows(pool: np.ndarray, kv_index: np.ndarray) -> np.ndarray:
@@ -188,5 +200,5 @@ def decode(model, host: HostKV, selector: Selector, max_tokens: int, *,
 def generate_sparse(model, prompts: list[list[int]], selector: Selector, max_tokens: int,
                     *, keep_logits: bool = False) -> DecodeResult:
     """Greedy generation of `max_tokens` tokens per prompt with `selector` choosing the KV."""
-    capacity = max(len(p) for p in prompts) + max_tokens
-    return decode(model, prefill_to_host(model, prompts, capacity), selector, max_tokens, keep_logits=keep_logits)
+    host = prefill_to_host(model, prompts, pool_capacity(prompts, max_tokens))
+    return decode(model, host, selector, max_tokens, keep_logits=keep_logits)
