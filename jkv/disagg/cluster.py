@@ -1,0 +1,137 @@
+"""Local worker processes and the disaggregated engine `LLM(disaggregation=...)` uses.
+
+`LocalPrefillWorkers` starts `python -m jkv.disagg.prefill_worker` processes (each its own JAX
+process), reads the address each prints (`JKV-READY host:port`) and stops them on `close()`
+(SIGTERM, then SIGKILL after a grace period). `DisaggregatedEngine` builds the selector once,
+ships it to the workers through a file, starts them (or connects to `addresses`) and runs a
+`DecodeWorker` in the calling process (the decode process). Not thread-safe: one generate at a
+time, like `DenseEngine`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from jkv.disagg.config import Disaggregation
+from jkv.disagg.decode_worker import DecodeWorker
+from jkv.disagg.selectors import build_selector, save_selector
+from jkv.transfer.profile import ImportanceProfile
+
+log = logging.getLogger(__name__)
+
+READY = "JKV-READY "
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+class LocalPrefillWorkers:
+    def __init__(self, count: int, model_spec: str, selector_file: str, *, secret: str, transport: str = "tcp",
+                 bandwidth=None, lease_s: float = 300.0, timeout_s: float = 5.0, start_timeout: float = 300.0):
+        self.procs: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+        env = dict(os.environ, JKV_SECRET=secret)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        try:
+            for i in range(count):
+                cmd = [sys.executable, "-m", "jkv.disagg.prefill_worker", "--model", model_spec,
+                       "--selector-file", selector_file, "--name", f"prefill-{i}", "--transport", transport,
+                       "--lease-s", str(lease_s), "--timeout-s", str(timeout_s)]
+                if bandwidth is not None:
+                    cmd += ["--bandwidth", str(bandwidth)]
+                self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True))
+            for i, proc in enumerate(self.procs):
+                self.addresses.append(self._wait_ready(i, proc, start_timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _wait_ready(i, proc, timeout) -> str:
+        box: list[str] = []
+        reader = threading.Thread(target=lambda: box.append(proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout)
+        line = box[0] if box else ""
+        if not line.startswith(READY):
+            raise WorkerStartError(f"prefill worker {i} did not start (exit code {proc.poll()}, said {line!r}); "
+                                   "run `jkv prefill-worker` by hand to see its error")
+        return line[len(READY):].strip()
+
+    def kill(self, i: int) -> None:
+        """SIGKILL worker i (fault tests)."""
+        self.procs[i].kill()
+        self.procs[i].wait()
+
+    def close(self, grace: float = 10.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
+        self.procs = []
+
+
+class DisaggregatedEngine:
+    """One decode worker (this process) fed by prefill worker processes."""
+
+    def __init__(self, model, config: Disaggregation, model_spec: str | None = None, selector=None,
+                 oracle_profile: ImportanceProfile | None = None):
+        self.config = config
+        self.model = model
+        spec = config.model_spec or model_spec
+        if spec is None and not config.addresses:
+            raise ValueError("starting local prefill workers needs a model they can load: construct LLM with a "
+                             "model name/path or pass Disaggregation(model_spec=...)")
+        self.selector = selector or build_selector(model, config.selector, **config.selector_options)
+        profile = ImportanceProfile.load(config.profile) if config.profile else None
+        transfer = config.transfer_config()
+        if profile is not None and profile.selector != self.selector.name:
+            log.warning("profile %s was made for selector %r, serving uses %r", config.profile, profile.selector,
+                        self.selector.name)
+        secret = config.secret or secrets.token_hex(16)
+        self._tmp = tempfile.TemporaryDirectory(prefix="jkv-disagg-")
+        self.workers = None
+        self.decode = DecodeWorker(model, self.selector, transfer, secret=secret, backend=config.transport,
+                                   profile=profile, oracle_profile=oracle_profile, on_failure=config.on_failure,
+                                   timeout=config.timeout_s)
+        try:
+            addresses = list(config.addresses)
+            if not addresses:
+                path = os.path.join(self._tmp.name, "selector.pkl")
+                save_selector(self.selector, path)
+                self.workers = LocalPrefillWorkers(config.prefill_workers, spec, path, secret=secret,
+                                                   transport=config.transport, bandwidth=config.bandwidth,
+                                                   lease_s=config.lease_s, timeout_s=config.timeout_s)
+                addresses = self.workers.addresses
+            self.decode.connect(addresses)
+        except BaseException:
+            self.close()
+            raise
+
+    def generate(self, requests, t0: float | None = None):
+        return self.decode.generate(requests, t0)
+
+    def close(self) -> None:
+        if self.decode is not None:
+            self.decode.close()
+            self.decode = None
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+        self._tmp.cleanup()

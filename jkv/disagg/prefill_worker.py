@@ -1,0 +1,364 @@
+"""Prefill worker: batched prefill, proactive + speculative push, on-demand row fetch.
+
+    worker = PrefillWorker(model, selector, "prefill-0", secret=..., bandwidth="1gbit")
+    address = worker.listen()          # the decode worker connects here
+    worker.run()                       # until close(); or `python -m jkv.disagg.prefill_worker`
+
+Hand-off, in order on the one connection to the decode worker (FIFO, so the decode side sees
+every earlier write applied before a later notification; SmartGen §4.1):
+
+  1. decode notifies "prefill" with a batch (prompt, sampling, capacity, block plan).
+  2. the main thread prefills the batch; as each layer l finishes (`model.prefill(on_layer=)`)
+     it copies the layer's K, V into this worker's host pool (`f32[2, L, H_kv, N, D]` per
+     request), sends the selector metadata of layer l ("meta"), then the layer's blocks that
+     are in the request's proactive set (the first `kr` of its plan) as one write_many, each
+     run followed by its mask bytes (LOCAL) — SmartGen §4.1 proactive transfer.
+  3. after the last layer: "handoff" with the first token.
+  4. decode fetches rows on demand ("fetch" RPC, §4.2) and triggers speculation ("spec", §4.3):
+     the next unsent blocks of the plan, at most `spec_cap` per trigger and one speculative
+     write in flight per request (so an on-demand reply never queues behind more than one).
+  5. decode calls "free" when it holds everything, finished or cancelled; a lease (renewed by
+     every fetch/spec) frees requests whose decode worker went silent or died.
+
+Threads: the caller's thread runs `run()` (prefill jobs from a queue); transport RPC threads
+run "fetch"/"free"; the transport notify thread runs "spec" and enqueues "prefill"; one lease
+thread. `self._lock` guards the request table; per-request state is touched under it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import math
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.disagg import protocol as proto
+from jkv.disagg.selectors import load_selector, needs_metadata
+from jkv.kvcache.geometry import LOCAL, BlockGeometry
+from jkv.kvcache.pool import HostKVPool
+from jkv.sampling import sample_tokens
+from jkv.transfer.plan import per_layer
+from transport import Endpoint, Mask, TransportError, WriteItem
+
+log = logging.getLogger(__name__)
+
+PREFILL_BUCKET = 64
+
+
+@dataclasses.dataclass
+class _Held:
+    rid: str
+    peer: str
+    kv: object  # RequestKV (K, V of the prompt: [2, L, H_kv, N, D])
+    geometry: BlockGeometry
+    capacity: int  # decode-side N_cap (addresses in its region)
+    order: np.ndarray
+    sent: np.ndarray  # bool[L * M_eff] by flat block id
+    spec_cursor: int
+    spec_cap: int
+    lease_until: float
+    inflight: list = dataclasses.field(default_factory=list)
+    spec_busy: object = None
+    bytes: dict = dataclasses.field(default_factory=lambda: dict(proactive=0, speculative=0, on_demand=0, metadata=0))
+
+
+class PrefillWorker:
+    def __init__(self, model, selector, name: str = "prefill-0", *, secret: str, backend: str = "tcp",
+                 bandwidth=None, lease_s: float = 300.0, timeout: float = 5.0):
+        self.model, self.selector = model, selector
+        cfg = model.cfg
+        self.pool = HostKVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
+        self.lease_s = lease_s
+        self.endpoint = Endpoint(name, backend, secret=secret, bandwidth=bandwidth, timeout=timeout,
+                                 op_timeout=None, max_message=1 << 30)
+        self.endpoint.serve("fetch", self._fetch)
+        self.endpoint.serve("free", self._free_call)
+        self.endpoint.on_notify("prefill", lambda n: self._jobs.put(n))
+        self.endpoint.on_notify("spec", self._spec)
+        self._jobs: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
+        self._closed = threading.Event()
+        self._lease_thread = threading.Thread(target=self._lease_loop, daemon=True, name=f"jkv-lease-{name}")
+        self._lease_thread.start()
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    def listen(self, address=None) -> str:
+        return self.endpoint.listen(address)
+
+    def held(self) -> list[str]:
+        with self._lock:
+            return sorted(self._held)
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> None:
+        while not self._closed.is_set():
+            try:
+                job = self._jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            header, _ = proto.unpack(job.payload)
+            try:
+                self.prefill_batch(job.peer, header["requests"])
+            except Exception as e:  # report to decode; the worker keeps serving
+                log.exception("prefill of a batch from %r failed", job.peer)
+                for r in header["requests"]:
+                    self._release(r["rid"])
+                    self._notify(job.peer, "failed", dict(rid=r["rid"], error=f"prefill failed: {e}"))
+
+    def _notify(self, peer_name, kind, header, *arrays):
+        try:
+            return self.endpoint.peer(peer_name).notify(kind, proto.pack(header, *arrays))
+        except (KeyError, TransportError) as e:
+            log.warning("%s: notify %r to %r failed: %s", self.name, kind, peer_name, e)
+
+    def prefill_batch(self, peer_name: str, requests: list[dict]) -> None:
+        model, cfg = self.model, self.model.cfg
+        peer = self.endpoint.peer(peer_name)
+        lengths = np.asarray([len(r["tokens"]) for r in requests], np.int32)
+        T = -(-int(lengths.max()) // PREFILL_BUCKET) * PREFILL_BUCKET
+        tokens = np.zeros((len(requests), T), np.int32)
+        held = []
+        now = time.monotonic()
+        for b, r in enumerate(requests):
+            tokens[b, :lengths[b]] = r["tokens"]
+            geometry = BlockGeometry(int(lengths[b]), cfg.num_layers, int(r["max_blocks"]))
+            h = _Held(r["rid"], peer_name, self.pool.allocate(r["rid"], int(lengths[b]), int(lengths[b])), geometry,
+                      int(r["capacity"]), np.asarray(r["order"], np.int64), np.zeros(geometry.num_blocks, bool),
+                      int(r["kr"]), int(r["spec_cap"]), now + self.lease_s)
+            held.append(h)
+            with self._lock:
+                self._held[h.rid] = h
+        proactive = [per_layer(h.geometry, h.order[:h.spec_cursor]) for h in held]
+        ship_meta = needs_metadata(self.selector)
+        dense_below = cfg.num_layers if self.selector.is_dense else self.selector.config.dense_layers
+        jl = jnp.asarray(lengths)
+        t_start = time.time()
+
+        def on_layer(layer, K, V):  # as each layer's KV exists (DESIGN.md: transfer starts after layer 0)
+            Kn, Vn = np.asarray(K, np.float32), np.asarray(V, np.float32)
+            leaves = None
+            if ship_meta and layer >= dense_below:
+                import jax
+                leaves = jax.tree_util.tree_leaves(self.selector.prepare(layer, K, jl))
+                leaves = [np.asarray(x) for x in leaves]
+            for b, h in enumerate(held):
+                n = h.geometry.num_tokens
+                h.kv.kv[0, layer] = Kn[b, :, :n]
+                h.kv.kv[1, layer] = Vn[b, :, :n]
+                if leaves is not None:  # selector metadata goes before the layer's blocks
+                    mine = [x[b:b + 1] for x in leaves]
+                    payload = proto.pack_leaves(dict(rid=h.rid, layer=layer), mine)
+                    h.bytes["metadata"] += len(payload)
+                    peer.notify("meta", payload)
+                blocks = proactive[b].get(layer)
+                if blocks:
+                    self._push(peer, h, layer, blocks, "proactive")
+
+        logits, _ = model.prefill(tokens, lengths, on_layer=on_layer)
+        prefill_s = time.time() - t_start
+        first = self._first_tokens(logits, requests)
+        t_first = time.time()
+        for b, h in enumerate(held):
+            self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
+                                                    prefill_s=prefill_s, bytes=dict(h.bytes)))
+
+    @staticmethod
+    def _first_tokens(logits, requests):
+        sp = [r["sampling"] for r in requests]
+        temperature = np.asarray([s["temperature"] for s in sp], np.float32)
+        if not (temperature > 0).any():
+            return np.asarray(np.argmax(np.asarray(logits), -1), np.int32)
+        return np.asarray(sample_tokens(logits, temperature, np.asarray([s["top_k"] for s in sp], np.int32),
+                                        np.asarray([s["top_p"] for s in sp], np.float32),
+                                        np.asarray([s["seed"] for s in sp], np.uint32), np.zeros(len(sp), np.int32)))
+
+    # ---------------------------------------------------------------- pushes
+    def _push(self, peer, h: _Held, layer: int, blocks, path: str):
+        """One write_many of `blocks` (indices m of `layer`): per contiguous run, K rows of every
+        head, V rows of every head, then the run's mask bytes (ordered after the rows)."""
+        items, nbytes = [], 0
+        H = h.kv.kv.shape[2]
+        region, mregion = proto.kv_region(h.rid), proto.mask_region(h.rid)
+        for start, stop in h.geometry.runs(blocks):
+            for kv in (0, 1):
+                for head in range(H):
+                    data = h.kv.kv[kv, layer, head, start:stop]
+                    last = kv == 1 and head == H - 1
+                    off = ((((kv * h.geometry.num_layers + layer) * H + head) * h.capacity + start)
+                           * data.shape[-1] * 4)
+                    items.append(WriteItem(region, off, data,
+                                           Mask(mregion, layer * h.capacity + start, bytes([LOCAL]) * (stop - start))
+                                           if last else None))
+                    nbytes += data.nbytes
+        for m in blocks:
+            h.sent[layer * h.geometry.blocks_per_layer + m] = True
+        if not items:
+            return None
+        t = peer.write_many(items)
+        h.bytes[path] += nbytes
+        h.inflight.append(t)
+        return t
+
+    def _spec(self, note) -> None:
+        header, _ = proto.unpack(note.payload)
+        try:
+            peer = self.endpoint.peer(note.peer)
+        except KeyError:
+            return
+        for rid in header["rids"]:
+            with self._lock:
+                h = self._held.get(rid)
+                if h is None:
+                    continue
+                h.lease_until = time.monotonic() + self.lease_s
+                if h.spec_busy is not None and not h.spec_busy.done():
+                    continue  # one speculative write in flight per request (§4.3 cap)
+                todo, i = [], h.spec_cursor
+                while i < len(h.order) and len(todo) < h.spec_cap:
+                    if not h.sent[h.order[i]]:
+                        todo.append(int(h.order[i]))
+                    i += 1
+                h.spec_cursor = i
+                if not todo:
+                    continue
+                last = None
+                for layer, blocks in per_layer(h.geometry, todo).items():
+                    last = self._push(peer, h, layer, blocks, "speculative") or last
+                h.spec_busy = last
+                h.inflight = [t for t in h.inflight if not t.done()]
+
+    # ---------------------------------------------------------------- RPCs
+    def _fetch(self, peer_name, payload):
+        """On-demand rows (§4.2): rows of each (request, head) contiguous, K block then V block."""
+        header, raw = proto.unpack(payload)
+        positions = np.frombuffer(raw, np.int32)
+        layer = int(header["layer"])
+        ks, vs, pos = [], [], 0
+        for rid, counts in header["items"]:
+            with self._lock:
+                h = self._held.get(rid)
+                if h is not None:
+                    h.lease_until = time.monotonic() + self.lease_s
+            if h is None:
+                raise KeyError(f"{self.name} holds no KV for request {rid!r} (freed, expired or never prefilled)")
+            nbytes = 0
+            for head, c in enumerate(counts):
+                p = positions[pos:pos + c]
+                pos += c
+                if c:
+                    if p.max() >= h.geometry.num_tokens or p.min() < 0:
+                        raise ValueError(f"request {rid}: fetch positions outside [0, {h.geometry.num_tokens})")
+                    ks.append(h.kv.kv[0, layer, head, p])
+                    vs.append(h.kv.kv[1, layer, head, p])
+                    nbytes += 2 * ks[-1].nbytes
+            h.bytes["on_demand"] += nbytes
+        if not ks:
+            return b""
+        return np.concatenate([np.concatenate(ks), np.concatenate(vs)]).tobytes()
+
+    def _free_call(self, peer_name, payload):
+        header, _ = proto.unpack(payload)
+        stats = self._release(header["rid"])
+        return proto.pack(dict(bytes=stats))
+
+    def _release(self, rid: str):
+        """Forget a request: wait for its in-flight writes (their buffers), then free its KV."""
+        with self._lock:
+            h = self._held.pop(rid, None)
+        if h is None:
+            return None
+        for t in h.inflight:
+            try:
+                t.wait(timeout=30)
+            except TransportError:
+                pass
+        self.pool.free(rid)
+        return h.bytes
+
+    def _lease_loop(self) -> None:
+        while not self._closed.wait(0.2):
+            now = time.monotonic()
+            with self._lock:
+                expired = [rid for rid, h in self._held.items()
+                           if h.lease_until < now or h.peer not in self.endpoint.peers]
+            for rid in expired:
+                log.warning("%s: freeing request %s (lease expired or decode peer gone)", self.name, rid)
+                self._release(rid)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._lease_thread.join()
+        for rid in self.held():
+            self._release(rid)
+        self.endpoint.close()
+
+
+# -------------------------------------------------------------------- process entry
+def load_model_spec(spec: str, dtype: str = "float32"):
+    """A model name/path, or "tiny:<family>:<seed>" for the random test models."""
+    if spec.startswith("tiny:"):
+        from models import tiny_model
+        _, family, seed = spec.split(":")
+        return tiny_model(family, int(seed))
+    from models import load_model
+    return load_model(spec, dtype=dtype)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="jkv prefill-worker", description="run a SmartGen prefill worker")
+    add_args(p)
+    return run_from_args(p.parse_args(argv))
+
+
+def add_args(p):
+    p.add_argument("--model", required=True, help='model name/path, or "tiny:llama:0"')
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--selector-file", required=True, help="selector saved by the decode side (save_selector)")
+    p.add_argument("--name", default="prefill-0")
+    p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1 on a free port)")
+    p.add_argument("--transport", default="tcp")
+    p.add_argument("--bandwidth", default=None, help='paced link, e.g. "1gbit"')
+    p.add_argument("--lease-s", type=float, default=300.0)
+    p.add_argument("--timeout-s", type=float, default=5.0)
+
+
+def run_from_args(args) -> int:
+    logging.basicConfig(level=os.environ.get("JKV_LOG", "WARNING"))
+    secret = os.environ.get("JKV_SECRET")
+    if not secret:
+        print("error: set JKV_SECRET to the deployment's shared secret (>= 8 bytes)", file=sys.stderr)
+        return 2
+    model = load_model_spec(args.model, args.dtype)
+    selector = load_selector(args.selector_file)
+    worker = PrefillWorker(model, selector, args.name, secret=secret, backend=args.transport,
+                           bandwidth=args.bandwidth, lease_s=args.lease_s, timeout=args.timeout_s)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    address = worker.listen(args.listen)
+    print(f"JKV-READY {address}", flush=True)
+    runner = threading.Thread(target=worker.run, name="jkv-prefill-main", daemon=True)
+    runner.start()
+    try:
+        while not stop.wait(0.2):
+            pass
+    except KeyboardInterrupt:
+        pass
+    worker.close()
+    runner.join(5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

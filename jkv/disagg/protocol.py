@@ -1,0 +1,66 @@
+"""Control-plane messages between the decode worker and its prefill workers.
+
+Every message is a small JSON header, optionally followed by raw array bytes:
+
+    frame = u32 header_len | header JSON | payload bytes
+
+decode -> prefill
+  notify "prefill"  {"requests": [{rid, tokens, capacity, order, kr, spec_cap, sampling}]}
+                    hand-in of a batch: prompt, sampling params, decode-side capacity and the
+                    block plan (order of flat block ids; the first kr go proactively)
+  notify "spec"     {"rids": [...]}  speculative trigger at the start of an attention layer
+  call   "fetch"    {"layer", "items": [[rid, [count per KV head]]]} + i32 positions
+                    -> K rows f32[sum counts, D] then V rows (remote-first, row order)
+  call   "free"     {"rid"} -> {"bytes": {...}}  decode holds everything / finished / cancelled
+prefill -> decode
+  notify "meta"     {"rid", "layer", "leaves": [[shape, dtype]]} + leaf bytes (selector metadata)
+  notify "handoff"  {"rid", "first_token", "t_first", "prefill_s", "bytes": {...}}
+  notify "failed"   {"rid", "error"}
+  writes into regions "kv/<rid>" (f32[2, L, H_kv, N_cap, D]) then "mask/<rid>" (i8[L, N_cap])
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+
+
+def kv_region(rid: str) -> str:
+    return f"kv/{rid}"
+
+
+def mask_region(rid: str) -> str:
+    return f"mask/{rid}"
+
+
+def pack(header: dict, *arrays: np.ndarray) -> bytes:
+    raw = json.dumps(header).encode()
+    return b"".join([struct.pack("<I", len(raw)), raw] + [np.ascontiguousarray(a).tobytes() for a in arrays])
+
+
+def unpack(data) -> tuple[dict, memoryview]:
+    mv = memoryview(data).cast("B")
+    if len(mv) < 4:
+        raise ValueError(f"control message of {len(mv)} bytes is too short")
+    (n,) = struct.unpack_from("<I", mv)
+    if 4 + n > len(mv):
+        raise ValueError(f"control message header length {n} exceeds the message ({len(mv)} bytes)")
+    return json.loads(bytes(mv[4:4 + n])), mv[4 + n:]
+
+
+def pack_leaves(header: dict, leaves: list[np.ndarray]) -> bytes:
+    header = dict(header, leaves=[[list(a.shape), a.dtype.str] for a in leaves])
+    return pack(header, *leaves)
+
+
+def unpack_leaves(header: dict, payload: memoryview) -> list[np.ndarray]:
+    out, pos = [], 0
+    for shape, dtype in header["leaves"]:
+        dt = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if pos + n > len(payload):
+            raise ValueError("metadata payload shorter than its declared leaves")
+        out.append(np.frombuffer(payload[pos:pos + n], dt).reshape(shape).copy())
+        pos += n
+    return out
