@@ -81,6 +81,8 @@ class PrefillWorker:
                                  op_timeout=None, max_message=1 << 30)
         self.endpoint.serve("fetch", self._fetch)
         self.endpoint.serve("free", self._free_call)
+        self.endpoint.serve("stats", lambda peer, payload: proto.pack(
+            dict(held=self.held(), bytes_in_use=self.pool.bytes_in_use, live=self.pool.live())))
         self.endpoint.on_notify("prefill", lambda n: self._jobs.put(n))
         self.endpoint.on_notify("spec", self._spec)
         self._jobs: queue.Queue = queue.Queue()
