@@ -550,4 +550,5 @@ class DecodeWorker:
             lv.error = f"request {request_id}: cancelled"
             lv.handoff.set()
             self._release_remote(lv)
+            self._finish_request(lv, unregister=True)  # prefill has dropped it: no more writes land
         return bool(lives)
