@@ -5,6 +5,11 @@
     out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=16))
     print(out[0].text, out[0].metrics.ttft)
 
+Disaggregated (prefill and decode in separate processes, SmartGen selective KV transfer):
+
+    llm = LLM("smollm2-135m-instruct", disaggregation=Disaggregation(mode="smartgen", prefill_workers=2))
+    ...; llm.close()   # stops the prefill worker processes (also on `with LLM(...) as llm:`)
+
 A prompt is a string, a list of token ids, or a chat conversation (a list of
 {"role", "content"} dicts, rendered with the model's chat template).
 """
@@ -20,6 +25,7 @@ from tqdm import tqdm
 
 from models import DEFAULT_MODEL, Model, load_model
 
+from .disagg.config import Disaggregation
 from .engine import DenseEngine, Request
 from .outputs import RequestOutput
 from .sampling import SamplingParams
@@ -43,13 +49,29 @@ class LLM:
     """A model plus an engine. `model` is a registered name, a HF directory, a .gguf file or a `Model`."""
 
     def __init__(self, model: str | os.PathLike | Model = DEFAULT_MODEL, *, dtype: str = "float32",
-                 max_batch_size: int = 16):
+                 max_batch_size: int = 16, disaggregation: Disaggregation | None = None):
         if max_batch_size < 1:
             raise ValueError(f"{max_batch_size=} must be >= 1")
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
         self.tokenizer = self.model.tokenizer
         self.max_batch_size = max_batch_size
-        self._engine = DenseEngine(self.model)
+        if disaggregation is not None:  # this process decodes; prefill runs in worker processes
+            from .disagg.cluster import DisaggregatedEngine
+            self._engine = DisaggregatedEngine(self.model, disaggregation,
+                                               model_spec=None if isinstance(model, Model) else str(model))
+        else:
+            self._engine = DenseEngine(self.model)
+
+    def close(self) -> None:
+        """Stop worker processes (disaggregated mode); a no-op for the colocated engine."""
+        if hasattr(self._engine, "close"):
+            self._engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -125,7 +125,9 @@ class DisaggregatedEngine:
             raise
 
     def generate(self, requests, t0: float | None = None):
-        return self.decode.generate(requests, t0)
+        """t0: time.perf_counter() when the caller accepted the requests (metrics are relative to it)."""
+        wall_t0 = None if t0 is None else time.time() - (time.perf_counter() - t0)
+        return self.decode.generate(requests, wall_t0)
 
     def close(self) -> None:
         if self.decode is not None:

@@ -1,0 +1,40 @@
+"""LLM(disaggregation=...) starts and stops a local prefill worker process; results carry the
+SmartGen metrics; Disaggregation validates its options."""
+import pytest
+
+from jkv import LLM, SamplingParams
+from jkv.api import Disaggregation
+from jkv.selection.sparse_decode import generate_sparse
+from tests.smartgen.smartgen_cases import MODEL_SPEC
+
+
+def test_llm_disaggregated_smartgen_matches_colocated_sparse_decode(model, selectors, prompts):
+    dis = Disaggregation(mode="smartgen", selector="oracle", transport="tcp", bandwidth="50mbit", prefill_workers=1,
+                         strategy="sequential", kr_fraction=0.3, max_blocks=16, model_spec=MODEL_SPEC)
+    with LLM(model, disaggregation=dis) as llm:
+        procs = list(llm._engine.workers.procs)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert all(p.poll() is not None for p in procs)  # close() stopped the worker process
+    ref = generate_sparse(model, prompts, selectors["oracle"], 6).tokens.tolist()
+    assert [o.token_ids for o in outs] == ref
+    for o in outs:
+        m = o.metrics
+        assert 0 < m.ttft <= m.ttst and len(m.tbt) == 5 and len(m.ctl) == 6 and m.ctl[-1] == pytest.approx(m.e2e)
+        assert 0 < m.extra["on_demand_ratio"] < 1 and len(m.extra["step_on_demand_ratio"]) == 5
+        assert m.extra["bytes"]["proactive"] > 0 and m.extra["bytes"]["on_demand"] > 0
+        assert m.extra["bytes"]["metadata"] > 0 and m.extra["mode"] == "smartgen"
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(mode="fastest"), "mode"), (dict(prefill_workers=0), "prefill_workers"),
+    (dict(on_failure="retry"), "on_failure"), (dict(bandwidth="fast"), "bandwidth"),
+    (dict(transport="udp"), "transport"), (dict(spec_ratio=2.0), "spec_ratio"),
+])
+def test_disaggregation_validates(bad, match):
+    with pytest.raises(ValueError, match=match):
+        Disaggregation(**bad)
+
+
+def test_llm_needs_a_loadable_model_for_local_workers(model):
+    with pytest.raises(ValueError, match="model_spec"):
+        LLM(model, disaggregation=Disaggregation(selector="oracle", kr_fraction=0.3))
