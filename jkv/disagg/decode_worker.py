@@ -121,8 +121,12 @@ class DecodeWorker:
 
     # ---------------------------------------------------------------- wiring
     def connect(self, addresses) -> list[str]:
+        """addresses: what each prefill worker's listen() returned ("main|bulk")."""
         for address in addresses:
-            self.owners.append(self.endpoint.connect(address).name)
+            main, _, bulk = str(address).partition("|")
+            self.owners.append(self.endpoint.connect(main).name)
+            if bulk:
+                self.endpoint.connect(bulk)
         return list(self.owners)
 
     def close(self) -> None:

@@ -79,10 +79,19 @@ class PrefillWorker:
         self.lease_s = lease_s
         self.endpoint = Endpoint(name, backend, secret=secret, bandwidth=bandwidth, timeout=timeout,
                                  op_timeout=None, max_message=1 << 30)
+        # Bulk lane: proactive/speculative writes, metadata and hand-offs travel on a second
+        # connection sharing this worker's token bucket (one paced link), so an on-demand reply
+        # on the main connection never queues behind a whole layer of bulk writes (SmartGen §4.2:
+        # on-demand fetches must not stall behind background transfer).
+        self.bulk = Endpoint(f"{name}.bulk", backend, secret=secret, timeout=timeout, op_timeout=None,
+                             max_message=1 << 30)
+        self.bulk.pacer = self.endpoint.pacer
         self.endpoint.serve("fetch", self._fetch)
         self.endpoint.serve("free", self._free_call)
         self.endpoint.serve("stats", lambda peer, payload: proto.pack(
             dict(held=self.held(), bytes_in_use=self.pool.bytes_in_use, live=self.pool.live())))
+        self.endpoint.serve("set_bandwidth", lambda peer, payload: self.set_bandwidth(
+            proto.unpack(payload)[0]["bps"]) or b"")
         self.endpoint.on_notify("prefill", lambda n: self._jobs.put(n))
         self.endpoint.on_notify("spec", self._spec)
         self._jobs: queue.Queue = queue.Queue()
@@ -97,7 +106,20 @@ class PrefillWorker:
         return self.endpoint.name
 
     def listen(self, address=None) -> str:
-        return self.endpoint.listen(address)
+        """Returns "main|bulk": the decode worker connects to both."""
+        main = self.endpoint.listen(address)
+        host = main.rpartition(":")[0] if self.endpoint.backend == "tcp" else None
+        bulk = self.bulk.listen(f"{host}:0" if host else None)
+        return f"{main}|{bulk}"
+
+    def set_bandwidth(self, bits_per_s: float) -> None:
+        """Re-pace the link (benchmarks measure Tp first, then choose the bandwidth)."""
+        pacer = self.endpoint.pacer
+        if pacer is None:
+            raise ValueError(f"{self.name} was started without --bandwidth; start it paced to re-pace it")
+        with pacer._lock:
+            pacer.rate_bps, pacer.rate_Bps = float(bits_per_s), float(bits_per_s) / 8.0
+            pacer.burst = max(65536, int(pacer.rate_Bps * 0.02))
 
     def held(self) -> list[str]:
         with self._lock:
@@ -121,13 +143,13 @@ class PrefillWorker:
 
     def _notify(self, peer_name, kind, header, *arrays):
         try:
-            return self.endpoint.peer(peer_name).notify(kind, proto.pack(header, *arrays))
+            return self.bulk.peer(peer_name).notify(kind, proto.pack(header, *arrays))
         except (KeyError, TransportError) as e:
             log.warning("%s: notify %r to %r failed: %s", self.name, kind, peer_name, e)
 
     def prefill_batch(self, peer_name: str, requests: list[dict]) -> None:
         model, cfg = self.model, self.model.cfg
-        peer = self.endpoint.peer(peer_name)
+        peer = self.bulk.peer(peer_name)
         lengths = np.asarray([len(r["tokens"]) for r in requests], np.int32)
         T = -(-int(lengths.max()) // PREFILL_BUCKET) * PREFILL_BUCKET
         tokens = np.zeros((len(requests), T), np.int32)
@@ -216,7 +238,7 @@ class PrefillWorker:
     def _spec(self, note) -> None:
         header, _ = proto.unpack(note.payload)
         try:
-            peer = self.endpoint.peer(note.peer)
+            peer = self.bulk.peer(note.peer)
         except KeyError:
             return
         for rid in header["rids"]:
@@ -305,6 +327,7 @@ class PrefillWorker:
         for rid in self.held():
             self._release(rid)
         self.endpoint.close()
+        self.bulk.close()
 
 
 # -------------------------------------------------------------------- process entry
