@@ -1,4 +1,4 @@
-"""`jkv` command line: generate, compare, demo, models.
+"""`jkv` command line: generate, compare, demo, models, profile, prefill-worker.
 
 Each subcommand is `add_<name>(subparsers)` + `run_<name>(args)`; `main()` dispatches. Errors a
 user can fix (bad model name, over-long prompt, invalid sampling value) print one line and exit 2.
@@ -116,36 +116,64 @@ def run_compare(args):
 
 # ---------------------------------------------------------------------- demo
 def add_demo(sub):
-    p = sub.add_parser("demo", help="the main job: batched generation on the embedded default model with timings")
-    _add_model_args(p)
-    p.add_argument("--max-tokens", type=int, default=48)
+    p = sub.add_parser("demo", help="the main job: disaggregated prefill/decode on SmolLM2, full vs SmartGen "
+                                    "transfer over a paced link (one decode + two prefill worker processes)")
+    from .disagg.demo import add_args
+    add_args(p)
 
 
 def run_demo(args):
-    from .api import LLM
-    from .sampling import SamplingParams
+    from .disagg.demo import run
+    return run(args)
 
-    prompts = [
-        [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-        [{"role": "user", "content": "Explain in two sentences why the KV cache makes decoding fast."}],
-        "def quicksort(xs):\n    ",
-        "The three primary colors are",
-    ]
-    t = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype)
-    print(f"loaded {llm.model} in {time.perf_counter() - t:.1f}s")
-    llm.generate(prompts, SamplingParams(max_tokens=4))  # compile once, outside the timed run
-    t = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens))
-    wall = time.perf_counter() - t
-    print(f"\n{'req':>3} {'prompt':>6} {'gen':>4} {'TTFT ms':>8} {'mean TBT ms':>11}  text")
-    for o in outs:
-        m = o.metrics
-        text = o.text.replace("\n", "\\n")
-        print(f"{o.request_id:>3} {m.prompt_tokens:>6} {len(o.token_ids):>4} {m.ttft * 1e3:>8.0f} "
-              f"{m.mean_tbt * 1e3:>11.1f}  {text[:70]}")
-    ntok = sum(len(o.token_ids) for o in outs)
-    print(f"\n{len(outs)} requests, {ntok} tokens in {wall:.2f}s ({ntok / wall:.1f} tok/s, batch {len(outs)})")
+
+# ---------------------------------------------------------------------- smartgen workers and profile
+def add_prefill_worker(sub):
+    p = sub.add_parser("prefill-worker", help="run a SmartGen prefill worker (JKV_SECRET must be set); prints "
+                                              "'JKV-READY main|bulk' for the decode side to connect to")
+    from .disagg.prefill_worker import add_args
+    add_args(p)
+
+
+def run_prefill_worker(args):
+    from .disagg.prefill_worker import run_from_args
+    return run_from_args(args)
+
+
+def add_profile(sub):
+    p = sub.add_parser("profile", help="offline SmartGen importance profile (Eq. 1) of a selector on the "
+                                       "calibration split, with prefill time per prompt-length bin")
+    _add_model_args(p)
+    p.add_argument("--selector", default="infinigen")
+    p.add_argument("--bins", default="512,1024,2048", help="comma-separated prompt lengths")
+    p.add_argument("--prompts-per-bin", type=int, default=2)
+    p.add_argument("--steps", type=int, default=16, help="decode steps per calibration prompt")
+    p.add_argument("--max-blocks", type=int, default=1024, help="M, blocks per layer")
+    p.add_argument("--bandwidth", default=None, help="the link the profile assumes, e.g. 25gbit")
+    p.add_argument("--out", required=True, help="profile file (.npz)")
+
+
+def run_profile(args):
+    from models import load_model
+    from transport import parse_bandwidth
+
+    from .disagg.selectors import build_selector
+    from .selection.calibration import calibration_tokens
+    from .transfer.profile import build_profile
+
+    model = load_model(args.model, dtype=args.dtype)
+    bins = [int(b) for b in args.bins.split(",")]
+    ids = calibration_tokens(model, max(bins) * args.prompts_per_bin)  # calibration split, never eval data
+    prompts = {n: [ids[i * n:(i + 1) * n] for i in range(args.prompts_per_bin)] for n in bins}
+    selector = build_selector(model, args.selector)
+    prof = build_profile(model, selector, args.selector, prompts, args.steps, max_blocks=args.max_blocks,
+                         bandwidth_bps=parse_bandwidth(args.bandwidth) if args.bandwidth else None,
+                         model_name=args.model)
+    prof.save(args.out)
+    for b in prof.bins:
+        print(f"bin {b.prompt_len:>6} tokens: Tp={b.prefill_s:.3f}s, I[L={b.importance.shape[0]}, "
+              f"M={b.importance.shape[1]}]")
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -161,7 +189,8 @@ def run_models(args):
 
 
 COMMANDS = {"generate": (add_generate, run_generate), "compare": (add_compare, run_compare),
-            "demo": (add_demo, run_demo), "models": (add_models, run_models)}
+            "demo": (add_demo, run_demo), "models": (add_models, run_models),
+            "prefill-worker": (add_prefill_worker, run_prefill_worker), "profile": (add_profile, run_profile)}
 
 
 def build_parser() -> argparse.ArgumentParser:
