@@ -85,7 +85,7 @@ class Harness:
     def eval_prompts(self, count: int, prompt_len: int) -> list[list[int]]:
         return self._text_prompts("eval", count, prompt_len)
 
-    def build_profile(self, prompt_len: int, count: int = 2, steps: int = 16):
+    def build_profile(self, prompt_len: int, count: int = 1, steps: int = 12):
         t = time.perf_counter()
         calib = self._text_prompts("calibration", count, prompt_len)
         self.profile = build_profile(self.model, self.selector, self.selector_name, {prompt_len: calib}, steps,

@@ -38,3 +38,11 @@ def test_disaggregation_validates(bad, match):
 def test_llm_needs_a_loadable_model_for_local_workers(model):
     with pytest.raises(ValueError, match="model_spec"):
         LLM(model, disaggregation=Disaggregation(selector="oracle", kr_fraction=0.3))
+
+
+def test_prefill_worker_cli_needs_the_shared_secret(monkeypatch, capsys):
+    from jkv.cli import main
+
+    monkeypatch.delenv("JKV_SECRET", raising=False)
+    assert main(["prefill-worker", "--model", MODEL_SPEC, "--selector-file", "unused.pkl"]) == 2
+    assert "JKV_SECRET" in capsys.readouterr().err
