@@ -1,0 +1,205 @@
+"""Public entry points for the decode-path ops: one function per op, backend chosen once.
+
+    topk_select(scores: f32|bf16[R, N], valid_len: i32[R], k) -> i32[R, k]
+    topk_select_fused(q_partial: [R, G, d_p], k_partial: [R, N, d_p], valid_len: i32[R], k)
+        -> i32[R, k]
+    split_reorder(kv_index: i32[R, k], kv_mask: i8[B, N], heads_per_batch)
+        -> (reordered i32[R, k], remote_count i32[R], local_count i32[R])
+    sparse_decode_attention(q: [B, H, D], k_sel, v_sel: [B*H_kv, k, D], valid_count: i32[B*H_kv])
+        -> [B, H, D]
+    sparse_decode_attention_partials(...) -> (out f32[B, H, D], lse f32[B, H])
+    merge_partials((o1, lse1), (o2, lse2)) -> (o, lse)
+
+Backends: "pallas" (compiled Pallas Triton kernels; GPU only), "interpret" (the same kernels in
+Pallas interpret mode; for tests on CPU, slow), "xla" (the pure-jnp references, which XLA compiles
+well on CPU), "auto" (pallas when JAX's default backend is a GPU, else xla; the default). The
+choice is read when an op is traced, and `jax.jit` caches traces per function, so a caller jitted
+before a switch keeps its old backend: choose once at startup with `set_backend(name)`; tests use
+`with backend(name): ...` (restores the previous choice) around freshly jitted functions.
+
+Shapes are validated here, once, with errors that name the value; the kernel modules assume them.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import sparse_attention, split_reorder as split_reorder_mod, topk
+from pallas_kernels._common import TRITON_AVAILABLE
+from pallas_kernels.sparse_attention import merge_partials
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "pallas", "xla", "interpret")
+_backend = "auto"
+
+__all__ = [
+    "BACKENDS",
+    "backend",
+    "get_backend",
+    "merge_partials",
+    "resolved_backend",
+    "set_backend",
+    "sparse_decode_attention",
+    "sparse_decode_attention_partials",
+    "split_reorder",
+    "topk_select",
+    "topk_select_fused",
+]
+
+
+def set_backend(name: str) -> None:
+    """Choose the implementation for every op: "auto" | "pallas" | "xla" | "interpret"."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"backend {name=} is not one of {BACKENDS}")
+    if name in ("pallas", "interpret") and not TRITON_AVAILABLE:
+        raise RuntimeError(
+            f"backend {name=} needs jax.experimental.pallas.triton, absent from this JAX "
+            f"{jax.__version__}; use 'xla'"
+        )
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+@contextlib.contextmanager
+def backend(name: str) -> Iterator[None]:
+    """Temporarily use another backend (tests, benchmarks)."""
+    previous = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+@functools.cache
+def _auto_backend() -> str:
+    platform = jax.default_backend()
+    if platform == "gpu" and TRITON_AVAILABLE:
+        return "pallas"
+    if platform == "gpu":
+        log.warning("GPU present but the Pallas Triton backend is missing: using XLA references")
+    return "xla"
+
+
+def resolved_backend() -> str:
+    """The backend ops use now: "pallas", "xla" or "interpret" ("auto" resolved)."""
+    return _auto_backend() if _backend == "auto" else _backend
+
+
+def _kernel_mode() -> bool | None:
+    """None -> use the reference; otherwise the `interpret` flag for the Pallas wrapper."""
+    chosen = resolved_backend()
+    return None if chosen == "xla" else chosen == "interpret"
+
+
+def _check_k(k: int) -> int:
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"{k=} must be a positive int (number of entries to select)")
+    return k
+
+
+def _check_lengths(name: str, lengths: jax.Array, rows: int) -> None:
+    if lengths.shape != (rows,):
+        raise ValueError(f"{name}.shape={lengths.shape} must be ({rows},), one length per row")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{name}.dtype={lengths.dtype} must be an integer type (i32)")
+
+
+def topk_select(scores: jax.Array, valid_len: jax.Array, k: int) -> jax.Array:
+    """Indices i32[R, k] of the k largest scores[r, :valid_len[r]], score descending, ties by
+    lower index; slots past min(k, valid_len[r]) are -1. scores: f32|bf16[R, N]."""
+    _check_k(k)
+    if scores.ndim != 2 or 0 in scores.shape:
+        raise ValueError(f"{scores.shape=} must be [R, N] with R, N >= 1")
+    _check_lengths("valid_len", valid_len, scores.shape[0])
+    interpret = _kernel_mode()
+    if interpret is None:
+        return topk.topk_select_reference(scores, valid_len, k)
+    return topk.topk_select_pallas(scores, valid_len, k, interpret=interpret)
+
+
+def topk_select_fused(
+    q_partial: jax.Array, k_partial: jax.Array, valid_len: jax.Array, k: int
+) -> jax.Array:
+    """topk_select of InfiniGen scores sum_g q_partial[r, g] · k_partial[r, n].
+    q_partial: [R, G, d_p], k_partial: [R, N, d_p] -> i32[R, k]."""
+    _check_k(k)
+    if q_partial.ndim != 3 or k_partial.ndim != 3 or 0 in k_partial.shape:
+        raise ValueError(f"{q_partial.shape=} must be [R, G, d_p], {k_partial.shape=} [R, N, d_p]")
+    if q_partial.shape[0] != k_partial.shape[0] or q_partial.shape[2] != k_partial.shape[2]:
+        raise ValueError(f"{q_partial.shape=} and {k_partial.shape=} disagree on R or d_p")
+    _check_lengths("valid_len", valid_len, k_partial.shape[0])
+    interpret = _kernel_mode()
+    if interpret is None:
+        return topk.topk_select_fused_reference(q_partial, k_partial, valid_len, k)
+    return topk.topk_select_fused_pallas(q_partial, k_partial, valid_len, k, interpret=interpret)
+
+
+def split_reorder(
+    kv_index: jax.Array, kv_mask: jax.Array, heads_per_batch: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """SmartGen Algorithm 1: rows of kv_index i32[R, k] stably sorted by kv_mask i8[B, N] value
+    descending (remote 2, local 1, padding 0 -> -1); returns (reordered, remote_count,
+    local_count). Row r belongs to request r // heads_per_batch."""
+    if kv_index.ndim != 2 or kv_mask.ndim != 2:
+        raise ValueError(f"{kv_index.shape=} must be [R, k] and {kv_mask.shape=} [B, N]")
+    if not isinstance(heads_per_batch, int) or heads_per_batch < 1:
+        raise ValueError(f"{heads_per_batch=} must be a positive int (H_kv)")
+    rows, batch = kv_index.shape[0], kv_mask.shape[0]
+    if rows != batch * heads_per_batch:
+        raise ValueError(
+            f"kv_index has {rows=} but kv_mask batch {batch} * {heads_per_batch=} = "
+            f"{batch * heads_per_batch}; rows must be B*H_kv"
+        )
+    if not jnp.issubdtype(kv_index.dtype, jnp.integer):
+        raise ValueError(f"{kv_index.dtype=} must be an integer type (i32)")
+    interpret = _kernel_mode()
+    if interpret is None:
+        return split_reorder_mod.split_reorder_reference(kv_index, kv_mask, heads_per_batch)
+    return split_reorder_mod.split_reorder_pallas(
+        kv_index, kv_mask, heads_per_batch, interpret=interpret
+    )
+
+
+def sparse_decode_attention_partials(
+    q: jax.Array,
+    k_sel: jax.Array,
+    v_sel: jax.Array,
+    valid_count: jax.Array,
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(out f32[B, H, D], lse f32[B, H]) of attention over the first valid_count[r] entries of
+    each row of k_sel / v_sel [B*H_kv, k, D]; merge two lanes with `merge_partials`."""
+    interpret = _kernel_mode()
+    if interpret is None:
+        return sparse_attention.sparse_decode_attention_partials_reference(
+            q, k_sel, v_sel, valid_count, scale=scale
+        )
+    return sparse_attention.sparse_decode_attention_partials_pallas(
+        q, k_sel, v_sel, valid_count, scale=scale, interpret=interpret
+    )
+
+
+def sparse_decode_attention(
+    q: jax.Array,
+    k_sel: jax.Array,
+    v_sel: jax.Array,
+    valid_count: jax.Array,
+    *,
+    scale: float | None = None,
+) -> jax.Array:
+    """Decode attention [B, H, D] (q's dtype) over the selected entries; rows with no valid
+    entry give zeros. scale defaults to 1/sqrt(D)."""
+    out, _ = sparse_decode_attention_partials(q, k_sel, v_sel, valid_count, scale=scale)
+    return out.astype(q.dtype)
