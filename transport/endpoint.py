@@ -89,13 +89,16 @@ def _parse_unix(address: str) -> str:
 class Endpoint:
     """See the module docstring. ``timeout``: seconds of peer silence before its pending
     operations fail; ``op_timeout``: default per-operation deadline (None = no deadline);
-    ``bandwidth``: per-endpoint pacing for all peers (``connect(bandwidth=)`` adds per-peer)."""
+    ``bandwidth``: per-endpoint pacing for all peers (``connect(bandwidth=)`` adds per-peer);
+    ``payload_checksum=False`` skips the crc32c of WRITE payloads (headers, RPC and
+    notifications stay checksummed) — both sides must agree, a checksumming receiver rejects
+    unchecksummed writes. Only for trusted links where the CPU cost matters."""
 
     def __init__(self, name: str, backend: str = "tcp", *, secret: bytes | str,
                  bandwidth: str | float | None = None, timeout: float = 5.0,
                  heartbeat: float | None = None, op_timeout: float | None = 60.0,
                  max_message: int = 256 << 20, rpc_workers: int = 4, ring_bytes: int = 32 << 20,
-                 rdma_device=None):
+                 payload_checksum: bool = True, rdma_device=None):
         if not isinstance(name, str) or not name or len(name.encode()) > 200:
             raise ValueError(f"endpoint name {name!r} must be a non-empty string (<= 200 bytes)")
         if backend not in BACKENDS:
@@ -120,6 +123,7 @@ class Endpoint:
         self._secret = bytes(secret)
         self.timeout, self.heartbeat, self.op_timeout = timeout, heartbeat, op_timeout
         self.max_message, self.ring_bytes = max_message, ring_bytes
+        self.payload_checksum = bool(payload_checksum)
         self.rdma = None
         if backend == "rdma":
             from transport.rdma import open_device

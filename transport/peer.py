@@ -21,7 +21,7 @@ from transport.connection import Frame, Operation
 from transport.errors import TransportError
 from transport.region import RemoteRegion, as_byte_view, decode_region_table
 from transport.transfer import Transfer
-from transport.wire import Op, pack_named
+from transport.wire import FLAG_NOCRC, Op, pack_named
 
 REGIONS_METHOD = "_jkv.regions"
 RDMA_REGIONS_METHOD = "_jkv.rdma_regions"
@@ -108,7 +108,8 @@ class Peer:
                              f"{self.name!r} region {region!r} of {r.nbytes} bytes")
         ring = self._conn.ring_tx
         step = ring.max_frame if ring is not None else max(len(view), 1)
-        frames = [Frame(Op.WRITE, [view[s:s + step]], r.id, offset + s)
+        flags = 0 if self.endpoint.payload_checksum else FLAG_NOCRC
+        frames = [Frame(Op.WRITE, [view[s:s + step]], r.id, offset + s, flags=flags)
                   for s in range(0, max(len(view), 1), step)]
         nbytes = len(view)
         if then is not None:
@@ -119,7 +120,7 @@ class Peer:
             if moff < 0 or moff + len(mview) > mr.nbytes:
                 raise ValueError(f"mask write of {len(mview)} bytes at offset={moff} does not fit "
                                  f"peer {self.name!r} region {mregion!r} of {mr.nbytes} bytes")
-            frames.append(Frame(Op.WRITE, [mview], mr.id, moff))
+            frames.append(Frame(Op.WRITE, [mview], mr.id, moff, flags=flags))
             nbytes += len(mview)
         return frames, nbytes
 

@@ -219,3 +219,19 @@ def test_rdma_backend_fails_at_start_with_the_fix():
 def test_aligned_empty_is_page_aligned():
     a = aligned_empty((3, 1000), np.float16)
     assert a.ctypes.data % 4096 == 0 and a.shape == (3, 1000) and a.flags.c_contiguous
+
+
+def test_payload_checksum_off_must_match_on_both_sides(make_endpoint):
+    fast = make_endpoint("fast-rx", payload_checksum=False)
+    pool = np.zeros(1 << 16, np.uint8)
+    fast.register("pool", pool)
+    sender = make_endpoint("fast-tx", payload_checksum=False)
+    peer = sender.connect(fast.listen())
+    peer.write("pool", 10, b"abc", then=("pool", 0, 1)).wait(5)
+    assert bytes(pool[10:13]) == b"abc" and pool[0] == 1
+    strict = make_endpoint("strict-rx")
+    strict.register("pool", np.zeros(16, np.uint8))
+    t = sender.connect(strict.listen()).write("pool", 0, b"x")
+    with pytest.raises(TransportError, match="requires them"):
+        t.wait(5)
+    assert strict.metrics.snapshot()["frames_rejected"] == 1
