@@ -96,13 +96,13 @@ class Connection:
         self.last_rx = self.last_tx = time.monotonic()
         self._cond = threading.Condition()
         self._ops: collections.deque[Operation] = collections.deque()
-        self._control: collections.deque[bytes] = collections.deque()
+        self._control: collections.deque[tuple[Header, bytes]] = collections.deque()
         self._pending: dict[int, Operation] = {}
         self._inflight: Operation | None = None  # op whose frames the sender is writing
         self._seq_tx = 0
         self._seq_rx = 0
         self._ping_queued = False
-        self._farewell: bytes | None = None
+        self._farewell: tuple[Header, bytes] | None = None  # ERROR frame sent before closing
         self._rx_consumed = 0  # shm: ring bytes consumed (monotonic)
         self._rx_reported = 0
         local = host.name
