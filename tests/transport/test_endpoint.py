@@ -77,7 +77,7 @@ def test_rpc_handler_errors_into_buffer_and_timeouts(pair):
     t = peer.call_async("slow", timeout=0.2)
     with pytest.raises(OpTimeout, match="0.2s timeout"):
         t.result()
-    assert t.state is TransferState.FAILED and time.monotonic() - started < 0.45
+    assert t.state is TransferState.FAILED and time.monotonic() - started < 0.55
     time.sleep(0.5)  # the late reply arrives and is dropped; the connection stays usable
     assert peer.alive and peer.call("big") == b"y" * 100
     with pytest.raises(ValueError, match="reserved"):
