@@ -26,7 +26,7 @@ def test_parse_bandwidth_rejects_with_a_hint(bad):
 
 def _retry_undershoot(measure, target):
     """Measure; once more if the result undershoots (the shared CI machine starved the
-    sender past the bucket's credit cap). Overshoot is never retried: it is a pacer bug."""
+    sender past the bucket's 10 ms credit cap). Overshoot is never retried: it is a pacer bug."""
     rate = measure()
     return measure() if rate < 0.95 * target else rate
 
