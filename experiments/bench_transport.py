@@ -115,10 +115,10 @@ class TransportSink:
     """A receiver process and a connected endpoint; ``run`` pushes ``total`` bytes."""
 
     def __init__(self, backend: str, block: int, total: int, *, window: int = 8,
-                 batch: int = 1, checksum: bool = True):
+                 batch: int = 1, checksum: bool = True, streams: int = 1):
         self.child = Child(backend, max(block, 16 * MiB), checksum)
         self.ep = Endpoint("bench", backend, secret=SECRET, payload_checksum=checksum)
-        self.peer = self.ep.connect(self.child.address)
+        self.peer = self.ep.connect(self.child.address, streams=streams)
         self.slots = self.peer.regions()["pool"].nbytes // block
         self.block, self.total, self.window, self.batch = block, total, window, batch
         self.data = np.frombuffer(np.random.default_rng(0).bytes(block), np.uint8)
@@ -201,6 +201,8 @@ def main() -> int:
         total = max(block * 8, int(total * scale) // block * block)
         configs = {"tcp": dict(backend="tcp"), "shm": dict(backend="shm"),
                    "tcp-nocrc": dict(backend="tcp", checksum=False)}
+        if block >= MiB:  # more streams: more threads (cores) move and checksum bytes
+            configs["tcp-3streams"] = dict(backend="tcp", streams=3)
         if block < MiB:  # a layer's small blocks go out 32 per write_many
             configs["tcp+wm32"] = dict(backend="tcp", batch=32, window=4)
             configs["shm+wm32"] = dict(backend="shm", batch=32, window=4)

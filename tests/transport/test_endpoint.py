@@ -235,3 +235,34 @@ def test_payload_checksum_off_must_match_on_both_sides(make_endpoint):
     with pytest.raises(TransportError, match="requires them"):
         t.wait(5)
     assert strict.metrics.snapshot()["frames_rejected"] == 1
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_multiple_streams_per_peer(backend, make_endpoint):
+    server = make_endpoint("server", backend)
+    pool = np.zeros((64, 4096), np.uint8)
+    server.register("pool", pool)
+    client = make_endpoint("client", backend)
+    peer = client.connect(server.listen(), streams=3)
+    assert peer.streams == 3
+    deadline = time.monotonic() + 5
+    while ("client" not in server.peers or server.peers["client"].streams < 3) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server.peers["client"].streams == 3
+    data = np.random.default_rng(5).integers(0, 256, pool.shape, dtype=np.uint8)
+    ts = [peer.write("pool", i * 4096, data[i]) for i in range(64)]  # rotate over the streams
+    for t in ts:
+        t.wait(5)
+    assert np.array_equal(pool, data)
+    assert min(c._seq_tx for c in peer._conns) >= 64 // 3  # every stream carried writes
+    # one stream dying takes the whole peer down, on both sides
+    peer._conns[1].sock.shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 5
+    while (peer.alive or "client" in server.peers) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not peer.alive and all(c.failed for c in peer._conns)
+    assert "server" not in client.peers and "client" not in server.peers
+    with pytest.raises(TransportError):
+        peer.write("pool", 0, b"x").wait(2)
+    with pytest.raises(ValueError, match="streams=0"):
+        client.connect(server.address, streams=0)
