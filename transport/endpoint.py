@@ -304,7 +304,7 @@ class Endpoint:
             if ring_tx is not None:
                 ring_rx = ShmRing.attach(json.loads(server_extra)["ring"])
             sock.settimeout(None)
-        except (AuthError, OSError, ValueError, KeyError) as e:
+        except (AuthError, OSError, ValueError, KeyError, TypeError) as e:
             self.metrics.incr("auth_failures")
             for ring in (ring_tx, ring_rx):
                 if ring is not None:
@@ -404,7 +404,7 @@ class Endpoint:
                     raise TransportError(f"stream {info.get('stream')} of {peer_name!r} names an "
                                          f"unknown session")
                 self._attach(peer, sock, None, rings.get("tx"), rings.get("rx"))
-        except (AuthError, OSError, ValueError, KeyError, TransportError) as e:
+        except (AuthError, OSError, ValueError, KeyError, TypeError, TransportError) as e:
             self.metrics.incr("auth_failures")
             log.warning("%r refused an incoming connection: %s", self.name, e)
             for ring in rings.values():
