@@ -2,14 +2,18 @@
 
 Two OS processes on loopback (the receiver is a child process):
 
-* throughput of one-sided writes for 64 KiB, 1 MiB and 16 MiB blocks, tcp and shm backends,
+* throughput of one-sided writes for 64 KiB, 1 MiB and 16 MiB blocks, tcp and shm backends
+  (and tcp with ``payload_checksum=False``, to separate framing cost from checksum cost),
   vs a raw-socket baseline (``sendall`` of the block / ``recv_into`` a preallocated buffer,
-  no framing, no checksum) — ratio goal >= 0.85x for blocks >= 1 MiB;
+  no framing, no checksum) — ratio goal >= 0.85x for blocks >= 1 MiB; 64 KiB blocks also
+  batched 32 per ``write_many`` (how a layer's blocks are pushed);
 * RPC latency p50/p99 for 64 KiB replies (the decode worker's remote-row fetch);
 * pacing accuracy: achieved / target over ~1 s at 100 Mbit/s, 1 Gbit/s, 2 Gbit/s.
 
-Each throughput point alternates raw and transport runs ``--repeats`` times and reports
-medians, so background load hits both sides alike. Prints a table with ratios and writes
+Receivers stay up for the whole run; each round measures raw and then every transport
+configuration back to back, and the reported ratio is the median over rounds of
+transport / raw-of-the-same-round (with its interquartile range), so background load on
+a shared machine hits both sides alike. Prints a table with ratios and writes
 ``experiments/results/bench_transport.csv``.
 
     python experiments/bench_transport.py [--quick]
@@ -42,51 +46,62 @@ KiB, MiB = 1 << 10, 1 << 20
 
 # ------------------------------------------------------------------ raw-socket baseline
 def _raw_receiver(port_q, block: int, total: int) -> None:
+    """Accept one connection per round; receive ``total`` bytes in ``block`` pieces; ack."""
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
-    srv.listen(1)
+    srv.listen(4)
     port_q.put(srv.getsockname()[1])
-    conn, _ = srv.accept()
     buf = memoryview(bytearray(block))
-    got = 0
-    while got < total:
-        pos = 0
-        while pos < block:
-            n = conn.recv_into(buf[pos:])
-            if n == 0:
-                return
-            pos += n
-        got += block
-    conn.sendall(b"k")
-    conn.close()
-    srv.close()
+    while True:
+        conn, _ = srv.accept()
+        got = 0
+        while got < total:
+            pos = 0
+            while pos < block:
+                n = conn.recv_into(buf[pos:])
+                if n == 0:
+                    conn.close()
+                    srv.close()
+                    return  # an empty connection ends the receiver
+                pos += n
+            got += block
+        conn.sendall(b"k")
+        conn.close()
 
 
-def raw_throughput(block: int, total: int) -> float:
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_raw_receiver, args=(q, block, total))
-    proc.start()
-    port = q.get(timeout=30)
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    data = memoryview(np.random.default_rng(0).bytes(block))
-    t0 = time.perf_counter()
-    for _ in range(total // block):
-        sock.sendall(data)
-    assert sock.recv(1) == b"k"
-    seconds = time.perf_counter() - t0
-    sock.close()
-    proc.join(10)
-    return 8 * total / seconds
+class RawSink:
+    def __init__(self, block: int, total: int):
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        self.proc = ctx.Process(target=_raw_receiver, args=(q, block, total))
+        self.proc.start()
+        self.port = q.get(timeout=60)
+        self.block, self.total = block, total
+        self.data = memoryview(np.random.default_rng(0).bytes(block))
+
+    def run(self) -> float:
+        sock = socket.create_connection(("127.0.0.1", self.port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        t0 = time.perf_counter()
+        for _ in range(self.total // self.block):
+            sock.sendall(self.data)
+        assert sock.recv(1) == b"k"
+        seconds = time.perf_counter() - t0
+        sock.close()
+        return 8 * self.total / seconds
+
+    def close(self):
+        socket.create_connection(("127.0.0.1", self.port)).close()
+        self.proc.join(10)
 
 
 # ------------------------------------------------------------------ transport
 class Child:
-    def __init__(self, backend: str, region_bytes: int):
+    def __init__(self, backend: str, region_bytes: int, checksum: bool = True):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "transport.tool", "serve", "--backend", backend, "--secret",
-             SECRET, "--name", "sink", "--region", f"pool:{region_bytes}"],
+             SECRET, "--name", "sink", "--region", f"pool:{region_bytes}",
+             *([] if checksum else ["--no-payload-checksum"])],
             cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True)
         self.address = json.loads(self.proc.stdout.readline())["address"]
@@ -96,28 +111,34 @@ class Child:
         self.proc.wait(10)
 
 
-def transport_throughput(backend: str, block: int, total: int, window: int = 8) -> float:
-    child = Child(backend, max(block, 16 * MiB))
-    ep = Endpoint("bench", backend, secret=SECRET)
-    try:
-        peer = ep.connect(child.address)
-        pool = peer.regions()["pool"].nbytes
-        data = np.frombuffer(np.random.default_rng(0).bytes(block), np.uint8)
-        n = total // block
-        slots = pool // block
+class TransportSink:
+    """A receiver process and a connected endpoint; ``run`` pushes ``total`` bytes."""
+
+    def __init__(self, backend: str, block: int, total: int, *, window: int = 8,
+                 batch: int = 1, checksum: bool = True, streams: int = 1):
+        self.child = Child(backend, max(block, 16 * MiB), checksum)
+        self.ep = Endpoint("bench", backend, secret=SECRET, payload_checksum=checksum)
+        self.peer = self.ep.connect(self.child.address, streams=streams)
+        self.slots = self.peer.regions()["pool"].nbytes // block
+        self.block, self.total, self.window, self.batch = block, total, window, batch
+        self.data = np.frombuffer(np.random.default_rng(0).bytes(block), np.uint8)
+
+    def run(self) -> float:
+        n = self.total // self.block // self.batch * self.batch
         inflight = []
         t0 = time.perf_counter()
-        for i in range(n):
-            inflight.append(peer.write("pool", (i % slots) * block, data))
-            if len(inflight) >= window:
+        for i in range(0, n, self.batch):
+            inflight.append(self.peer.write_many(
+                [("pool", ((i + j) % self.slots) * self.block, self.data) for j in range(self.batch)]))
+            if len(inflight) >= self.window:
                 inflight.pop(0).wait(60)
         for t in inflight:
             t.wait(60)
-        seconds = time.perf_counter() - t0
-        return 8 * n * block / seconds
-    finally:
-        ep.close()
-        child.stop()
+        return 8 * n * self.block / (time.perf_counter() - t0)
+
+    def close(self):
+        self.ep.close()
+        self.child.stop()
 
 
 def rpc_latency(backend: str, reply_bytes: int, calls: int) -> tuple[float, float]:
@@ -166,34 +187,57 @@ def paced_rate(rate: str, seconds: float) -> tuple[float, float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller transfers (smoke run)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=9, help="measurement rounds per block size")
+    ap.add_argument("--blocks", default="64k,1m,16m", help="subset of 64k,1m,16m")
+    ap.add_argument("--skip-rpc-pacing", action="store_true")
     ap.add_argument("--out", default=str(REPO / "experiments/results/bench_transport.csv"))
     args = ap.parse_args()
     scale = 0.25 if args.quick else 1.0
     rows = []
-    print(f"{'backend':8} {'block':>8} {'raw Gbit/s':>11} {'jkv Gbit/s':>11} {'ratio':>6}")
-    for block, total in ((64 * KiB, 128 * MiB), (1 * MiB, 512 * MiB), (16 * MiB, 1024 * MiB)):
+    print(f"{'backend':10} {'block':>8} {'raw Gbit/s':>11} {'jkv Gbit/s':>11} {'ratio':>6}")
+    sizes = {"64k": (64 * KiB, 64 * MiB), "1m": (1 * MiB, 256 * MiB), "16m": (16 * MiB, 512 * MiB)}
+    for key in args.blocks.split(","):
+        block, total = sizes[key]
         total = max(block * 8, int(total * scale) // block * block)
-        raws, jkv = [], {"tcp": [], "shm": []}
-        for _ in range(args.repeats):
-            raws.append(raw_throughput(block, total))
-            for backend in jkv:
-                jkv[backend].append(transport_throughput(backend, block, total))
+        configs = {"tcp": dict(backend="tcp"), "shm": dict(backend="shm"),
+                   "tcp-nocrc": dict(backend="tcp", checksum=False)}
+        if block >= MiB:  # more streams: more threads (cores) move and checksum bytes
+            configs["tcp-3streams"] = dict(backend="tcp", streams=3)
+        if block < MiB:  # a layer's small blocks go out 32 per write_many
+            configs["tcp+wm32"] = dict(backend="tcp", batch=32, window=4)
+            configs["shm+wm32"] = dict(backend="shm", batch=32, window=4)
+        raw_sink = RawSink(block, total)
+        sinks = {name: TransportSink(block=block, total=total, **cfg) for name, cfg in configs.items()}
+        raws, results = [], {name: [] for name in sinks}
+        try:
+            for _ in range(args.repeats):  # each round: raw, then every config right after it
+                raws.append(raw_sink.run())
+                for name, sink in sinks.items():
+                    results[name].append(sink.run())
+        finally:
+            raw_sink.close()
+            for sink in sinks.values():
+                sink.close()
         raw = statistics.median(raws)
-        for backend, values in jkv.items():
+        for name, values in results.items():
+            ratios = sorted(x / r for x, r in zip(values, raws))
+            ratio = statistics.median(ratios)
+            q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
             v = statistics.median(values)
-            print(f"{backend:8} {block // KiB:>6}Ki {raw / 1e9:11.2f} {v / 1e9:11.2f} {v / raw:6.2f}")
-            rows.append(dict(metric="throughput", backend=backend, block_bytes=block,
-                             raw_bps=raw, jkv_bps=v, ratio=v / raw, total_bytes=total))
-    for backend in ("tcp", "shm"):
+            print(f"{name:10} {block // KiB:>6}Ki {raw / 1e9:11.2f} {v / 1e9:11.2f} {ratio:6.2f}"
+                  f"   (ratio IQR {q1:.2f}-{q3:.2f}, {len(ratios)} rounds)", flush=True)
+            rows.append(dict(metric="throughput", config=name, block_bytes=block,
+                             raw_bps=raw, jkv_bps=v, ratio=ratio, ratio_q1=q1, ratio_q3=q3,
+                             rounds=len(ratios), total_bytes=total))
+    for backend in () if args.skip_rpc_pacing else ("tcp", "shm"):
         p50, p99 = rpc_latency(backend, 64 * KiB, int(2000 * scale))
         print(f"rpc 64KiB reply {backend}: p50 {p50:.0f} us  p99 {p99:.0f} us")
-        rows.append(dict(metric="rpc_latency_us", backend=backend, block_bytes=64 * KiB,
+        rows.append(dict(metric="rpc_latency_us", config=backend, block_bytes=64 * KiB,
                          p50_us=p50, p99_us=p99))
-    for rate in ("100mbit", "1gbit", "2gbit"):
+    for rate in () if args.skip_rpc_pacing else ("100mbit", "1gbit", "2gbit"):
         target, achieved = paced_rate(rate, 1.0)
         print(f"pacing {rate:>8}: achieved {achieved / 1e6:8.1f} Mbit/s = {achieved / target:.3f} x target")
-        rows.append(dict(metric="pacing", backend="tcp", target_bps=target, jkv_bps=achieved,
+        rows.append(dict(metric="pacing", config="tcp", target_bps=target, jkv_bps=achieved,
                          ratio=achieved / target))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

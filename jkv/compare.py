@@ -117,28 +117,34 @@ def hf_greedy(hf, ids: list[int], n: int, eos_ids: Sequence[int]) -> list[int]:
 def compare(model: Model, hf, prompt_ids: Sequence[list[int]], greedy_tokens: int = 32) -> CompareReport:
     import torch
 
-    from .engine import DenseEngine, Request
+    from .engine import DenseEngine, Request, bucket_prompt_len
     from .sampling import SamplingParams
 
+    # One padded batch per comparison: a single compiled prefill/decode serves every prompt.
+    lengths = np.array([len(ids) for ids in prompt_ids], np.int32)
+    T = bucket_prompt_len(int(lengths.max()))
+    tokens = np.zeros((len(prompt_ids), T), np.int32)
+    for b, ids in enumerate(prompt_ids):
+        tokens[b, :len(ids)] = ids
+    all_ours, _ = model.prefill(tokens, lengths, all_logits=True)
+    all_ours = np.asarray(all_ours, np.float64)
     max_diff = scale = kl_sum = 0.0
     agree = positions = 0
-    for ids in prompt_ids:
-        ref = hf(torch.tensor([ids])).logits[0].float().numpy()
-        ours, _ = model.prefill(np.array([ids], np.int32), np.array([len(ids)], np.int32), all_logits=True)
-        ours = np.asarray(ours[0], np.float64)
-        ref = ref.astype(np.float64)
+    for b, ids in enumerate(prompt_ids):
+        ref = hf(torch.tensor([ids])).logits[0].float().numpy().astype(np.float64)
+        ours = all_ours[b, :len(ids)]
         max_diff = max(max_diff, float(np.abs(ours - ref).max()))
         scale = max(scale, float(np.abs(ref).max()))
         lp, lq = _log_softmax(ref), _log_softmax(ours)
         kl_sum += float((np.exp(lp) * (lp - lq)).sum(-1).sum())
         agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
         positions += len(ids)
-    engine = DenseEngine(model)
     sp = SamplingParams(max_tokens=greedy_tokens, ignore_eos=False)
     eos = model.cfg.eos_token_ids
+    batch = DenseEngine(model).generate([Request(str(i), None, list(ids), sp) for i, ids in enumerate(prompt_ids)])
     mismatches, matched = [], 0
     for i, ids in enumerate(prompt_ids):
-        ours = engine.generate([Request(str(i), None, list(ids), sp)])[0].token_ids
+        ours = batch[i].token_ids
         theirs = hf_greedy(hf, list(ids), greedy_tokens, eos)
         theirs = theirs[:-1] if theirs and theirs[-1] in eos else theirs
         if ours == theirs:

@@ -182,7 +182,7 @@ def config_from_gguf_fields(fields: dict, tensor_names: set[str], dtype: str) ->
     )
 
 
-def load_gguf(path: str | Path, dtype: str = "float32") -> tuple[ModelConfig, dict, Tokenizer]:
+def load_gguf(path: str | Path, dtype: str = "float32") -> tuple[ModelConfig, dict, Tokenizer | None]:
     """Load a single GGUF file: dequantize (F32/F16/BF16/Q8_0/Q4_0/Q4_1/K-quants via `gguf`) to cfg.dtype."""
     import gguf
 
@@ -223,5 +223,7 @@ def load_gguf(path: str | Path, dtype: str = "float32") -> tuple[ModelConfig, di
             elif permute and sub in ("attn_k.weight", "attn_k.bias"):
                 a = _unpermute_rope_rows(a, cfg.num_kv_heads)
             hf[f"model.layers.{idx}.{_GGUF_LAYER_MAP[sub]}"] = a
-    tok = Tokenizer.from_gguf_fields(fields)
+    tok = Tokenizer.from_gguf_fields(fields) if "tokenizer.ggml.model" in fields else None
+    if tok is None:
+        log.warning("%s has no tokenizer metadata; the model accepts token ids only", path)
     return cfg, params_from_hf_tensors(cfg, hf), tok

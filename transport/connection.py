@@ -37,13 +37,14 @@ from transport.errors import FrameError, OpTimeout, PeerDeadError, RemoteError, 
 from transport.pacing import TokenBucket
 from transport.shm import ShmRing
 from transport.transfer import Transfer
-from transport.wire import (FLAG_ACK, FLAG_ERR, HEADER_SIZE, Header, Op, crc32c, decode_header,
+from transport.wire import (FLAG_ACK, FLAG_ERR, FLAG_NOCRC, HEADER_SIZE, Header, Op, crc32c, decode_header,
                             encode_header, unpack_named)
 
 log = logging.getLogger(__name__)
 
 _SMALL = 64 * 1024  # header and payload below this go out in one sendall
 _RECV_CHUNK = 4 << 20  # recv_into at most this much per call so liveness stays fresh
+_COPY_CHUNK = 1 << 20  # shm: copy out of the ring and checksum in cache-sized pieces
 _MAX_ERROR_TEXT = 4096
 
 
@@ -55,6 +56,18 @@ class Frame:
     offset: int = 0
     aux: int = 0
     flags: int = 0
+    crc: int = -1  # payload crc32c; computed by the submitting thread (see __post_init__)
+
+    def __post_init__(self):
+        # The submitting (user / handler) thread pays for the checksum, so the sender thread
+        # only moves bytes and checksumming overlaps with the previous frame's send.
+        if self.flags & FLAG_NOCRC:
+            self.crc = 0
+        elif self.crc < 0:
+            crc = 0
+            for p in self.payload:
+                crc = crc32c(p, crc)
+            self.crc = crc
 
     @property
     def length(self) -> int:
@@ -83,13 +96,13 @@ class Connection:
         self.last_rx = self.last_tx = time.monotonic()
         self._cond = threading.Condition()
         self._ops: collections.deque[Operation] = collections.deque()
-        self._control: collections.deque[bytes] = collections.deque()
+        self._control: collections.deque[tuple[Header, bytes]] = collections.deque()
         self._pending: dict[int, Operation] = {}
         self._inflight: Operation | None = None  # op whose frames the sender is writing
         self._seq_tx = 0
         self._seq_rx = 0
         self._ping_queued = False
-        self._farewell: bytes | None = None
+        self._farewell: tuple[Header, bytes] | None = None  # ERROR frame sent before closing
         self._rx_consumed = 0  # shm: ring bytes consumed (monotonic)
         self._rx_reported = 0
         local = host.name
@@ -241,9 +254,7 @@ class Connection:
                 wire_len = frame.length
             else:
                 wire_len = None
-            crc = 0
-            for p in frame.payload:
-                crc = crc32c(p, crc)
+            crc = frame.crc
             with self._cond:
                 seq = self._next_seq()
                 if last and op.expects != "none":
@@ -327,6 +338,20 @@ class Connection:
             self.last_rx = time.monotonic()
         return True
 
+    def _recv_crc(self, view: memoryview) -> int:
+        """Receive exactly ``len(view)`` bytes into ``view``; return their crc32c, computed
+        piece by piece right after each piece lands (while it is still in cache)."""
+        got, n, crc = 0, len(view), 0
+        while got < n:
+            k = self.sock.recv_into(view[got:], min(n - got, _RECV_CHUNK))
+            if k == 0:
+                raise PeerDeadError(f"peer {self.peer_name!r} closed the connection "
+                                    f"mid-frame ({got}/{n} bytes)")
+            crc = crc32c(view[got:got + k], crc)
+            got += k
+            self.last_rx = time.monotonic()
+        return crc
+
     def _read_loop(self) -> None:
         hdr = bytearray(HEADER_SIZE)
         hview = memoryview(hdr)
@@ -405,8 +430,7 @@ class Connection:
             raise FrameError(f"{h.op.name} payload of {h.length} bytes exceeds the "
                              f"{limit}-byte limit (max_message)")
         buf = bytearray(h.length)
-        self._recv_exact(memoryview(buf))
-        if crc32c(buf) != h.payload_crc:
+        if self._recv_crc(memoryview(buf)) != h.payload_crc:
             raise FrameError(f"{h.op.name} payload checksum mismatch")
         return buf
 
@@ -417,15 +441,22 @@ class Connection:
         if h.offset + h.length > region.nbytes:
             raise FrameError(f"WRITE [{h.offset}, {h.offset + h.length}) outside region "
                              f"{region.name!r} of {region.nbytes} bytes")
+        verify = not h.flags & FLAG_NOCRC
+        if not verify and self.host.payload_checksum:
+            raise FrameError("peer sent a WRITE without payload checksum, but this endpoint "
+                             "requires them (payload_checksum=True on both sides)")
         dest = region.view[h.offset:h.offset + h.length]
         self.host.metrics.begin("rx", "write")
         ok = False
         try:
             if self.ring_rx is not None:
-                self._copy_from_ring(h, dest)
+                crc = self._copy_from_ring(h, dest, verify)
+            elif verify:
+                crc = self._recv_crc(dest)  # zero-copy: straight into the registered region
             else:
-                self._recv_exact(dest)  # zero-copy: straight into the registered region
-            if crc32c(dest) != h.payload_crc:
+                self._recv_exact(dest)
+                crc = 0
+            if crc != h.payload_crc:
                 raise FrameError(f"WRITE payload checksum mismatch in region {region.name!r} "
                                  f"[{h.offset}, {h.offset + h.length}): not acknowledged")
             ok = True
@@ -434,19 +465,25 @@ class Connection:
         if h.flags & FLAG_ACK:
             self._control_frame(Op.ACK, h.seq)
 
-    def _copy_from_ring(self, h: Header, dest: memoryview) -> None:
+    def _copy_from_ring(self, h: Header, dest: memoryview, verify: bool = True) -> int:
         ring = self.ring_rx
         pos = h.aux % ring.size
         if (h.aux < self._rx_consumed or pos + h.length > ring.size
                 or h.aux + h.length - self._rx_consumed > ring.size):
             raise FrameError(f"WRITE ring span [{h.aux}, {h.aux + h.length}) invalid "
                              f"(consumed {self._rx_consumed}, ring {ring.size} bytes)")
-        dest[:] = ring.view[pos:pos + h.length]
+        crc = 0
+        for start in range(0, h.length, _COPY_CHUNK):  # crc each piece while it is in cache
+            piece = dest[start:start + _COPY_CHUNK]
+            piece[:] = ring.view[pos + start:pos + start + len(piece)]
+            if verify:
+                crc = crc32c(piece, crc)
         self._rx_consumed = h.aux + h.length
         self.last_rx = time.monotonic()
         if (h.flags & FLAG_ACK) or self._rx_consumed - self._rx_reported >= ring.size // 8:
             self._rx_reported = self._rx_consumed
             self._control_frame(Op.CREDIT, self._rx_consumed)
+        return crc
 
     def _on_reply(self, h: Header) -> None:
         with self._cond:
@@ -467,8 +504,7 @@ class Connection:
             return
         if into is not None:
             value = into[:h.length]
-            self._recv_exact(value)
-            if crc32c(value) != h.payload_crc:
+            if self._recv_crc(value) != h.payload_crc:
                 raise FrameError("REPLY payload checksum mismatch")
         else:
             value = self._recv_payload(h, self.host.max_message)

@@ -30,6 +30,7 @@ for their *own* endpoint's RPC pool to free up.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -89,13 +90,16 @@ def _parse_unix(address: str) -> str:
 class Endpoint:
     """See the module docstring. ``timeout``: seconds of peer silence before its pending
     operations fail; ``op_timeout``: default per-operation deadline (None = no deadline);
-    ``bandwidth``: per-endpoint pacing for all peers (``connect(bandwidth=)`` adds per-peer)."""
+    ``bandwidth``: per-endpoint pacing for all peers (``connect(bandwidth=)`` adds per-peer);
+    ``payload_checksum=False`` skips the crc32c of WRITE payloads (headers, RPC and
+    notifications stay checksummed) — both sides must agree, a checksumming receiver rejects
+    unchecksummed writes. Only for trusted links where the CPU cost matters."""
 
     def __init__(self, name: str, backend: str = "tcp", *, secret: bytes | str,
                  bandwidth: str | float | None = None, timeout: float = 5.0,
                  heartbeat: float | None = None, op_timeout: float | None = 60.0,
                  max_message: int = 256 << 20, rpc_workers: int = 4, ring_bytes: int = 32 << 20,
-                 rdma_device=None):
+                 payload_checksum: bool = True, rdma_device=None):
         if not isinstance(name, str) or not name or len(name.encode()) > 200:
             raise ValueError(f"endpoint name {name!r} must be a non-empty string (<= 200 bytes)")
         if backend not in BACKENDS:
@@ -120,6 +124,7 @@ class Endpoint:
         self._secret = bytes(secret)
         self.timeout, self.heartbeat, self.op_timeout = timeout, heartbeat, op_timeout
         self.max_message, self.ring_bytes = max_message, ring_bytes
+        self.payload_checksum = bool(payload_checksum)
         self.rdma = None
         if backend == "rdma":
             from transport.rdma import open_device
@@ -247,11 +252,33 @@ class Endpoint:
         return self.address
 
     def connect(self, address: str | tuple, *, bandwidth: str | float | None = None,
-                connect_timeout: float | None = None) -> Peer:
+                connect_timeout: float | None = None, streams: int = 1) -> Peer:
         """Connect and authenticate; retries refused connections for ``connect_timeout``
-        seconds (default ``timeout``). ``bandwidth`` paces this peer only."""
+        seconds (default ``timeout``). ``bandwidth`` paces this peer only (shared by its
+        streams). ``streams`` > 1 opens that many connections and spreads writes over them
+        (each write's block and mask stay on one stream; see Peer for the ordering rules)."""
         self._check_open()
+        if not isinstance(streams, int) or not 1 <= streams <= 16:
+            raise ValueError(f"streams={streams!r} must be an int in [1, 16]")
         deadline = time.monotonic() + (self.timeout if connect_timeout is None else connect_timeout)
+        pacer = TokenBucket(bandwidth) if bandwidth is not None else None
+        session = _secrets.token_hex(8)
+        peer = None
+        for stream in range(streams):
+            try:
+                sock, peer_name, ring_tx, ring_rx = self._open_stream(
+                    address, deadline, {"session": session, "stream": stream, "streams": streams})
+            except TransportError:
+                if peer is not None:
+                    peer.close()
+                raise
+            if peer is None:
+                peer = self._adopt(sock, peer_name, pacer, ring_tx, ring_rx, session=session)
+            else:
+                self._attach(peer, sock, pacer, ring_tx, ring_rx)
+        return peer
+
+    def _open_stream(self, address, deadline: float, info: dict):
         delay = 0.02
         while True:
             sock = self._new_socket()
@@ -271,13 +298,13 @@ class Endpoint:
             sock.settimeout(self.timeout)
             if self.backend == "shm":
                 ring_tx = ShmRing.create(self.ring_bytes)
-            peer_name, server_extra = client_handshake(
-                sock, self._secret, self.name, self.backend,
-                lambda: ring_tx.name.encode() if ring_tx else b"")
+            extra = json.dumps({**info, "ring": ring_tx.name if ring_tx else None}).encode()
+            peer_name, server_extra = client_handshake(sock, self._secret, self.name,
+                                                       self.backend, lambda: extra)
             if ring_tx is not None:
-                ring_rx = ShmRing.attach(server_extra.decode())
+                ring_rx = ShmRing.attach(json.loads(server_extra)["ring"])
             sock.settimeout(None)
-        except (AuthError, OSError, ValueError) as e:
+        except (AuthError, OSError, ValueError, KeyError, TypeError) as e:
             self.metrics.incr("auth_failures")
             for ring in (ring_tx, ring_rx):
                 if ring is not None:
@@ -286,8 +313,7 @@ class Endpoint:
             if isinstance(e, AuthError):
                 raise
             raise AuthError(f"handshake with {address!r} failed: {e}") from e
-        pacer = TokenBucket(bandwidth) if bandwidth is not None else None
-        return self._adopt(sock, peer_name, pacer, ring_tx, ring_rx)
+        return sock, peer_name, ring_tx, ring_rx
 
     def _new_socket(self) -> socket.socket:
         if self.backend == "shm":
@@ -297,11 +323,12 @@ class Endpoint:
         return sock
 
     def _adopt(self, sock, peer_name: str, pacer: TokenBucket | None = None,
-               ring_tx: ShmRing | None = None, ring_rx: ShmRing | None = None) -> Peer:
+               ring_tx: ShmRing | None = None, ring_rx: ShmRing | None = None, *,
+               session: str = "") -> Peer:
         """Wrap an authenticated socket in a Connection + Peer and start its threads."""
         pacers = [p for p in (pacer, self.pacer) if p is not None]
         conn = Connection(self, sock, peer_name, pacers=pacers, ring_tx=ring_tx, ring_rx=ring_rx)
-        peer = Peer(self, conn)
+        peer = Peer(self, conn, session)
         with self._lock:
             if self._closed.is_set():
                 sock.close()
@@ -312,8 +339,25 @@ class Endpoint:
         conn.start()
         self.metrics.incr("peers_connected")
         if old is not None:
-            old._conn.fail(TransportError(f"replaced by a new connection from {peer_name!r}"))
+            for c in old._conns:
+                c.fail(TransportError(f"replaced by a new connection from {peer_name!r}"))
         return peer
+
+    def _attach(self, peer: Peer, sock, pacer: TokenBucket | None = None,
+                ring_tx: ShmRing | None = None, ring_rx: ShmRing | None = None) -> None:
+        """Add one more stream (connection) to an existing peer."""
+        pacers = [p for p in (pacer, self.pacer) if p is not None]
+        conn = Connection(self, sock, peer.name, pacers=pacers, ring_tx=ring_tx, ring_rx=ring_rx)
+        with self._lock:
+            if self._closed.is_set() or self._peers.get(peer.name) is not peer or not peer.alive:
+                sock.close()
+                for ring in (ring_tx, ring_rx):
+                    if ring is not None:
+                        ring.close()
+                raise TransportError(f"peer {peer.name!r} is gone; stream not attached")
+            peer._conns.append(conn)
+            self._conns.add(conn)
+        conn.start()
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -333,12 +377,15 @@ class Endpoint:
     def _handshake_incoming(self, sock: socket.socket) -> None:
         rings: dict[str, ShmRing] = {}
 
+        info: dict = {}
+
         def welcome_extra(client_extra: bytes) -> bytes:
+            info.update(json.loads(client_extra))
             if self.backend != "shm":
-                return b""
-            rings["rx"] = ShmRing.attach(client_extra.decode())
+                return json.dumps({"ring": None}).encode()
+            rings["rx"] = ShmRing.attach(info["ring"])
             rings["tx"] = ShmRing.create(self.ring_bytes)
-            return rings["tx"].name.encode()
+            return json.dumps({"ring": rings["tx"].name}).encode()
 
         try:
             sock.settimeout(self.timeout)
@@ -347,8 +394,17 @@ class Endpoint:
             peer_name, _ = server_handshake(sock, self._secret, self.name, self.backend,
                                             welcome_extra)
             sock.settimeout(None)
-            self._adopt(sock, peer_name, None, rings.get("tx"), rings.get("rx"))
-        except (AuthError, OSError, ValueError, TransportError) as e:
+            session = str(info.get("session", ""))
+            if int(info.get("stream", 0)) == 0:
+                self._adopt(sock, peer_name, None, rings.get("tx"), rings.get("rx"), session=session)
+            else:  # a further stream of a peer that connected with streams > 1
+                with self._lock:
+                    peer = self._peers.get(peer_name)
+                if peer is None or not session or peer.session != session:
+                    raise TransportError(f"stream {info.get('stream')} of {peer_name!r} names an "
+                                         f"unknown session")
+                self._attach(peer, sock, None, rings.get("tx"), rings.get("rx"))
+        except (AuthError, OSError, ValueError, KeyError, TypeError, TransportError) as e:
             self.metrics.incr("auth_failures")
             log.warning("%r refused an incoming connection: %s", self.name, e)
             for ring in rings.values():
@@ -357,14 +413,17 @@ class Endpoint:
 
     # ------------------------------------------------------------------ callbacks from connections
     def _connection_failed(self, conn: Connection, error: TransportError) -> None:
-        if not self._closed.is_set():
-            self.metrics.incr("peers_failed")
         with self._lock:
             p = self._peers.get(conn.peer_name)
-            if p is not None and p._conn is conn:
-                del self._peers[conn.peer_name]
+            if p is None or conn not in p._conns:
+                return  # a stream of a peer that is already gone (or was replaced)
+            del self._peers[conn.peer_name]
             channel = self._rdma_out.pop(conn.peer_name, None)
             passive = self._rdma_in.pop(conn.peer_name, None)
+        if not self._closed.is_set():
+            self.metrics.incr("peers_failed")
+        for other in p._conns:  # one stream down takes the whole peer down
+            other.fail(error)
         if channel is not None:  # the control channel is the liveness signal for RDMA too
             channel.fail(error)
             channel.close()

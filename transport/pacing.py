@@ -46,16 +46,16 @@ def parse_bandwidth(value: str | float | int) -> float:
 class TokenBucket:
     """Token bucket in bytes. ``rate_bps`` in bits per second; ``burst`` in bytes.
 
-    The bucket starts empty, so a transfer never begins with a burst above the rate. The
-    default burst (20 ms of traffic, at least 64 KiB) only caps how much credit a sender
-    may bank while it was descheduled, which keeps the long-run rate exact on a loaded
-    machine without letting an idle sender flood the link later.
+    The bucket starts empty. The default burst (10 ms of traffic, at least 64 KiB) caps the
+    credit a sender banks while idle or descheduled: large enough to keep the long-run rate
+    exact on a loaded machine, small enough that a transfer starting after an idle period
+    overshoots a 1 s average by at most 1 % (like ``tc tbf``'s own burst).
     """
 
     def __init__(self, rate_bps: float | str, burst: int | None = None):
         self.rate_bps = parse_bandwidth(rate_bps)
         self.rate_Bps = self.rate_bps / 8.0
-        self.burst = int(burst) if burst is not None else max(65536, int(self.rate_Bps * 0.02))
+        self.burst = int(burst) if burst is not None else max(65536, int(self.rate_Bps * 0.01))
         if self.burst <= 0:
             raise ValueError(f"burst={burst} must be > 0 bytes")
         self._tokens = 0.0

@@ -6,9 +6,15 @@ request, the buffer passed to :meth:`Peer.write` must stay unchanged until the t
 done. Regions are addressed by the name the remote side registered; the name → id table is
 fetched once over RPC and refreshed when a name is missing.
 
-Concurrency: any thread may call any method. Operations submitted to one peer go on the
-wire in submission order (one FIFO per connection), and the remote applies them in that
-order — this is the ordering guarantee ``then=`` relies on.
+Ordering: every operation travels on one connection (stream) and the remote applies the
+frames of a connection in order, so a write's mask (``then=``) always lands after its block.
+With one stream (the default) *all* operations to a peer are applied in submission order.
+With ``connect(streams=N)`` writes rotate over the N streams (more cores move bytes) while
+calls, notifications and region lookups stay on stream 0: writes are then ordered only
+within themselves, not against other writes or a later notification — wait for a write's
+completion before a notification that announces it.
+
+Concurrency: any thread may call any method.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ from transport.connection import Frame, Operation
 from transport.errors import TransportError
 from transport.region import RemoteRegion, as_byte_view, decode_region_table
 from transport.transfer import Transfer
-from transport.wire import Op, pack_named
+from transport.wire import FLAG_NOCRC, Op, pack_named
 
 REGIONS_METHOD = "_jkv.regions"
 RDMA_REGIONS_METHOD = "_jkv.rdma_regions"
@@ -45,10 +51,13 @@ class WriteItem(NamedTuple):
 
 
 class Peer:
-    def __init__(self, endpoint, conn):
+    def __init__(self, endpoint, conn, session: str = ""):
         self.endpoint = endpoint
         self.name: str = conn.peer_name
-        self._conn = conn
+        self.session = session  # groups the streams of one connect(streams=N)
+        self._conn = conn  # stream 0: calls, notifications, region lookups
+        self._conns = [conn]  # every stream; writes rotate over them
+        self._next = 0
         self._lock = threading.Lock()
         self._remote: dict[str, RemoteRegion] = {}
 
@@ -57,12 +66,22 @@ class Peer:
 
     @property
     def alive(self) -> bool:
-        return self._conn.failed is None
+        return all(c.failed is None for c in self._conns)
+
+    @property
+    def streams(self) -> int:
+        return len(self._conns)
 
     @property
     def error(self) -> TransportError | None:
         """Why the connection failed (None while alive)."""
-        return self._conn.failed
+        return next((c.failed for c in self._conns if c.failed is not None), None)
+
+    def _stream(self):
+        with self._lock:
+            conn = self._conns[self._next % len(self._conns)]
+            self._next += 1
+        return conn
 
     # ------------------------------------------------------------------ regions
     def regions(self, refresh: bool = False, timeout: float | None = None) -> dict[str, RemoteRegion]:
@@ -99,16 +118,17 @@ class Peer:
             raise ValueError(f"timeout={timeout} must be > 0 seconds (or None for the default)")
         return None if t is None else time.monotonic() + t
 
-    def _write_frames(self, item: WriteItem) -> tuple[list[Frame], int]:
+    def _write_frames(self, item: WriteItem, conn) -> tuple[list[Frame], int]:
         region, offset, data, then = item
         r = self._region(region)
         view = as_byte_view(data, what="write data")
         if offset < 0 or offset + len(view) > r.nbytes:
             raise ValueError(f"write of {len(view)} bytes at offset={offset} does not fit peer "
                              f"{self.name!r} region {region!r} of {r.nbytes} bytes")
-        ring = self._conn.ring_tx
+        ring = conn.ring_tx
         step = ring.max_frame if ring is not None else max(len(view), 1)
-        frames = [Frame(Op.WRITE, [view[s:s + step]], r.id, offset + s)
+        flags = 0 if self.endpoint.payload_checksum else FLAG_NOCRC
+        frames = [Frame(Op.WRITE, [view[s:s + step]], r.id, offset + s, flags=flags)
                   for s in range(0, max(len(view), 1), step)]
         nbytes = len(view)
         if then is not None:
@@ -119,7 +139,7 @@ class Peer:
             if moff < 0 or moff + len(mview) > mr.nbytes:
                 raise ValueError(f"mask write of {len(mview)} bytes at offset={moff} does not fit "
                                  f"peer {self.name!r} region {mregion!r} of {mr.nbytes} bytes")
-            frames.append(Frame(Op.WRITE, [mview], mr.id, moff))
+            frames.append(Frame(Op.WRITE, [mview], mr.id, moff, flags=flags))
             nbytes += len(mview)
         return frames, nbytes
 
@@ -138,13 +158,14 @@ class Peer:
             raise ValueError("write_many needs at least one item")
         if self.endpoint.rdma is not None:
             return self._rdma_write_many(items, timeout)
+        conn = self._stream()
         frames, nbytes = [], 0
         for item in items:
-            f, n = self._write_frames(item)
+            f, n = self._write_frames(item, conn)
             frames += f
             nbytes += n
         t = Transfer("write", self.name, nbytes, self._deadline(timeout))
-        return self._conn.submit(Operation(t, frames, "ack"))
+        return conn.submit(Operation(t, frames, "ack"))
 
     def _rdma_write_many(self, items: list[WriteItem], timeout: float | None) -> Transfer:
         planned, nbytes = [], 0
@@ -200,6 +221,8 @@ class Peer:
         return self._conn.submit(Operation(t, [Frame(Op.NOTIFY, pack_named(kind, body))], "ack"))
 
     def close(self) -> None:
-        """Close this connection; pending operations fail."""
-        self._conn.fail(TransportError(f"connection to {self.name!r} closed locally"))
-        self._conn.join(5.0)
+        """Close this peer's connections; pending operations fail."""
+        for conn in list(self._conns):
+            conn.fail(TransportError(f"connection to {self.name!r} closed locally"))
+        for conn in list(self._conns):
+            conn.join(5.0)

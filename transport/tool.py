@@ -42,7 +42,7 @@ def read_request(region: str, offset: int, length: int) -> bytes:
 
 def _serve(args) -> int:
     ep = Endpoint(args.name, args.backend, secret=args.secret, timeout=args.timeout,
-                  bandwidth=args.bandwidth)
+                  bandwidth=args.bandwidth, payload_checksum=not args.no_payload_checksum)
     for spec in args.region:
         name, _, size = spec.partition(":")
         buf = aligned_empty(int(size), np.uint8)
@@ -95,7 +95,8 @@ def _serve(args) -> int:
 
 
 def _send(args) -> int:
-    ep = Endpoint(args.name, args.backend, secret=args.secret, timeout=args.timeout)
+    ep = Endpoint(args.name, args.backend, secret=args.secret, timeout=args.timeout,
+                  payload_checksum=not args.no_payload_checksum)
     try:
         peer = ep.connect(args.connect, bandwidth=args.bandwidth)
         block = np.frombuffer(np.random.default_rng(0).bytes(args.block), np.uint8)
@@ -124,6 +125,8 @@ def main(argv=None) -> int:
         p.add_argument("--name", default=cmd)
         p.add_argument("--timeout", type=float, default=5.0)
         p.add_argument("--bandwidth", default=None, help="pacing, e.g. 1gbit")
+        p.add_argument("--no-payload-checksum", action="store_true",
+                       help="skip crc32c of write payloads (trusted links only)")
     s = sub.choices["serve"]
     s.add_argument("--listen", default=None, help="address (default 127.0.0.1:0 / abstract unix)")
     s.add_argument("--region", action="append", default=[], help="NAME:BYTES (repeatable)")

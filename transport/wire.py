@@ -40,7 +40,8 @@ _CRC_SPAN = HEADER_SIZE - 4
 
 FLAG_ACK = 0x1  # receiver acknowledges this frame once it (and every earlier frame) is applied
 FLAG_ERR = 0x2  # REPLY carries an error message instead of a result
-FLAG_ALL = FLAG_ACK | FLAG_ERR
+FLAG_NOCRC = 0x4  # WRITE payload carries no checksum (sender has payload_checksum=False)
+FLAG_ALL = FLAG_ACK | FLAG_ERR | FLAG_NOCRC
 
 
 class Op(enum.IntEnum):

@@ -83,3 +83,14 @@ def test_greedy_decode_matches_transformers(built):
             nxt = hf(ids).logits[0, -1].argmax()
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     assert out.token_ids == ids[0, len(prompt):].tolist()
+
+
+def test_bfloat16_load_tracks_transformers(tmp_path_factory):
+    hf, path = _build("qwen2-bias-gqa3", tmp_path_factory)
+    m = load_model(path, dtype="bfloat16", use_cache=False)
+    assert m.cfg.dtype == "bfloat16"
+    tokens = np.array([[4, 8, 15, 16, 23, 42, 7, 99]], np.int32)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    ours, _ = m.prefill(tokens, np.array([8]), all_logits=True)
+    assert np.abs(np.asarray(ours, np.float32) - ref).max() <= 5e-2 * np.abs(ref).max()

@@ -96,3 +96,27 @@ def test_long_prompt_chunked_attention_matches_unchunked(monkeypatch):
     m2 = tiny_model("llama", seed=5)  # fresh jit caches pick up the smaller chunk
     out, _ = m2.prefill(toks, np.array([50]), all_logits=True)
     np.testing.assert_allclose(np.asarray(out[0, :50]), np.asarray(ref[0, :50]), atol=2e-5, rtol=2e-5)
+
+
+def test_bfloat16_model_tracks_float32():
+    """bf16 params/activations (norms and softmax in f32) stay close to the fp32 model."""
+    import jax
+
+    from models import Model
+    from models.transformer import init_params
+
+    m32 = tiny_model("qwen2", seed=7)
+    cfg16 = m32.cfg.replace(dtype="bfloat16")
+    p16 = jax.tree_util.tree_map(lambda a: a.astype(jnp.bfloat16), init_params(m32.cfg, 7))
+    m16 = Model(cfg16, p16)
+    assert m16.params["layers"][0]["q_proj"]["kernel"].dtype == jnp.bfloat16
+    rng = np.random.default_rng(5)
+    toks = _tokens(rng, 2, 12, m32.cfg.vocab_size)
+    l32, _ = m32.prefill(toks, np.array([12, 7]))
+    l16, kv16 = m16.prefill(toks, np.array([12, 7]))
+    assert kv16[0][0].dtype == jnp.bfloat16
+    a, b = np.asarray(l32), np.asarray(l16, np.float32)
+    assert np.abs(a - b).max() <= 5e-2 * np.abs(a).max()
+    cache = m16.cache_from_prefill(kv16, 16)
+    logits, _ = m16.decode_step(cache, np.array([4, 5]), np.array([12, 7]))
+    assert logits.dtype == jnp.float32 and np.isfinite(np.asarray(logits)).all()

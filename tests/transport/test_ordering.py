@@ -51,7 +51,7 @@ class Poller:
         self.thread.join()
 
 
-def _setup(make_endpoint, backend):
+def _setup(make_endpoint, backend, streams=1):
     rng = np.random.default_rng(7)
     patterns = rng.integers(1, 256, (NUM_BLOCKS, BLOCK), dtype=np.uint8)
     pool = aligned_empty((NUM_BLOCKS, BLOCK), np.uint8)
@@ -61,13 +61,13 @@ def _setup(make_endpoint, backend):
     decode.register("kv_pool", pool)
     decode.register("kv_mask", mask)
     prefill = make_endpoint("prefill", backend)
-    peer = prefill.connect(decode.listen())
+    peer = prefill.connect(decode.listen(), streams=streams)
     return peer, pool, mask, patterns
 
 
-@pytest.mark.parametrize("backend", ["tcp", "shm"])
-def test_mask_never_visible_before_block(backend, make_endpoint):
-    peer, pool, mask, patterns = _setup(make_endpoint, backend)
+@pytest.mark.parametrize("backend, streams", [("tcp", 1), ("shm", 1), ("tcp", 3)])
+def test_mask_never_visible_before_block(backend, streams, make_endpoint):
+    peer, pool, mask, patterns = _setup(make_endpoint, backend, streams)
     with Poller(pool, mask, patterns) as poller:
         transfers = [peer.write("kv_pool", i * BLOCK, patterns[i], then=Mask("kv_mask", i, 1))
                      for i in range(NUM_BLOCKS // 2)]

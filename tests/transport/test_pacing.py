@@ -24,32 +24,46 @@ def test_parse_bandwidth_rejects_with_a_hint(bad):
         parse_bandwidth(bad)
 
 
+def _retry_undershoot(measure, target):
+    """Measure; once more if the result undershoots (the shared CI machine starved the
+    sender past the bucket's 10 ms credit cap). Overshoot is never retried: it is a pacer bug."""
+    rate = measure()
+    return measure() if rate < 0.95 * target else rate
+
+
 def test_token_bucket_long_run_rate_any_chunk_size():
-    bucket = TokenBucket("400mbit")  # 50 MB/s
-    start, sent = time.monotonic(), 0
-    sizes = [1000, 70000, 3, 250000]
-    while time.monotonic() - start < 0.3:
-        n = sizes[sent % 4]
-        bucket.consume(n)
-        sent += n
-    rate = 8 * sent / (time.monotonic() - start)
-    assert rate == pytest.approx(400e6, rel=0.05)
+    def measure():
+        bucket = TokenBucket("400mbit")  # 50 MB/s
+        start, sent, i = time.monotonic(), 0, 0
+        sizes = [1000, 70000, 3, 250000]
+        while time.monotonic() - start < 0.3:
+            n = sizes[i % 4]
+            i += 1
+            bucket.consume(n)
+            sent += n
+        return 8 * sent / (time.monotonic() - start)
+
+    assert _retry_undershoot(measure, 400e6) == pytest.approx(400e6, rel=0.05)
 
 
 def test_busy_time_bandwidth_ignores_idle_gaps():
     m = Metrics()
+    t0 = time.monotonic()
     m.begin("tx", "write")
     time.sleep(0.05)
     m.end("tx", "write", 1000, True)
+    idle_start = time.monotonic()
     time.sleep(0.1)  # idle: must not count
+    idle = time.monotonic() - idle_start
     m.begin("tx", "write")
     m.begin("tx", "write")  # overlapping ops count once
     time.sleep(0.05)
     m.end("tx", "write", 1000, True)
     m.end("tx", "write", 0, False)
+    wall = time.monotonic() - t0
     snap = m.snapshot()["tx"]["write"]
     assert snap["ops"] == 2 and snap["failures"] == 1 and snap["bytes"] == 2000
-    assert 0.09 <= snap["busy_s"] < 0.14
+    assert 0.1 <= snap["busy_s"] <= wall - idle + 1e-3
     assert snap["busy_bandwidth_bps"] == pytest.approx(8 * 2000 / snap["busy_s"])
 
 
@@ -74,12 +88,8 @@ def _paced_rate(make_endpoint, backend, peer_bw=None, endpoint_bw=None, seconds=
 
 @pytest.mark.parametrize("backend, bw", [("tcp", "100mbit"), ("tcp", "2gbit"), ("shm", "1gbit")])
 def test_pacing_accuracy_one_second(make_endpoint, backend, bw):
-    achieved, target = _paced_rate(make_endpoint, backend, peer_bw=bw)
-    if achieved < 0.95 * target:
-        # Undershoot means this (shared, 2-core) machine starved the sender for longer than
-        # the bucket's 20 ms credit cap; measure once more. Overshoot is never retried: it
-        # would be a pacer bug.
-        achieved, target = _paced_rate(make_endpoint, backend, peer_bw=bw)
+    target = parse_bandwidth(bw)
+    achieved = _retry_undershoot(lambda: _paced_rate(make_endpoint, backend, peer_bw=bw)[0], target)
     assert achieved == pytest.approx(target, rel=0.05), f"{achieved / 1e6:.1f} Mbit/s vs {bw}"
 
 
@@ -91,9 +101,12 @@ def test_endpoint_bandwidth_is_shared_by_its_peers(make_endpoint):
     pa, pb = client.connect(server_a.listen()), client.connect(server_b.listen())
     data = np.ones(4 << 20, np.uint8)
     pa.regions(), pb.regions()
-    start = time.monotonic()
-    ts = [p.write_many([("pool", 0, data)] * 3) for p in (pa, pb)]  # 2 x 12 MiB
-    for t in ts:
-        t.wait(10)
-    rate = 8 * 2 * 3 * data.nbytes / (time.monotonic() - start)
-    assert rate == pytest.approx(400e6, rel=0.05)
+
+    def measure():
+        start = time.monotonic()
+        ts = [p.write_many([("pool", 0, data)] * 3) for p in (pa, pb)]  # 2 x 12 MiB
+        for t in ts:
+            t.wait(10)
+        return 8 * 2 * 3 * data.nbytes / (time.monotonic() - start)
+
+    assert _retry_undershoot(measure, 400e6) == pytest.approx(400e6, rel=0.05)

@@ -49,7 +49,13 @@ def test_writes_land_byte_exact_rpc_and_notifications(backend, spawn_peer, make_
     for i in range(50):
         peer.notify("seq", str(i).encode())
     assert peer.notify("seq", b"50").wait(5).state is TransferState.COMPLETE
-    assert bytes(peer.call("notified")) == ",".join(map(str, range(51))).encode()
+    # ACK means received; the child's handler thread may still be appending: poll briefly
+    expected = ",".join(map(str, range(51))).encode()
+    deadline = time.monotonic() + 5
+    while (got := bytes(peer.call("notified"))) != expected and time.monotonic() < deadline:
+        assert expected.startswith(got), got  # a prefix so far, never out of order
+        time.sleep(0.01)
+    assert got == expected
     assert peer.call("notify_back", b"40") == b"sent"
     got = [ep.next_notification(5).payload for _ in range(40)]
     assert got == [str(i).encode() for i in range(40)]
@@ -111,7 +117,7 @@ def test_silent_peer_fails_pending_within_timeout(spawn_peer, make_endpoint):
         call = peer.call_async("echo", b"b", timeout=30)
         with pytest.raises(PeerDeadError, match="silent"):
             call.wait(5)
-        assert call.finished_at - stopped_at < 1.0 + 0.3
+        assert call.finished_at - stopped_at < 1.0 + 0.5  # timeout + watchdog tick + slack
     finally:
         os.kill(child.pid, signal.SIGCONT)
 
