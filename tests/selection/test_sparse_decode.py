@@ -67,8 +67,10 @@ def all_selectors(model, calibration, ratio, **infinigen):
 def test_full_ratio_sparse_decode_equals_dense_decode(model, prompts, calibration):
     expected = dense_reference(model, prompts, MAX_TOKENS)
     # alpha = inf: InfiniGen's score threshold would otherwise drop tokens even at ratio 1.
+    np.testing.assert_array_equal(generate_sparse(model, prompts, Dense(), MAX_TOKENS).tokens, expected)
+    host = prefill_to_host(model, prompts, 37 + MAX_TOKENS)  # one prefill, every selector decodes from it
     for name, selector in all_selectors(model, calibration, 1.0, alpha=math.inf).items():
-        result = generate_sparse(model, prompts, selector, MAX_TOKENS)
+        result = decode(model, host, selector, MAX_TOKENS)
         np.testing.assert_array_equal(result.tokens, expected, err_msg=name)
         assert len(result.steps) == MAX_TOKENS - 1
         assert all(s.kv_fraction == pytest.approx(1.0) for s in result.steps), name
