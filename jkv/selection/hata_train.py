@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 class HATATrainConfig:
     bits: int = 256
     train_steps: int = 300
-    learning_rate: float = 5e-3
+    learning_rate: float = 2e-2
     top_ratio: float = 0.2  # label: the exact top 20% (SmartGen's max selection ratio)
     balance_weight: float = 0.1
     key_sample: int = 384  # keys per step, drawn at random (0 = all): cost and regularization
@@ -176,7 +176,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--decode-steps", type=int, default=192, help="teacher-forced decode steps (queries)")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--bits", type=int, default=256)
-    parser.add_argument("--learning-rate", type=float, default=5e-3)
+    parser.add_argument("--learning-rate", type=float, default=2e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
     return parser
