@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import tiny_model
+from tests.selection.tiny import shared_tiny_model
 
 from jkv.selection import get_selector
 from jkv.selection.calibration import collect_calibration
@@ -17,7 +17,7 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama", seed=0, num_layers=4)
+    return shared_tiny_model()
 
 
 @pytest.fixture(scope="module")
