@@ -152,7 +152,7 @@ def variable_tracking(tokenizer, length: int, index: int, seed: int = 0, hops: i
             "".join(parts) + "\n\n" + question
 
     def score(output: str) -> float:
-        found = set(re.findall(r"[A-Z]{5}", output))
+        found = set(re.findall(r"\b[A-Z]{5}\b", output))
         return sum(n in found for n in names) / len(names)
 
     return Sample("variable_tracking", _fit(tokenizer, build, length), " ".join(names), 30, score)

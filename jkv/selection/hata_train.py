@@ -30,10 +30,11 @@ log = logging.getLogger(__name__)
 class HATATrainConfig:
     bits: int = 256
     train_steps: int = 300
-    learning_rate: float = 5e-3
+    learning_rate: float = 2e-2
     top_ratio: float = 0.2  # label: the exact top 20% (SmartGen's max selection ratio)
     balance_weight: float = 0.1
     key_sample: int = 384  # keys per step, drawn at random (0 = all): cost and regularization
+    query_sample: int = 128  # queries per KV head per step, drawn at random (0 = all)
     seed: int = 0
 
     def __post_init__(self):
@@ -41,8 +42,9 @@ class HATATrainConfig:
             raise ValueError(f"bits={self.bits} must be a positive multiple of 32")
         if self.train_steps < 1:
             raise ValueError(f"train_steps={self.train_steps} must be >= 1")
-        if self.key_sample < 0:
-            raise ValueError(f"key_sample={self.key_sample} must be >= 0 (0 uses every key)")
+        if self.key_sample < 0 or self.query_sample < 0:
+            raise ValueError(f"key_sample={self.key_sample} and query_sample={self.query_sample} must be >= 0 "
+                             "(0 uses all)")
         if not 0 < self.top_ratio <= 1:
             raise ValueError(f"top_ratio={self.top_ratio} must be in (0, 1]")
 
@@ -104,8 +106,9 @@ def train_projection(calibration: Calibration, config: HATATrainConfig = HATATra
                      projection: np.ndarray | None = None) -> tuple[np.ndarray, list[float]]:
     """Fit hash projections on calibration queries/keys -> (f32[L, H_kv, D, bits], loss per step)."""
     queries, positions, keys = stack_calibration(calibration)
-    num_keys = keys.shape[2]
+    num_keys, num_queries = keys.shape[2], queries.shape[2]
     sample = config.key_sample if 0 < config.key_sample < num_keys else num_keys
+    query_sample = config.query_sample if 0 < config.query_sample < num_queries else num_queries
     if projection is None:
         projection = init_projection(calibration, config.bits, config.seed)
     params = {"w": jnp.asarray(projection), "log_beta": jnp.full(projection.shape[:2], math.log(config.bits / 8.0))}
@@ -122,8 +125,11 @@ def train_projection(calibration: Calibration, config: HATATrainConfig = HATATra
 
     @jax.jit
     def step(p, state, rng, queries, positions, keys):
-        key_index = jnp.sort(jax.random.choice(rng, num_keys, (sample,), replace=False))
-        loss, grads = jax.value_and_grad(loss_fn)(p, queries, positions, keys, key_index)
+        key_rng, query_rng = jax.random.split(rng)
+        key_index = jnp.sort(jax.random.choice(key_rng, num_keys, (sample,), replace=False))
+        query_index = jax.random.choice(query_rng, num_queries, (query_sample,), replace=False)
+        loss, grads = jax.value_and_grad(loss_fn)(p, queries[:, :, query_index], positions[query_index], keys,
+                                                  key_index)
         updates, state = optimizer.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
@@ -167,10 +173,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model name, HF dir or .gguf path")
     parser.add_argument("--out", required=True, help="directory to write the orbax weights to")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="calibration prompt length")
-    parser.add_argument("--decode-steps", type=int, default=64, help="teacher-forced decode steps (queries)")
+    parser.add_argument("--decode-steps", type=int, default=192, help="teacher-forced decode steps (queries)")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--bits", type=int, default=256)
-    parser.add_argument("--learning-rate", type=float, default=5e-3)
+    parser.add_argument("--learning-rate", type=float, default=2e-2)
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
     return parser

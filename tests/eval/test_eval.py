@@ -5,7 +5,9 @@ import math
 import numpy as np
 import pytest
 
-from models import tiny_model
+import copy
+
+from tests.selection.tiny import shared_tiny_model
 
 from jkv.eval import cli
 from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
@@ -29,6 +31,13 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages):
         return self.encode("<user>" + messages[0]["content"] + "<assistant>")
+
+
+def with_tokenizer(tokenizer):
+    """The shared tiny model (compiled pieces reused) with a byte tokenizer attached to a copy."""
+    model = copy.copy(shared_tiny_model())
+    model.tokenizer = tokenizer
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +80,7 @@ def test_fidelity_metrics_by_hand(tokenizer):
 
 
 def test_harness_at_full_ratio_matches_dense_everywhere(tokenizer):
-    model = tiny_model("llama", seed=0, num_layers=3)
-    model.tokenizer = tokenizer
+    model = with_tokenizer(tokenizer)
     rng = np.random.default_rng(0)
     calibration = collect_calibration(model, list(rng.integers(3, 259, size=80)), 72, 8)
     selectors = {(n, 1.0): get_selector(n, max_ratio=1.0) for n in ("oracle", "quest", "streamingllm")}
@@ -95,14 +103,13 @@ def test_harness_at_full_ratio_matches_dense_everywhere(tokenizer):
 
 
 def test_low_ratio_on_tiny_model_reports_less_kv(tokenizer, tmp_path):
-    model = tiny_model("llama", seed=0, num_layers=3)
-    model.tokenizer = tokenizer
+    model = with_tokenizer(tokenizer)
     config = EvalConfig(tasks=("fidelity",), lengths=(256,), limit=1, fidelity_tokens=4,
                         selectors=("oracle", "streamingllm"), ratios=(0.2,))
     rows = evaluate(model, config, progress=False)
     sparse = [r for r in rows if r["selector"] != "dense"]
-    # 3 layers, 2 dense: one layer at ~20% -> (2 + 0.2) / 3 of the KV.
-    assert all(r["kv_fraction"] == pytest.approx((2 + 0.2) / 3, abs=0.01) for r in sparse)
+    # 4 layers, 2 dense: two layers at ~20% -> (2 + 2 * 0.2) / 4 of the KV.
+    assert all(r["kv_fraction"] == pytest.approx((2 + 2 * 0.2) / 4, abs=0.01) for r in sparse)
     assert all(0 < r["score"] <= 1 and r["kl"] >= 0 for r in sparse)
     write_csv(str(tmp_path / "rows.csv"), rows)
     assert (tmp_path / "rows.csv").read_text().startswith("task,length")

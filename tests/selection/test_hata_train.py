@@ -4,7 +4,7 @@ import argparse
 import numpy as np
 import pytest
 
-from models import tiny_model
+from tests.selection.tiny import shared_tiny_model
 
 from jkv.selection import get_selector
 from jkv.selection.calibration import collect_calibration
@@ -14,7 +14,7 @@ from jkv.selection.hata_train import HATATrainConfig, add_parser, init_projectio
 
 @pytest.fixture(scope="module")
 def calibration():
-    model = tiny_model("llama", seed=0, num_layers=4)
+    model = shared_tiny_model()
     rng = np.random.default_rng(1)
     return collect_calibration(model, list(rng.integers(3, 301, size=160)), 128, 32)
 

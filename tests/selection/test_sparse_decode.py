@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import tiny_model
+from tests.selection.tiny import shared_tiny_model
 
 from jkv.selection import get_selector
 from jkv.selection.calibration import collect_calibration
@@ -17,7 +17,7 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def model():
-    return tiny_model("llama", seed=0, num_layers=4)
+    return shared_tiny_model()
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +67,10 @@ def all_selectors(model, calibration, ratio, **infinigen):
 def test_full_ratio_sparse_decode_equals_dense_decode(model, prompts, calibration):
     expected = dense_reference(model, prompts, MAX_TOKENS)
     # alpha = inf: InfiniGen's score threshold would otherwise drop tokens even at ratio 1.
+    np.testing.assert_array_equal(generate_sparse(model, prompts, Dense(), MAX_TOKENS).tokens, expected)
+    host = prefill_to_host(model, prompts, 37 + MAX_TOKENS)  # one prefill, every selector decodes from it
     for name, selector in all_selectors(model, calibration, 1.0, alpha=math.inf).items():
-        result = generate_sparse(model, prompts, selector, MAX_TOKENS)
+        result = decode(model, host, selector, MAX_TOKENS)
         np.testing.assert_array_equal(result.tokens, expected, err_msg=name)
         assert len(result.steps) == MAX_TOKENS - 1
         assert all(s.kv_fraction == pytest.approx(1.0) for s in result.steps), name
