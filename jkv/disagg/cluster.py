@@ -44,7 +44,7 @@ class LocalPrefillWorkers:
             for i in range(count):
                 cmd = [sys.executable, "-m", "jkv.disagg.prefill_worker", "--model", model_spec,
                        "--selector-file", selector_file, "--name", f"prefill-{i}", "--transport", transport,
-                       "--lease-s", str(lease_s), "--timeout-s", str(timeout_s)]
+                       "--lease-s", str(lease_s), "--timeout-s", str(timeout_s), "--exit-with-parent"]
                 if bandwidth is not None:
                     cmd += ["--bandwidth", str(bandwidth)]
                 self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True))

@@ -90,6 +90,7 @@ class _Live:
     step_selected: list = dataclasses.field(default_factory=list)
     bytes: dict = dataclasses.field(default_factory=dict)
     fetch_bytes: int = 0
+    fetched: np.ndarray | None = None  # bool[L, H_kv, N_cap]: rows already fetched on demand (KV reuse)
 
     @property
     def active(self) -> bool:
@@ -117,7 +118,8 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}
         self.owners: list[str] = []
-        self._split = jax.jit(functools.partial(dispatch.split_reorder, heads_per_batch=cfg.num_kv_heads))
+        # Rows carry their own mask (token mask + rows this worker already fetched): one row per "batch".
+        self._split = jax.jit(functools.partial(dispatch.split_reorder, heads_per_batch=1))
 
     # ---------------------------------------------------------------- wiring
     def connect(self, addresses) -> list[str]:
@@ -187,7 +189,8 @@ class DecodeWorker:
         kv = self.pool.allocate(rid, n, capacity)
         self.endpoint.register(proto.kv_region(rid), kv.kv)
         self.endpoint.register(proto.mask_region(rid), kv.mask)
-        return _Live(req, rid, kv, geometry, owner, order, kr)
+        return _Live(req, rid, kv, geometry, owner, order, kr,
+                     fetched=np.zeros((cfg.num_layers, cfg.num_kv_heads, capacity), bool))
 
     # ---------------------------------------------------------------- generate
     def generate(self, requests: list[Request], t0: float | None = None) -> list[RequestOutput]:
@@ -435,15 +438,20 @@ class DecodeWorker:
     def _gather_once(self, lives, layer, kv_index):
         B, H = len(lives), self.model.cfg.num_kv_heads
         k = kv_index.shape[1]
-        mask = np.stack([lv.kv.mask[layer] for lv in lives])  # one snapshot: [B, N_cap]
+        # One snapshot of the mask per row (request, KV head): [B*H_kv, N_cap]. Rows fetched on
+        # demand earlier are kept in the pool (KV reuse, DESIGN.md) and count as local here; the
+        # shared token mask itself still only turns 1 when a block lands.
+        mask = np.repeat(np.stack([lv.kv.mask[layer] for lv in lives]), H, axis=0)
         for b, lv in enumerate(lives):
+            rows = mask[b * H:(b + 1) * H]
             if not lv.active or lv.released:  # nothing remote to fetch (inactive rows are ignored)
-                mask[b][mask[b] == REMOTE] = LOCAL
+                rows[rows == REMOTE] = LOCAL
+            else:
+                rows[lv.fetched[layer] & (rows == REMOTE)] = LOCAL
         reordered, remote_count, _ = self._split(jnp.asarray(kv_index), jnp.asarray(mask))
         reordered, remote_count = np.asarray(reordered), np.asarray(remote_count)
         safe = np.maximum(kv_index, 0)
-        row_b = np.repeat(np.arange(B), H)
-        is_remote = (kv_index >= 0) & (mask[row_b[:, None], safe] == REMOTE)
+        is_remote = (kv_index >= 0) & (np.take_along_axis(mask, safe, axis=1) == REMOTE)
         assert (is_remote.sum(1) == remote_count).all(), "split_reorder disagrees with the mask snapshot"
         # Remote lane: one RPC per owner with each row's remote-first prefix (Algorithm 1).
         calls = []
@@ -489,7 +497,12 @@ class DecodeWorker:
                 b, h = divmod(r, H)
                 K_sel[b, h, slots] = reply[0, pos:pos + c]
                 V_sel[b, h, slots] = reply[1, pos:pos + c]
-                lives[b].fetch_bytes += 2 * c * D * 4
+                positions = reordered[r, :c]
+                lv = lives[b]  # keep the rows: identical bytes to what a later block write brings
+                lv.kv.kv[0, layer, h, positions] = reply[0, pos:pos + c]
+                lv.kv.kv[1, layer, h, positions] = reply[1, pos:pos + c]
+                lv.fetched[layer, h, positions] = True
+                lv.fetch_bytes += 2 * c * D * 4
                 pos += c
         return K_sel, V_sel, is_remote.sum(1)
 

@@ -3,7 +3,7 @@ processes on this machine, the link paced so full KV transfer takes several time
 time, a batch of long prompts with `full` then `smartgen` transfer: a table of TTFT, TTST,
 mean TBT, on-demand ratio and bytes moved, and a check that the texts are identical.
 
-    jkv demo [--requests 4 --prompt-len 1024 --max-tokens 24]
+    jkv demo [--requests 4 --prompt-len 512 --max-tokens 24]
     python experiments/smartgen_demo.py ...   (the same)
 
 Prints (CLI output, hence print) and returns 0 when the texts are identical.
@@ -23,7 +23,7 @@ def add_args(p):
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--selector", default="infinigen")
     p.add_argument("--requests", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--ratio", type=float, default=6.5, help="full-transfer time / prefill time to emulate")
     p.add_argument("--prefill-workers", type=int, default=2)

@@ -119,7 +119,7 @@ class PrefillWorker:
             raise ValueError(f"{self.name} was started without --bandwidth; start it paced to re-pace it")
         with pacer._lock:
             pacer.rate_bps, pacer.rate_Bps = float(bits_per_s), float(bits_per_s) / 8.0
-            pacer.burst = max(65536, int(pacer.rate_Bps * 0.02))
+            pacer.burst = max(65536, int(pacer.rate_Bps * 0.01))  # TokenBucket default
 
     def held(self) -> list[str]:
         with self._lock:
@@ -305,7 +305,7 @@ class PrefillWorker:
             return None
         for t in h.inflight:
             try:
-                t.wait(timeout=30)
+                t.wait(timeout=60.0 if self.endpoint.peers else 1.0)
             except TransportError:
                 pass
         self.pool.free(rid)
@@ -357,6 +357,7 @@ def add_args(p):
     p.add_argument("--bandwidth", default=None, help='paced link, e.g. "1gbit"')
     p.add_argument("--lease-s", type=float, default=300.0)
     p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("--exit-with-parent", action="store_true", help="exit when the starting process dies")
 
 
 def run_from_args(args) -> int:
@@ -375,9 +376,12 @@ def run_from_args(args) -> int:
     print(f"JKV-READY {address}", flush=True)
     runner = threading.Thread(target=worker.run, name="jkv-prefill-main", daemon=True)
     runner.start()
+    parent = os.getppid()
     try:
         while not stop.wait(0.2):
-            pass
+            if args.exit_with_parent and os.getppid() != parent:
+                log.warning("%s: parent process exited; shutting down", args.name)
+                break
     except KeyboardInterrupt:
         pass
     worker.close()
