@@ -115,6 +115,14 @@ class Harness:
         bw = max(per_worker.values()) * 8 / (ratio * tp)
         self.set_bandwidth(bw)
         self.tp = tp
+        if self.profile is not None:
+            # Eq. 2 per request: the prefill window is the batch's Tp and the request gets its share
+            # of the worker's link, so the profile's Tp (measured solo) is rescaled to Tp_batch / share.
+            share = max(sum(1 for o in outs if o.metrics.extra["owner"] == w) for w in per_worker)
+            n = int(np.mean([o.metrics.prompt_tokens for o in outs]))
+            factor = (tp / share) / self.profile.prefill_time(n)
+            for b in self.profile.bins:
+                b.prefill_s *= factor
         self.say(f"measured Tp={tp:.2f}s for the batch; paced each prefill worker to {bw / 1e6:.1f} Mbit/s so "
                  f"full transfer takes ~{ratio:g} x Tp")
         return tp, bw
