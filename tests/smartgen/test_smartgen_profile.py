@@ -108,3 +108,18 @@ def test_proactive_orders():
     assert sorted(rnd.tolist()) == list(range(12)) and rnd.tolist() != list(range(12))
     with pytest.raises(ValueError, match="profile"):
         proactive_order("profile", g, None)
+
+
+def test_build_profile_counts_selections_by_hand(model):
+    """Sequential selection keeps tokens [0, ceil(0.2 * N)) of every head: with a 40-token prompt
+    and 3 decode steps (N = 41, 42, 43 -> 9 tokens each) S(e) = 3 for tokens 0..8, so with
+    blocks of 5 tokens I[l>=2] = [3, 12/5, 0, ...] (Eq. 1)."""
+    from jkv.selection.registry import get_selector
+    from jkv.transfer.profile import build_profile
+
+    prompt = list(range(3, 43))
+    prof = build_profile(model, get_selector("sequential"), "sequential", {40: [prompt]}, steps=3, max_blocks=8)
+    (b,) = prof.bins
+    assert b.prompt_len == 40 and b.importance.shape == (3, 8) and b.prefill_s > 0
+    assert np.isinf(b.importance[:2]).all()
+    np.testing.assert_allclose(b.importance[2], [3.0, 2.4, 0, 0, 0, 0, 0, 0])
