@@ -53,6 +53,39 @@ log = logging.getLogger(__name__)
 PREFILL_BUCKET = 64
 
 
+class _YieldToOnDemand:
+    """The bulk lane's pacer: the worker's shared token bucket, but bulk chunks wait while an
+    on-demand reply is draining (its bytes at the link rate), so speculative and proactive
+    writes use only the bandwidth on-demand fetches leave idle (SmartGen §4.3: speculation
+    fills idle bandwidth; on-demand rows are on the decode step's critical path)."""
+
+    MAX_YIELD_S = 1.0
+
+    def __init__(self, shared):
+        self.shared = shared
+        self._lock = threading.Lock()
+        self._busy_until = 0.0
+
+    @property
+    def chunk(self) -> int:
+        return self.shared.chunk
+
+    def reserve(self, nbytes: int) -> None:
+        with self._lock:
+            start = max(time.monotonic(), self._busy_until)
+            self._busy_until = start + nbytes / self.shared.rate_Bps
+
+    def consume(self, nbytes: int) -> float:
+        slept = 0.0
+        while True:
+            with self._lock:
+                wait = self._busy_until - time.monotonic()
+            if wait <= 0 or slept >= self.MAX_YIELD_S:  # bounded, so the bulk lane never looks dead
+                return slept + self.shared.consume(nbytes)
+            time.sleep(min(wait, 0.05))
+            slept += min(wait, 0.05)
+
+
 @dataclasses.dataclass
 class _Held:
     rid: str
@@ -85,7 +118,7 @@ class PrefillWorker:
         # on-demand fetches must not stall behind background transfer).
         self.bulk = Endpoint(f"{name}.bulk", backend, secret=secret, timeout=timeout, op_timeout=None,
                              max_message=1 << 30)
-        self.bulk.pacer = self.endpoint.pacer
+        self.bulk.pacer = _YieldToOnDemand(self.endpoint.pacer) if self.endpoint.pacer is not None else None
         self.endpoint.serve("fetch", self._fetch)
         self.endpoint.serve("free", self._free_call)
         self.endpoint.serve("stats", lambda peer, payload: proto.pack(
@@ -290,7 +323,10 @@ class PrefillWorker:
             h.bytes["on_demand"] += nbytes
         if not ks:
             return b""
-        return np.concatenate([np.concatenate(ks), np.concatenate(vs)]).tobytes()
+        reply = np.concatenate([np.concatenate(ks), np.concatenate(vs)]).tobytes()
+        if isinstance(self.bulk.pacer, _YieldToOnDemand):
+            self.bulk.pacer.reserve(len(reply))
+        return reply
 
     def _free_call(self, peer_name, payload):
         header, _ = proto.unpack(payload)
