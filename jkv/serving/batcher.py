@@ -246,6 +246,7 @@ class ContinuousBatcher:
                 with self._lock:
                     self._n_waiting -= 1
                 self._finish_event(req, None, "cancelled")
+                self._set_gauges()
                 return
         for s, run in enumerate(self._slots):
             if run is not None and run.req.request_id == request_id:

@@ -7,7 +7,8 @@ import pytest
 
 from jkv import LLM, SamplingParams
 from jkv.serving.batcher import BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest
-from models import tiny_model
+from jkv.serving.metrics import ServerMetrics
+from models import load_model, tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,8 @@ def test_cancel_frees_the_slot_and_ends_with_cancelled(batcher):
 
 
 def test_cancel_of_a_queued_request(model):
-    b = ContinuousBatcher(model, BatcherConfig(max_slots=1, max_model_len=128))
+    metrics = ServerMetrics()
+    b = ContinuousBatcher(model, BatcherConfig(max_slots=1, max_model_len=128), metrics)
     b.start()
     try:
         q1 = _submit(b, "x", [3], SamplingParams(max_tokens=100, ignore_eos=True))
@@ -90,6 +92,8 @@ def test_cancel_of_a_queued_request(model):
     finally:
         b.stop()
     assert b.num_running == 0 and b.num_waiting == 0
+    assert metrics.queue_len._value.get() == 0 and metrics.slots_allocated._value.get() == 0
+    assert metrics.finished.labels("cancelled")._value.get() == 1
 
 
 def test_over_long_request_names_both_lengths(batcher):
@@ -107,3 +111,24 @@ def test_stop_fails_running_requests_with_an_error_event(model):
     last = _collect(q)[-1]
     assert last.finish_reason == "error" and "shutting down" in last.error
     assert b.num_running == 0
+
+
+def test_smollm2_chat_with_stop_string_equals_llm_generate():
+    """The real model: text through the batcher (streamed deltas) equals LLM.generate, stop string included."""
+    smol = load_model("smollm2-135m-instruct")
+    llm = LLM(smol)
+    chat = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    ids = llm.encode_prompt(chat)
+    full = llm.generate(chat, SamplingParams(max_tokens=16))[0].text
+    stop = full.split()[3]  # a word in the middle of the answer
+    want = full[:full.find(stop)]  # what LLM.generate returns with stop=(stop,) (greedy: same prefix)
+    b = ContinuousBatcher(smol, BatcherConfig(max_slots=2, max_model_len=256))
+    b.start()
+    try:
+        other = _submit(b, "other", ids[:10], SamplingParams(max_tokens=20, ignore_eos=True))
+        events = _collect(_submit(b, "smol", ids, SamplingParams(max_tokens=16, stop=(stop,))))
+        _collect(other)
+    finally:
+        b.stop()
+    assert "".join(ev.text for ev in events) == events[-1].final_text == want
+    assert events[-1].finish_reason == "stop" and len(want) > 5
