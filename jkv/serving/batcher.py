@@ -159,8 +159,7 @@ class ContinuousBatcher:
             raise RuntimeError("the engine is shutting down; no new requests are accepted")
         with self._lock:
             self._n_waiting += 1
-        self._set_gauges()
-        self._inbox.put(("submit", req))
+        self._inbox.put(("submit", req))  # the engine thread publishes the gauges (one writer, no stale values)
 
     def cancel(self, request_id: str):
         """Cancel a waiting or running request (thread-safe); its slot is freed before the next step."""
@@ -237,6 +236,7 @@ class ContinuousBatcher:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
+                self._set_gauges()
                 return
 
     def _cancel(self, request_id: str):

@@ -20,7 +20,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = None
@@ -55,7 +55,7 @@ class _Common(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_Common):
+class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
 
@@ -90,7 +90,7 @@ class ChatMessage(BaseModel):
         return "".join(parts)
 
 
-class ChatRequest(_Common):
+class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
 

@@ -39,7 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from . import protocol as P
 from .config import UPSTREAM_KINDS, ServeConfig
 from .metrics import RouterMetrics
-from .server import _CountRequests
+from .server import CountRequests
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def create_router_app(cfg: ServeConfig) -> FastAPI:
                 task.cancel()
 
     app = FastAPI(title="jkv router", lifespan=lifespan)
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(CountRequests, metrics=metrics)
     app.state.router = router
 
     async def proxy(request: Request, path: str):

@@ -46,7 +46,7 @@ class AsyncSink:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
-class _CountRequests:
+class CountRequests:
     """Pure ASGI middleware (streaming- and disconnect-safe) counting requests by endpoint and status."""
 
     def __init__(self, app, metrics):
@@ -129,7 +129,7 @@ def create_app(engine: ContinuousBatcher, model_name: str, metrics: ServerMetric
 
     app = FastAPI(title="jkv", lifespan=lifespan)
     install_error_handlers(app)
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(CountRequests, metrics=metrics)
 
     def check_model(name: str | None):
         if name is not None and name != model_name:
@@ -150,7 +150,7 @@ def create_app(engine: ContinuousBatcher, model_name: str, metrics: ServerMetric
             raise P.RequestError("the prompt is empty (0 tokens); give at least one token", param="prompt")
         return ids
 
-    def plan(body: P._Common, prompts_ids: list[list[int]], requested: int | None, default: int):
+    def plan(body: P.SamplingFields, prompts_ids: list[list[int]], requested: int | None, default: int):
         def params_for(p, ids):
             max_tokens = requested if requested is not None else max(1, min(default, max_len - len(ids)))
             try:
@@ -164,7 +164,7 @@ def create_app(engine: ContinuousBatcher, model_name: str, metrics: ServerMetric
         planned = [params_for(p, ids) for p, ids in enumerate(prompts_ids)]  # validate everything first
         return lambda p, ids: planned[p]
 
-    async def run(request: Request, body: P._Common, prompts_ids, params_for, chat: bool):
+    async def run(request: Request, body: P.SamplingFields, prompts_ids, params_for, chat: bool):
         job = _Job(engine, asyncio.get_running_loop())
         try:
             job.submit(prompts_ids, params_for)
@@ -215,7 +215,7 @@ def create_app(engine: ContinuousBatcher, model_name: str, metrics: ServerMetric
         return JSONResponse(P.chat_body(rid, model_name, choices, use) if chat
                             else P.completion_body(rid, model_name, choices, use))
 
-    async def _stream(job: _Job, rid: str, body: P._Common, n_prompt: int, chat: bool):
+    async def _stream(job: _Job, rid: str, body: P.SamplingFields, n_prompt: int, chat: bool):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 

@@ -59,6 +59,19 @@ def test_requests_spread_across_upstreams_with_correct_output(router, server, up
         model="tiny", prompt=prompts[0], max_tokens=40, temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in streamed) == wants[0]
     assert [m.id for m in openai.OpenAI(base_url=router.url + "/v1", api_key="x").models.list().data] == ["tiny"]
+    assert wait_idle(upstream_b.url) == (0, 0)
+
+
+def test_client_disconnect_through_the_router_cancels_upstream(router, server, upstream_b):
+    before = sum(metric(u, "jkv_engine_requests_finished_total", {"finish_reason": "cancelled"})
+                 for u in (server.url, upstream_b.url))
+    body = {"model": "tiny", "prompt": "fox", "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", router.url + "/v1/completions", json=body, timeout=30) as r:
+        assert next(line for line in r.iter_lines() if line.startswith("data:"))
+    wait_for(lambda: sum(metric(u, "jkv_engine_requests_finished_total", {"finish_reason": "cancelled"})
+                         for u in (server.url, upstream_b.url)) == before + 1, what="upstream cancellation")
+    assert wait_idle(upstream_b.url) == (0, 0) and wait_idle(server.url) == (0, 0)
+    wait_for(lambda: all(u["inflight_requests"] == 0 for u in upstream_state(router).values()), what="router release")
 
 
 def test_unhealthy_upstream_is_removed_and_re_added(router, server, upstream_b):
@@ -74,6 +87,7 @@ def test_unhealthy_upstream_is_removed_and_re_added(router, server, upstream_b):
     finally:
         upstream_b.proc.send_signal(signal.SIGCONT)
     wait_for(lambda: upstream_state(router)[upstream_b.url]["healthy"], what="B re-added")
+    assert wait_idle(upstream_b.url) == (0, 0)
 
 
 def test_upstream_death_mid_stream_is_an_error_event_and_service_stays_up(router, server, upstream_b):
