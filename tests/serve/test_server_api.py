@@ -43,6 +43,18 @@ def test_chat_stream_and_non_stream_equal_llm_generate(live, tiny_llm):
     assert chunks[-1].usage.prompt_tokens == len(tiny_llm.encode_prompt(msgs))
 
 
+def test_chat_n2_stream_interleaves_choices(live, tiny_llm):
+    msgs = [{"role": "user", "content": "fox"}]
+    want = expected(tiny_llm, msgs, 8)
+    chunks = list(client(live).chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                                       n=2, stream=True))
+    for i in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == want.text
+        assert mine[-1].finish_reason == want.finish_reason
+
+
 def test_completion_stream_deltas_concatenate_to_the_full_text(live, tiny_llm):
     want = expected(tiny_llm, "a stitch in time", 30, ignore_eos=True)
     stream = client(live).completions.create(model="tiny", prompt="a stitch in time", max_tokens=30, temperature=0,
