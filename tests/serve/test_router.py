@@ -27,6 +27,15 @@ def router(server, upstream_b):
     assert r.stop() == 0, "".join(r.log[-20:])
 
 
+@pytest.fixture(scope="module")
+def slow_checking_router(server, upstream_b):
+    """A second router that checks health only every 60 s: it learns of a dead upstream by connecting."""
+    r = ServerProcess(["--role", "router", "--port", "0", "--upstream", server.url, "--upstream", upstream_b.url,
+                       "--health-interval", "60"])
+    yield r
+    assert r.stop() == 0, "".join(r.log[-20:])
+
+
 def upstream_state(router):
     return {u["url"]: u for u in httpx.get(router.url + "/health").json()["upstreams"]}
 
@@ -38,7 +47,8 @@ def wait_for(cond, timeout=10, what=""):
         time.sleep(0.05)
 
 
-def test_requests_spread_across_upstreams_with_correct_output(router, server, upstream_b, tiny_llm):
+def test_requests_spread_across_upstreams_with_correct_output(router, server, upstream_b, tiny_llm,
+                                                             slow_checking_router):
     import asyncio
 
     prompts = [f"the quick brown {i}" for i in range(8)]
@@ -112,6 +122,18 @@ def test_upstream_death_mid_stream_is_an_error_event_and_service_stays_up(router
         assert c.completions.create(model="tiny", prompt="fox", max_tokens=3).usage.completion_tokens >= 1
     assert not upstream_state(router)[upstream_b.url]["healthy"]
     assert wait_idle(server.url) == (0, 0)  # the cancelled retries left nothing allocated on A
+
+
+def test_connection_refused_is_retried_on_another_upstream(slow_checking_router, server, upstream_b):
+    r = slow_checking_router
+    assert upstream_b.proc.poll() is not None, "runs after the test that kills B"
+    assert upstream_state(r)[upstream_b.url]["healthy"]  # no health check since B died
+    c = openai.OpenAI(base_url=r.url + "/v1", api_key="x", max_retries=0, timeout=30)
+    for _ in range(4):  # rotation sends one of these to B first: refused, retried on A, never seen by the client
+        assert c.completions.create(model="tiny", prompt="fox", max_tokens=2).usage.completion_tokens >= 1
+    assert metric(r.url, "jkv_router_upstream_requests_total", {"upstream": upstream_b.url,
+                                                                "outcome": "connect_error"}) == 1
+    assert not upstream_state(r)[upstream_b.url]["healthy"]
 
 
 def test_router_with_no_live_upstream_is_a_clear_503():
