@@ -13,6 +13,8 @@ import time
 
 from models import DEFAULT_MODEL, ModelLoadError, known_models
 
+from .serving.launch import add_serve, run_serve
+
 log = logging.getLogger("jkv")
 
 
@@ -161,7 +163,7 @@ def run_models(args):
 
 
 COMMANDS = {"generate": (add_generate, run_generate), "compare": (add_compare, run_compare),
-            "demo": (add_demo, run_demo), "models": (add_models, run_models)}
+            "demo": (add_demo, run_demo), "models": (add_models, run_models), "serve": (add_serve, run_serve)}
 
 
 def build_parser() -> argparse.ArgumentParser:
