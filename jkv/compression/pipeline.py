@@ -188,7 +188,8 @@ def _encode_fn(transform: TransformSpec, plan: quantizers.QuantPlan, shape, dtyp
     @jax.jit
     def encode(x, inputs):
         y, side = transforms.forward(transform, x.astype(jnp.float32), inputs, store)
-        return {**side, **quantizers.quantize(y, plan, store)}, jnp.max(jnp.abs(y))
+        max_abs = jnp.where(jnp.all(jnp.isfinite(y)), jnp.max(jnp.abs(y)), jnp.inf)  # XLA's max may drop NaN
+        return {**side, **quantizers.quantize(y, plan, store)}, max_abs
 
     return encode
 
