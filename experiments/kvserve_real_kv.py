@@ -11,7 +11,7 @@ Prefills N tokens of a local document, takes each layer's K, V ([H_kv=3, N, D=64
 - encode / decode throughput (whole KV, Nb = 256, best of 3, first pass compiles).
 
 Writes experiments/results/kvserve_real_kv.csv. Usage:
-    python experiments/kvserve_real_kv.py [--tokens 1024] [--steps 8]
+    python experiments/kvserve_real_kv.py [--tokens 1024] [--steps 32]
 """
 from __future__ import annotations
 
@@ -32,7 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SPECS = ["identity+none+zstd3", "identity+kivi8g32+none", "identity+kivi4g32+none", "identity+kivi4g32+zstd3",
          "identity+kivi2g32+none", "identity+kivi2g32+zstd3", "hadamard+kivi4g32+none", "hadamard+kivi2g32+none",
          "hadamard+tok4g32+none", "hadamard+tok2g32+none", "identity+tok4g32+none", "identity+tok2g32+none",
-         "delta16+tok4g32+zstd3", "identity+mixhq8s2r25g32+zstd3", "hadamard+mixhq4s2r25g32+zstd3"]
+         "delta16+tok4g32+zstd3", "identity+mixhq8s2r25g32+zstd3", "hadamard+mixhq4s2r25g32+zstd3",
+         # Toward >= 8x: larger groups amortize the fp16 scale + zero (1 bit/value at g32).
+         "hadamard+kivi3g64+zstd3", "hadamard+kivi2g64+zstd3", "hadamard+kivi2g128+zstd3",
+         "identity+kivi2g128+zstd3", "hadamard+mixhq4s1r25g64+zstd3"]
 BLOCK_SIZES = [16, 64, 256, 1024]
 
 
@@ -90,7 +93,7 @@ def kl_and_top1(ref_logits, logits):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "kvserve_real_kv.csv"))
     args = ap.parse_args()
     from models import load_model
