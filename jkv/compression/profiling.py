@@ -8,9 +8,15 @@ calls as possible of an expensive objective `evaluate(spec) -> (accuracy, cr, la
 2. fit a GP on the evaluated points: Matern(nu=1.5) * constant + WhiteKernel, normalized targets;
 3. acquisition (Eq. 4): a(c) = CR_hat(c) * P(Acc(c) >= Acc_ths) + lambda_t * sigma_norm(c),
    lambda_t = lambda_0 * decay^t (exploration early, exploitation late); CR_hat is the measured CR
-   where known, else a prior (`nominal_cr`, rescaled per codec by what was measured) or a GP on log CR;
+   where known, else a prior (`nominal_cr`, rescaled per codec by what was measured) or a GP on log
+   CR; the exploitation term is 0 where CR_hat cannot beat the best feasible CR so far;
 4. bi-directional pruning with margin eps (lines 9-13): a feasible point removes candidates with
-   CR_hat < CR - eps; a clearly infeasible one (Acc < Acc_ths - fail_margin) removes CR_hat > CR + eps;
+   CR_hat < CR - eps (always safe: they cannot beat it); a clearly infeasible one
+   (Acc < Acc_ths - fail_margin) removes CR_hat > CR + eps. The latter relies on the monotone
+   CR-accuracy trade-off, which holds within a family (same transform and quantizer method) but
+   not across families — on real SmolLM2 KV a failing identity+kivi4 pruned the optimum
+   hadamard+kivi4 — so by default (`prune_scope="family"`) it only prunes the same family;
+   `prune_scope="global"` is the paper's literal rule;
 5. early stopping (lines 14-16): `patience` consecutive iterations without a better feasible CR,
    or no candidates left.
 
@@ -63,9 +69,12 @@ class SearchConfig:
     lambda0: float = 1.0
     lambda_decay: float = 0.85
     patience: int = 12
+    prune_scope: str = "family"  # infeasible-side pruning: "family" (same transform + quantizer method) | "global"
     seed: int = 0
 
     def __post_init__(self):
+        if self.prune_scope not in ("family", "global"):
+            raise ValueError(f"{self.prune_scope=} must be 'family' or 'global'")
         if self.max_iters < 1 or self.n_init < 1:
             raise ValueError(f"{self.max_iters=} and {self.n_init=} must be >= 1")
         if self.prune_margin < 0 or self.fail_margin < 0:
@@ -197,6 +206,7 @@ def bayesian_search(space: Sequence[PipelineSpec], evaluate: Objective, config: 
     if prior is not None and not np.all(np.isfinite(prior) & (prior > 0)):
         raise ValueError("cr_prior must return finite CR > 0 for every spec")
     codecs = np.array([s.codec.id for s in space])
+    families = np.array([f"{s.transform.name}/{s.quantizer.method}" for s in space])
     acc_model, cr_model = _Surrogate(x_all.shape[1], config.seed), _Surrogate(x_all.shape[1], config.seed)
     rng = np.random.default_rng(config.seed)
     remaining = np.ones(len(space), dtype=bool)
@@ -215,7 +225,7 @@ def bayesian_search(space: Sequence[PipelineSpec], evaluate: Objective, config: 
         else:
             # Without a prior the CR term is optimistic (mean + 1 sigma) so unexplored high-CR regions get tried.
             cr_hat = cr_band[0] if prior is not None else np.sqrt(cr_band[0] * cr_band[2])
-            idx = _next_candidate(t, x_all, evaluated, remaining, cr_hat, acc_model, config)
+            idx = _next_candidate(t, x_all, evaluated, remaining, cr_hat, best_cr, acc_model, config)
         acc, cr, latency = (float(v) for v in evaluate(space[idx]))
         if not (math.isfinite(acc) and math.isfinite(cr) and cr > 0 and math.isfinite(latency)):
             raise ValueError(f"evaluate({space[idx].id}) returned {(acc, cr, latency)}; need finite values, cr > 0")
@@ -228,7 +238,8 @@ def bayesian_search(space: Sequence[PipelineSpec], evaluate: Objective, config: 
         if acc >= config.acc_threshold:  # Alg. 1 lines 9-11: lower-CR candidates cannot win
             remaining &= ~(cr_band[2] < cr - config.prune_margin)
         elif acc < config.acc_threshold - config.fail_margin:  # lines 12-13: higher CR will fail too
-            remaining &= ~(cr_band[1] > cr + config.prune_margin)
+            scope = families == families[idx] if config.prune_scope == "family" else True
+            remaining &= ~((cr_band[1] > cr + config.prune_margin) & scope)
         result.pruned += before - int(remaining.sum())
         if acc >= config.acc_threshold and cr > best_cr:
             best_cr, k_fail = cr, 0
@@ -262,14 +273,18 @@ def _cr_estimates(evaluated, prior, codecs, x_all, cr_model) -> tuple[np.ndarray
     return est, low, high
 
 
-def _next_candidate(t, x_all, evaluated, remaining, cr_hat, acc_model, config) -> int:
+def _next_candidate(t, x_all, evaluated, remaining, cr_hat, best_cr, acc_model, config) -> int:
     idx = np.fromiter(evaluated, dtype=int)
     acc = np.array([evaluated[i].accuracy for i in idx])
     mu, sigma = acc_model.fit_predict(x_all[idx], acc, x_all)
     p_feasible = _normal_cdf((mu - config.acc_threshold) / sigma)
     cand = np.flatnonzero(remaining)
     lam = config.lambda0 * config.lambda_decay ** t
-    score = cr_hat[cand] / cr_hat[cand].max() * p_feasible[cand] + lam * sigma[cand] / sigma[cand].max()  # Eq. 4
+    # Eq. 4. A candidate whose CR cannot exceed the best feasible CR found has nothing to exploit
+    # (the pruning margin keeps such near-ties alive, and with P(feasible) ~ 1 they would otherwise
+    # win the exploitation term over and over); it can still be chosen for exploration.
+    exploit = np.where(cr_hat[cand] > best_cr, cr_hat[cand] / cr_hat[cand].max() * p_feasible[cand], 0.0)
+    score = exploit + lam * sigma[cand] / sigma[cand].max()
     return int(cand[np.argmax(score)])
 
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from jkv.compression import (Calibration, ContainerError, Pipeline, PipelineSpec, compression_ratio, decode_block,
                              enumerate_space, inspect_block, measure)
-from jkv.compression.container import PREFIX, MAGIC, VERSION
+from jkv.compression.container import PREFIX
 from jkv.compression.packing import packed_nbytes
 from jkv.compression.spec import CodecSpec, QuantizerSpec, TransformSpec
 
