@@ -1,0 +1,1 @@
+"""Accuracy harness for KV selection (`jkv eval`): tasks, fidelity metric, report."""

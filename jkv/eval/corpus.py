@@ -1,0 +1,38 @@
+"""Real text and code that ship with every Python installation (no downloads).
+
+Prose: the Python reference-manual topics in `pydoc_data.topics` (~460K characters of
+English documentation), split by topic name into a calibration half and an evaluation half so
+fitted selectors (InfiniGen skew, HATA hashes) never see the evaluation text.
+Code: the standard library's own `.py` files (`sysconfig.get_paths()["stdlib"]`).
+"""
+from __future__ import annotations
+
+import os
+import sysconfig
+
+
+def long_text(split: str) -> str:
+    """The concatenated documentation topics of one split: 'calibration' or 'eval'."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)
+    if split == "calibration":
+        chosen = names[1::2]
+    elif split == "eval":
+        chosen = names[0::2]
+    else:
+        raise ValueError(f"{split=} must be 'calibration' or 'eval'")
+    return "\n\n".join(topics[name].strip() for name in chosen)
+
+
+def stdlib_sources(min_chars: int = 4000, limit: int | None = None) -> list[str]:
+    """Paths of top-level stdlib modules with at least `min_chars` characters, sorted by name."""
+    root = sysconfig.get_paths()["stdlib"]
+    paths = []
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.endswith(".py") and not name.startswith("_") and os.path.getsize(path) >= min_chars:
+            paths.append(path)
+    if not paths:
+        raise FileNotFoundError(f"no stdlib .py sources found under {root}")
+    return paths[:limit] if limit else paths

@@ -1,0 +1,176 @@
+"""The accuracy harness: every task × length × sample × selector, prefilled once per sample.
+
+For each sample the prompt is prefilled once into a host pool (`prefill_to_host`); the dense
+decode (every token, same host path) and each selector's sparse decode then run from that
+pool, so all selectors see identical KV. Per row: the task score, the relative KV size actually
+used (selected / cached entries over all layers, SmartGen Fig. 17's x-axis), and selection
+overhead (time in `select` / step time). `summarize` averages per (task, length, selector,
+ratio) and divides by the dense score.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import logging
+import time
+
+import numpy as np
+
+from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
+from jkv.eval.tasks import TASKS
+from jkv.selection import get_selector
+from jkv.selection.calibration import calibration_tokens, collect_calibration
+from jkv.selection.simple import Dense
+from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host
+
+log = logging.getLogger(__name__)
+
+ALL_TASKS = tuple(TASKS) + ("fidelity",)
+FITTED = ("infinigen", "hata")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    tasks: tuple[str, ...] = ("passkey", "fidelity")
+    lengths: tuple[int, ...] = (1024,)
+    selectors: tuple[str, ...] = ("oracle", "infinigen", "quest", "hata", "streamingllm")
+    ratios: tuple[float, ...] = (0.2,)
+    limit: int = 5  # samples per (task, length)
+    fidelity_tokens: int = 32  # teacher-forced continuation length
+    seed: int = 0
+    hata_weights: str | None = None  # trained weights dir; None trains on the calibration data
+    hata_train_steps: int = 200
+    calibration_prompt: int = 1024
+    calibration_steps: int = 192
+
+    def __post_init__(self):
+        from jkv.selection.registry import SELECTORS
+
+        unknown = [t for t in self.tasks if t not in ALL_TASKS]
+        if unknown:
+            raise ValueError(f"unknown task(s) {unknown}; valid: {', '.join(ALL_TASKS)}")
+        bad = [s for s in self.selectors if s not in SELECTORS]
+        if bad:
+            raise ValueError(f"unknown selector(s) {bad}; valid names: {', '.join(sorted(SELECTORS))}")
+        if any(not 0 < r <= 1 for r in self.ratios):
+            raise ValueError(f"ratios={self.ratios} must each be in (0, 1]")
+        if any(n < 64 for n in self.lengths):
+            raise ValueError(f"lengths={self.lengths} must each be >= 64 tokens")
+        if self.limit < 1 or self.fidelity_tokens < 2:
+            raise ValueError(f"limit={self.limit} must be >= 1 and fidelity_tokens={self.fidelity_tokens} >= 2")
+
+
+def build_selectors(model, config: EvalConfig) -> dict[tuple[str, float], object]:
+    """One selector per (name, ratio); InfiniGen and HATA are fitted on the calibration split."""
+    calibration = projection = None
+    if any(name in FITTED for name in config.selectors):
+        start = time.perf_counter()
+        tokens = calibration_tokens(model, config.calibration_prompt + config.calibration_steps)
+        calibration = collect_calibration(model, tokens, config.calibration_prompt, config.calibration_steps)
+        log.info("calibration: %d queries per layer in %.1fs", len(calibration.query_positions),
+                 time.perf_counter() - start)
+    if "hata" in config.selectors and config.hata_weights is None:
+        from jkv.selection.hata_train import HATATrainConfig, train_projection
+
+        start = time.perf_counter()
+        projection, losses = train_projection(calibration, HATATrainConfig(train_steps=config.hata_train_steps))
+        log.info("HATA trained in %.1fs: loss %.4f -> %.4f", time.perf_counter() - start, losses[0], losses[-1])
+    selectors = {}
+    for name in config.selectors:
+        for ratio in config.ratios:
+            extra = {}
+            if name == "infinigen":
+                extra = {"calibration": calibration}
+            elif name == "hata":
+                extra = {"projection": projection} if projection is not None else {"weights_path": config.hata_weights}
+            selectors[(name, ratio)] = get_selector(name, max_ratio=ratio, **extra)
+    return selectors
+
+
+def _text(tokenizer, ids: np.ndarray, eos: int | None) -> str:
+    ids = [int(t) for t in ids]
+    if eos is not None and eos in ids:
+        ids = ids[:ids.index(eos)]
+    return tokenizer.decode(ids)
+
+
+def _row(task, length, prompt_tokens, index, name, ratio, score, result, **extra) -> dict:
+    return {"task": task, "length": length, "prompt_tokens": prompt_tokens, "index": index, "selector": name,
+            "max_ratio": ratio, "score": score, "kv_fraction": result.mean("kv_fraction"),
+            "sparse_kv_fraction": result.mean("sparse_kv_fraction"), "select_ms": 1e3 * result.mean("select_s"),
+            "step_ms": 1e3 * result.mean("total_s"), **extra}
+
+
+def evaluate(model, config: EvalConfig, selectors=None, progress: bool = True) -> list[dict]:
+    """Runs every (task, length, sample) with the dense path and every selector -> one row each."""
+    from tqdm import tqdm
+
+    selectors = selectors if selectors is not None else build_selectors(model, config)
+    tokenizer = model.tokenizer
+    eos = getattr(tokenizer, "eos_id", None)
+    rows = []
+    jobs = [(task, length, i) for task in config.tasks for length in config.lengths for i in range(config.limit)]
+    for task, length, index in tqdm(jobs, desc="eval", disable=not progress):
+        if task == "fidelity":
+            prompt, targets = fidelity_sample(tokenizer, length, config.fidelity_tokens, index)
+            max_tokens, forced = len(targets), targets[None, :]
+        else:
+            sample = TASKS[task](tokenizer, length, index, seed=config.seed)
+            prompt, max_tokens, forced = sample.prompt, sample.max_tokens, None
+        host = prefill_to_host(model, [prompt], pool_capacity([prompt], max_tokens))
+        runs = [("dense", 1.0, Dense())] + [(n, r, s) for (n, r), s in selectors.items()]
+        dense_logits = None
+        for name, ratio, selector in runs:
+            if index == 0:  # compile this shape outside the timed run
+                decode(model, host, selector, 2, forced_tokens=forced)
+            result = decode(model, host, selector, max_tokens, forced_tokens=forced, keep_logits=forced is not None)
+            if task == "fidelity":
+                if dense_logits is None:
+                    dense_logits = result.logits[0]
+                metrics = fidelity_metrics(dense_logits, result.logits[0], targets)
+                rows.append(_row(task, length, len(prompt), index, name, ratio, metrics["top1"], result,
+                                 kl=metrics["kl"], ppl_ratio=metrics["ppl_ratio"]))
+            else:
+                output = _text(tokenizer, result.tokens[0], eos)
+                rows.append(_row(task, length, len(prompt), index, name, ratio, sample.score(output), result,
+                                 output=output.strip()[:80], answer=sample.answer))
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Mean per (task, length, selector, max_ratio), with relative_score = score / dense score."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["task"], row["length"], row["selector"], row["max_ratio"]), []).append(row)
+    dense = {(t, n): np.mean([r["score"] for r in g]) for (t, n, s, _), g in groups.items() if s == "dense"}
+    summary = []
+    for (task, length, name, ratio), group in groups.items():
+        mean = {k: float(np.mean([r[k] for r in group])) for k in
+                ("score", "kv_fraction", "sparse_kv_fraction", "select_ms", "step_ms", "kl", "ppl_ratio")
+                if k in group[0]}
+        reference = dense.get((task, length))
+        mean["relative_score"] = mean["score"] / reference if reference else float("nan")
+        summary.append({"task": task, "length": length, "selector": name, "max_ratio": ratio,
+                        "samples": len(group), "dense_score": reference, **mean})
+    return summary
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def format_table(summary: list[dict]) -> str:
+    header = f"{'task':<18}{'len':>6} {'selector':<13}{'ratio':>6}{'score':>8}{'rel':>8}{'kv':>7}" \
+             f"{'KL':>8}{'ppl×':>7}{'sel ms':>8}{'step ms':>8}"
+    lines = [header, "-" * len(header)]
+    for s in summary:
+        lines.append(f"{s['task']:<18}{s['length']:>6} {s['selector']:<13}{s['max_ratio']:>6.2f}{s['score']:>8.3f}"
+                     f"{s['relative_score']:>8.3f}{s['kv_fraction']:>7.3f}{s.get('kl', float('nan')):>8.4f}"
+                     f"{s.get('ppl_ratio', float('nan')):>7.3f}{s['select_ms']:>8.1f}{s['step_ms']:>8.1f}")
+    return "\n".join(lines)

@@ -1,0 +1,174 @@
+"""The KV-selection protocol shared by every selector (DESIGN.md "KV selection").
+
+A selector turns one decode query into the token positions each KV head attends to:
+
+    meta = selector.prepare(layer, K, lengths)          # prefill side, once per layer
+    meta = selector.append(layer, meta, k_new, pos)      # decode side, the new token's key
+    kv_index = selector.select(layer, q, meta, lengths)  # decode side, every step
+
+Shapes: `K: [B, H_kv, N_cap, D]` (slots >= lengths[b] are padding), `q: [B, H, D]`,
+`k_new: [B, H_kv, D]`, `kv_index: i32[B*H_kv, k]`. Row `b*H_kv + h` holds positions for
+request b and KV head h; the valid entries form a prefix of the row and every slot after
+them is -1. The query heads `h*G .. h*G+G-1` (G = H / H_kv) share KV head h, and their
+scores are aggregated per KV head (GQA). Layers below `dense_layers` (0 and 1 by default)
+always return every token. The per-row budget is `k = ceil(max_ratio * N)` (SmartGen §5.1,
+max ratio 0.2); the row width is the budget of the capacity `N_cap`, so shapes stay static
+under `jit` while N grows.
+
+Everything here is pure JAX on device arrays; the metadata is a small pytree per layer.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.selection._ops import topk_select
+
+Metadata = Any  # a pytree of device arrays, one per layer
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectorConfig:
+    """Settings every selector shares."""
+
+    max_ratio: float = 0.2  # SmartGen §5.1: maximum KV selection ratio of 20%
+    dense_layers: int = 2  # DESIGN.md: layers 0 and 1 always use every token
+
+    def __post_init__(self):
+        if not (isinstance(self.max_ratio, (int, float)) and 0.0 < self.max_ratio <= 1.0):
+            raise ValueError(f"max_ratio={self.max_ratio!r} must be in (0, 1]; e.g. 0.2 keeps 20% of the KV")
+        if not (isinstance(self.dense_layers, int) and self.dense_layers >= 0):
+            raise ValueError(f"dense_layers={self.dense_layers!r} must be an int >= 0")
+
+
+def selection_budget(num_tokens, max_ratio: float):
+    """k = ceil(max_ratio * N), at least 1 and at most N; works on ints, numpy and jnp arrays.
+
+    The product is taken in float32 and nudged down by one part in 1e6 so 0.1 * 30 gives 3,
+    identically on host and device.
+    """
+    xp = jnp if isinstance(num_tokens, jax.Array) else np
+    n = xp.asarray(num_tokens, dtype=xp.int32)
+    raw = n.astype(xp.float32) * xp.float32(max_ratio) * xp.float32(1.0 - 1e-6)
+    k = xp.ceil(raw).astype(xp.int32)
+    k = xp.minimum(xp.maximum(k, 1), n)
+    return int(k) if np.ndim(num_tokens) == 0 and xp is np else k
+
+
+def group_queries(q: jax.Array, num_kv_heads: int) -> jax.Array:
+    """q: [B, H, D] -> [B, H_kv, G, D] with query head h*G+g serving KV head h."""
+    batch, num_heads, head_dim = q.shape
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    return q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+
+
+def token_valid(lengths: jax.Array, capacity: int) -> jax.Array:
+    """bool[B, N_cap]: slot n holds a real token of request b."""
+    return jnp.arange(capacity, dtype=jnp.int32)[None, :] < lengths[:, None]
+
+
+def scores_to_index(scores: jax.Array, lengths: jax.Array, max_ratio: float,
+                    keep: jax.Array | None = None) -> jax.Array:
+    """Top-budget positions of per-KV-head scores.
+
+    scores: f32[B, H_kv, N_cap]; lengths: i32[B]; keep: optional bool[B, H_kv, N_cap] that must
+    also hold for a slot to be selected (entries failing it become -1 at the row's tail).
+    Returns kv_index: i32[B*H_kv, selection_budget(N_cap)].
+    """
+    batch, num_kv_heads, capacity = scores.shape
+    k_max = selection_budget(capacity, max_ratio)
+    rows = scores.reshape(batch * num_kv_heads, capacity)
+    row_lengths = jnp.repeat(lengths.astype(jnp.int32), num_kv_heads)
+    index = topk_select(rows, row_lengths, k_max)
+    budget = selection_budget(row_lengths, max_ratio)
+    slot = jnp.arange(k_max, dtype=jnp.int32)[None, :]
+    index = jnp.where(slot < budget[:, None], index, -1)
+    if keep is not None:
+        keep_rows = keep.reshape(batch * num_kv_heads, capacity)
+        kept = jnp.take_along_axis(keep_rows, jnp.maximum(index, 0), axis=1)
+        # Rows are sorted by descending score and `keep` is monotone in the score for every
+        # caller (a threshold), so dropping entries only shortens the valid prefix.
+        index = jnp.where(kept, index, -1)
+    return index
+
+
+def all_tokens_index(lengths: jax.Array, num_kv_heads: int, capacity: int) -> jax.Array:
+    """Every real token for every KV head: i32[B*H_kv, N_cap], -1 on padding."""
+    positions = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    row_lengths = jnp.repeat(lengths.astype(jnp.int32), num_kv_heads)
+    return jnp.where(positions < row_lengths[:, None], positions, -1)
+
+
+def write_token(cache: jax.Array, value: jax.Array, positions: jax.Array) -> jax.Array:
+    """cache: [B, H_kv, N_cap, X]; value: [B, H_kv, X]; writes value[b] at slot positions[b]."""
+    def one(row, v, p):
+        return jax.lax.dynamic_update_slice(row, v[:, None, :].astype(row.dtype), (0, p, 0))
+    return jax.vmap(one)(cache, value, positions.astype(jnp.int32))
+
+
+class Selector(abc.ABC):
+    """Base class: subclasses implement `_prepare`, `_append` and `_scores`/`_select`."""
+
+    name: ClassVar[str]
+
+    def __init__(self, config: SelectorConfig):
+        self.config = config
+        self._prepare_jit = jax.jit(self._prepare)
+        self._append_jit = jax.jit(self._append)
+        self._select_jit = jax.jit(self._select)
+
+    # ---- public protocol ---------------------------------------------------------------
+    def prepare(self, layer: int, K: jax.Array, lengths: jax.Array) -> Metadata:
+        """K: [B, H_kv, N_cap, D] (RoPE applied), lengths: i32[B] -> this layer's metadata."""
+        if K.ndim != 4:
+            raise ValueError(f"K must be [B, H_kv, N_cap, D], got shape {K.shape}")
+        return self._prepare_jit(self.layer_state(layer), jnp.asarray(K), jnp.asarray(lengths, jnp.int32))
+
+    def append(self, layer: int, metadata: Metadata, k_new: jax.Array, positions: jax.Array) -> Metadata:
+        """Adds the key of each request's new token (k_new: [B, H_kv, D]) at positions: i32[B]."""
+        return self._append_jit(self.layer_state(layer), metadata, jnp.asarray(k_new),
+                                jnp.asarray(positions, jnp.int32))
+
+    def select(self, layer: int, q: jax.Array, metadata: Metadata, lengths: jax.Array) -> jax.Array:
+        """q: [B, H, D] (see `decode_query`), lengths: i32[B] tokens now cached (incl. the new one)
+        -> kv_index: i32[B*H_kv, k]."""
+        lengths = jnp.asarray(lengths, jnp.int32)
+        num_kv_heads, capacity = self.kv_geometry(metadata)
+        if layer < self.config.dense_layers:
+            return all_tokens_index(lengths, num_kv_heads, capacity)
+        return self._select_jit(self.layer_state(layer), jnp.asarray(q), metadata, lengths)
+
+    def decode_query(self, layer: int, q: jax.Array, speculate) -> jax.Array:
+        """The query `select` scores with. `speculate()` returns layer `layer`'s query computed
+        from the previous layer's input (InfiniGen); most selectors use the true q."""
+        del layer, speculate
+        return q
+
+    def layer_state(self, layer: int) -> Any:
+        """Per-layer learned or fitted parameters (a pytree), or None."""
+        del layer
+        return None
+
+    @property
+    def is_dense(self) -> bool:
+        return False
+
+    # ---- to implement ------------------------------------------------------------------
+    @abc.abstractmethod
+    def _prepare(self, state, K, lengths) -> Metadata: ...
+
+    @abc.abstractmethod
+    def _append(self, state, metadata, k_new, positions) -> Metadata: ...
+
+    @abc.abstractmethod
+    def _select(self, state, q, metadata, lengths) -> jax.Array: ...
+
+    @abc.abstractmethod
+    def kv_geometry(self, metadata) -> tuple[int, int]:
+        """(H_kv, N_cap) of the metadata."""

@@ -1,0 +1,204 @@
+"""Training HATA's hash projections with optax (`jkv train-hata`).
+
+Per layer and KV head the projection W: [D, bits] is trained so that the relaxed Hamming
+similarity tanh(qW)·tanh(kW)/bits ranks the true top-k keys of q·Kᵀ first: a listwise
+cross-entropy of softmax(beta · similarity) against the uniform distribution over the exact
+top-k (k = ceil(top_ratio · N) over the query's causal prefix), plus a bit-balance term that
+keeps every bit's mean near zero (HATA §3, learning-to-hash with top-k labels). The starting
+point is a random Gaussian projection (SimHash); `recall_at_k` measures both.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jkv.selection.calibration import Calibration
+from jkv.selection.hata import hamming_similarity, hash_codes, save_weights
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class HATATrainConfig:
+    bits: int = 256
+    train_steps: int = 300
+    learning_rate: float = 2e-2
+    top_ratio: float = 0.2  # label: the exact top 20% (SmartGen's max selection ratio)
+    balance_weight: float = 0.1
+    key_sample: int = 384  # keys per step, drawn at random (0 = all): cost and regularization
+    query_sample: int = 128  # queries per KV head per step, drawn at random (0 = all)
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.bits <= 0 or self.bits % 32:
+            raise ValueError(f"bits={self.bits} must be a positive multiple of 32")
+        if self.train_steps < 1:
+            raise ValueError(f"train_steps={self.train_steps} must be >= 1")
+        if self.key_sample < 0 or self.query_sample < 0:
+            raise ValueError(f"key_sample={self.key_sample} and query_sample={self.query_sample} must be >= 0 "
+                             "(0 uses all)")
+        if not 0 < self.top_ratio <= 1:
+            raise ValueError(f"top_ratio={self.top_ratio} must be in (0, 1]")
+
+
+def stack_calibration(calibration: Calibration):
+    """-> queries f32[L, H_kv, S*G, D], query positions i32[S*G], keys f32[L, H_kv, N, D]."""
+    queries = np.stack(calibration.queries)  # [L, S, H, D]
+    num_layers, num_samples, num_heads, head_dim = queries.shape
+    num_kv_heads = calibration.keys[0].shape[1]
+    group = num_heads // num_kv_heads
+    grouped = queries.reshape(num_layers, num_samples, num_kv_heads, group, head_dim)
+    grouped = grouped.transpose(0, 2, 1, 3, 4).reshape(num_layers, num_kv_heads, num_samples * group, head_dim)
+    positions = np.repeat(calibration.query_positions, group)
+    keys = np.stack(calibration.keys).transpose(0, 2, 1, 3)  # [L, H_kv, N, D]
+    return jnp.asarray(grouped), jnp.asarray(positions), jnp.asarray(keys)
+
+
+def topk_mask(scores, positions, top_ratio):
+    """scores: f32[Q, N], positions: i32[Q] -> (bool[Q, N] the top ceil(top_ratio·(p+1)) of each
+    row's causal prefix 0..p, bool[Q, N] causal validity)."""
+    valid = jnp.arange(scores.shape[1])[None, :] <= positions[:, None]
+    scores = jnp.where(valid, scores, -jnp.inf)
+    k = jnp.ceil(top_ratio * (positions + 1)).astype(jnp.int32)
+    ordered = -jnp.sort(-scores, axis=1)
+    threshold = jnp.take_along_axis(ordered, (k - 1)[:, None], axis=1)
+    return valid & (scores >= threshold), valid
+
+
+def exact_topk_mask(q, positions, K, top_ratio):
+    """q: [Q, D], positions: i32[Q], K: [N, D] -> topk_mask of q·Kᵀ."""
+    return topk_mask(q @ K.T, positions, top_ratio)
+
+
+def init_projection(calibration: Calibration, bits: int, seed: int) -> np.ndarray:
+    """Random Gaussian projection f32[L, H_kv, D, bits], scaled so x·W has unit spread."""
+    keys = np.stack(calibration.keys)  # [L, N, H_kv, D]
+    num_layers, _, num_kv_heads, head_dim = keys.shape
+    scale = np.sqrt((keys ** 2).sum(-1).mean(1))  # [L, H_kv] typical key norm
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(num_layers, num_kv_heads, head_dim, bits)).astype(np.float32)
+    return (w / np.maximum(scale, 1e-6)[:, :, None, None]).astype(np.float32)
+
+
+def _head_loss(w, log_beta, q, positions, K, config):
+    """Listwise loss of one KV head. q: [Q, D], positions: i32[Q] (index of each query's last
+    visible key in K), K: [n, D], w: [D, bits]."""
+    target, valid = exact_topk_mask(q, positions, K, config.top_ratio)
+    bits = w.shape[-1]
+    code_q, code_k = jnp.tanh(q @ w), jnp.tanh(K @ w)
+    similarity = code_q @ code_k.T / bits  # [Q, n] in [-1, 1]
+    logits = jnp.where(valid, jnp.exp(log_beta) * similarity, -jnp.inf)
+    log_probs = jax.nn.log_softmax(logits, axis=1)
+    rank = -(jnp.where(target, log_probs, 0.0).sum(1) / jnp.maximum(target.sum(1), 1)).mean()
+    balance = (code_k.mean(0) ** 2).mean()
+    return rank + config.balance_weight * balance
+
+
+def train_projection(calibration: Calibration, config: HATATrainConfig = HATATrainConfig(),
+                     projection: np.ndarray | None = None) -> tuple[np.ndarray, list[float]]:
+    """Fit hash projections on calibration queries/keys -> (f32[L, H_kv, D, bits], loss per step)."""
+    queries, positions, keys = stack_calibration(calibration)
+    num_keys, num_queries = keys.shape[2], queries.shape[2]
+    sample = config.key_sample if 0 < config.key_sample < num_keys else num_keys
+    query_sample = config.query_sample if 0 < config.query_sample < num_queries else num_queries
+    if projection is None:
+        projection = init_projection(calibration, config.bits, config.seed)
+    params = {"w": jnp.asarray(projection), "log_beta": jnp.full(projection.shape[:2], math.log(config.bits / 8.0))}
+    head_loss = functools.partial(_head_loss, config=config)
+    per_head = jax.vmap(jax.vmap(head_loss, in_axes=(0, 0, 0, None, 0)), in_axes=(0, 0, 0, None, 0))
+
+    def loss_fn(p, queries, positions, keys, key_index):
+        # Labels are the exact top-k among the sampled keys: ranking within a random subset.
+        sampled = keys[:, :, key_index]
+        offsets = jnp.searchsorted(key_index, positions, side="right") - 1  # last sampled key <= position
+        return per_head(p["w"], p["log_beta"], queries, offsets, sampled).mean()
+
+    optimizer = optax.adam(config.learning_rate)
+
+    @jax.jit
+    def step(p, state, rng, queries, positions, keys):
+        key_rng, query_rng = jax.random.split(rng)
+        key_index = jnp.sort(jax.random.choice(key_rng, num_keys, (sample,), replace=False))
+        query_index = jax.random.choice(query_rng, num_queries, (query_sample,), replace=False)
+        loss, grads = jax.value_and_grad(loss_fn)(p, queries[:, :, query_index], positions[query_index], keys,
+                                                  key_index)
+        updates, state = optimizer.update(grads, state, p)
+        return optax.apply_updates(p, updates), state, loss
+
+    state = optimizer.init(params)
+    losses = []
+    rng = jax.random.key(config.seed)
+    for i in range(config.train_steps):
+        params, state, loss = step(params, state, jax.random.fold_in(rng, i), queries, positions, keys)
+        losses.append(float(loss))
+        if i % 50 == 0 or i == config.train_steps - 1:
+            log.info("hata step %d loss %.4f", i, losses[-1])
+    return np.asarray(params["w"]), losses
+
+
+def recall_at_k(projection: np.ndarray, calibration: Calibration, top_ratio: float = 0.2,
+                layers: range | None = None) -> float:
+    """Mean fraction of each query's exact top-k (q·Kᵀ) found in its Hamming top-k, over
+    query heads, queries and `layers` (default: all)."""
+    queries, positions, keys = stack_calibration(calibration)
+    chosen = list(layers if layers is not None else range(queries.shape[0]))
+    w = jnp.asarray(projection)[jnp.asarray(chosen)]
+    queries, keys = queries[jnp.asarray(chosen)], keys[jnp.asarray(chosen)]
+    bits = w.shape[-1]
+
+    def head(w, q, K, positions):
+        target, valid = exact_topk_mask(q, positions, K, top_ratio)
+        codes_q = hash_codes(q[:, None, :], w[None])[:, 0]  # [Q, W]
+        codes_k = hash_codes(K[:, None, :], w[None])[:, 0]  # [N, W]
+        similarity = hamming_similarity(codes_q[:, None, :], codes_k[None, :, :], bits).astype(jnp.float32)
+        # Break Hamming ties by position (lower first), as the selectors' top-k does.
+        found, _ = topk_mask(similarity - 0.5 * jnp.arange(K.shape[0]) / K.shape[0], positions, top_ratio)
+        return ((found & target).sum(1) / target.sum(1)).mean()
+
+    per_head = jax.vmap(jax.vmap(head, in_axes=(0, 0, 0, None)), in_axes=(0, 0, 0, None))
+    return float(jax.jit(per_head)(w, queries, keys, positions).mean())
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `train-hata` on an argparse subparsers object."""
+    parser = subparsers.add_parser("train-hata", help="train HATA hash weights on local calibration text")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model name, HF dir or .gguf path")
+    parser.add_argument("--out", required=True, help="directory to write the orbax weights to")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="calibration prompt length")
+    parser.add_argument("--decode-steps", type=int, default=192, help="teacher-forced decode steps (queries)")
+    parser.add_argument("--train-steps", type=int, default=300)
+    parser.add_argument("--bits", type=int, default=256)
+    parser.add_argument("--learning-rate", type=float, default=2e-2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from models import load_model
+
+    from jkv.selection.calibration import calibration_tokens, collect_calibration
+
+    config = HATATrainConfig(bits=args.bits, train_steps=args.train_steps, learning_rate=args.learning_rate,
+                             seed=args.seed)
+    model = load_model(args.model)
+    tokens = calibration_tokens(model, args.prompt_tokens + args.decode_steps)
+    calibration = collect_calibration(model, tokens, args.prompt_tokens, args.decode_steps)
+    train, held_out = calibration.split(0.75)
+    initial = init_projection(train, config.bits, config.seed)
+    projection, losses = train_projection(train, config, initial)
+    sparse = range(2, model.cfg.num_layers)
+    before, after = recall_at_k(initial, held_out, layers=sparse), recall_at_k(projection, held_out, layers=sparse)
+    save_weights(args.out, projection, {"model": args.model, "bits": config.bits, "loss_first": losses[0],
+                                        "loss_last": losses[-1], "recall_random": before, "recall_trained": after})
+    print(f"HATA weights -> {args.out}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+          f"held-out recall@20% {before:.3f} (random) -> {after:.3f} (trained)")
+    return 0

@@ -1,0 +1,121 @@
+"""InfiniGen: speculative selection with skewed partial keys (Lee et al., OSDI 2024).
+
+Offline, per layer and KV head, an orthogonal skew A (right singular vectors of the
+calibration queries of the head's GQA group) concentrates the q·k product in a few channels;
+the `partial_ratio` (0.3) channels with the largest mean |q̃|·|k̃| are kept: A_p = A[:, idx].
+Because A is orthogonal, q̃·k̃ = q·k, and the partial product approximates it.
+
+We skew *after* RoPE (SmartGen uses RoPE models; InfiniGen's OPT has none): RoPE rotates
+channel pairs by position, so a skew folded into W_q/W_k would not commute with it, while a
+rotation applied to the rotated q and k preserves every dot product exactly.
+
+Online: metadata is the partial key cache K A_p: [B, H_kv, N_cap, d_p]. The query is
+speculated from the previous layer's input (InfiniGen §4.3: layer l's query computed from
+layer l-1's attention input). Each KV head counts the tokens whose partial score is within
+`alpha` (5) of the maximum (for some query head of its group); the request's fetch count is
+that count averaged over its KV heads (as InfiniGen's implementation does), capped at the
+max_ratio budget, and every head takes its top tokens up to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.selection.base import Selector, SelectorConfig, group_queries, scores_to_index, token_valid, write_token
+
+
+@dataclasses.dataclass(frozen=True)
+class InfiniGenConfig(SelectorConfig):
+    partial_ratio: float = 0.3  # InfiniGen's partial channel ratio
+    alpha: float = 5.0  # keep tokens with score > max - alpha (InfiniGen, SmartGen §5.1)
+    speculate: bool = True  # query from the previous layer's input; False uses the true query
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (0.0 < self.partial_ratio <= 1.0):
+            raise ValueError(f"partial_ratio={self.partial_ratio!r} must be in (0, 1]")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha={self.alpha!r} must be > 0 (math.inf disables the threshold)")
+
+
+def fit_skew(queries: np.ndarray, keys: np.ndarray, partial_ratio: float) -> np.ndarray:
+    """One layer's partial skew matrices.
+
+    queries: f32[S, H, D] calibration queries; keys: f32[N, H_kv, D] calibration keys.
+    Returns f32[H_kv, D, d_p] with d_p = ceil(partial_ratio * D): orthonormal columns.
+    """
+    num_samples, num_heads, head_dim = queries.shape
+    num_kv_heads = keys.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    group = num_heads // num_kv_heads
+    partial = max(1, math.ceil(partial_ratio * head_dim))
+    skews = []
+    for h in range(num_kv_heads):
+        q = queries[:, h * group:(h + 1) * group].reshape(-1, head_dim).astype(np.float64)
+        k = keys[:, h].astype(np.float64)
+        _, _, vt = np.linalg.svd(q, full_matrices=True)  # InfiniGen: skew by the SVD of Q
+        rotation = vt.T  # [D, D], orthogonal
+        importance = np.abs(q @ rotation).mean(0) * np.abs(k @ rotation).mean(0)
+        channels = np.sort(np.argsort(-importance, kind="stable")[:partial])
+        skews.append(rotation[:, channels])
+    return np.stack(skews).astype(np.float32)
+
+
+class InfiniGen(Selector):
+    name = "infinigen"
+
+    def __init__(self, config: InfiniGenConfig, skew: list[np.ndarray] | np.ndarray | None = None):
+        if skew is None:
+            raise ValueError(
+                "InfiniGen needs per-layer skew matrices fitted on calibration data: use "
+                "InfiniGen.from_calibration(config, calibration) or get_selector('infinigen', model=...)")
+        self.skew = [jnp.asarray(s, jnp.float32) for s in skew]  # per layer [H_kv, D, d_p]
+        super().__init__(config)
+
+    @classmethod
+    def from_calibration(cls, config: InfiniGenConfig, calibration) -> "InfiniGen":
+        """calibration: jkv.selection.calibration.Calibration (queries and keys per layer)."""
+        skew = [fit_skew(q, k, config.partial_ratio) for q, k in zip(calibration.queries, calibration.keys)]
+        return cls(config, skew)
+
+    def layer_state(self, layer):
+        if not 0 <= layer < len(self.skew):
+            raise ValueError(f"{layer=} out of range: the skew was fitted for {len(self.skew)} layers")
+        return self.skew[layer]
+
+    def decode_query(self, layer, q, speculate):
+        if self.config.speculate and layer >= max(1, self.config.dense_layers):
+            return speculate()
+        return q
+
+    def _prepare(self, skew, K, lengths):
+        partial = jnp.einsum("bhnd,hdp->bhnp", K.astype(jnp.float32), skew)
+        return jnp.where(token_valid(lengths, K.shape[2])[:, None, :, None], partial, 0.0)
+
+    def _append(self, skew, metadata, k_new, positions):
+        return write_token(metadata, jnp.einsum("bhd,hdp->bhp", k_new.astype(jnp.float32), skew), positions)
+
+    def kv_geometry(self, metadata):
+        return metadata.shape[1], metadata.shape[2]
+
+    def _select(self, skew, q, metadata, lengths):
+        partial_keys = metadata  # [B, H_kv, N_cap, d_p]
+        head_dim = skew.shape[1]
+        partial_q = jnp.einsum("bhgd,hdp->bhgp", group_queries(q, partial_keys.shape[1]).astype(jnp.float32), skew)
+        scores = jnp.einsum("bhgp,bhnp->bhgn", partial_q, partial_keys) / math.sqrt(head_dim)
+        valid = token_valid(lengths, partial_keys.shape[2])[:, None, None, :]
+        scores = jnp.where(valid, scores, -jnp.inf)
+        relative = (scores - scores.max(axis=-1, keepdims=True)).max(axis=2)  # [B, H_kv, N_cap], <= 0
+        relative = jnp.where(valid[:, :, 0], relative, -jnp.inf)
+        # InfiniGen's fetch count: tokens within alpha of the max, averaged over the request's
+        # heads, so peaky heads borrow budget from flat ones; capped by the max_ratio budget.
+        within = (relative > -self.config.alpha).sum(axis=2)  # [B, H_kv]
+        count = jnp.ceil(within.mean(axis=1)).astype(jnp.int32)  # [B]
+        index = scores_to_index(relative, lengths, self.config.max_ratio)
+        slot = jnp.arange(index.shape[1], dtype=jnp.int32)[None, :]
+        return jnp.where(slot < jnp.repeat(count, partial_keys.shape[1])[:, None], index, -1)

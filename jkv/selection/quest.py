@@ -1,0 +1,100 @@
+"""Quest: query-aware page selection from per-page key bounds (Tang et al., ICML 2024).
+
+Keys are cut into pages of `page_size` tokens; each page keeps the channel-wise min and max
+of its keys. For a query q the page's upper bound is sum_d max(q_d·min_d, q_d·max_d), which is
+>= q·k for every key k in the page. The pages with the largest bound (max over the GQA group's
+query heads) are chosen until the token budget is covered: ceil(budget / page_size) pages,
+whose real tokens are all selected.
+
+Metadata: (kmin, kmax), each [B, H_kv, P, D] with P = ceil(N_cap / page_size); empty slots hold
++inf / -inf so they never tighten a bound.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jkv.selection.base import Selector, SelectorConfig, group_queries, selection_budget, token_valid
+from jkv.selection._ops import topk_select
+
+
+@dataclasses.dataclass(frozen=True)
+class QuestConfig(SelectorConfig):
+    page_size: int = 16  # Quest's page of 16 tokens
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not (isinstance(self.page_size, int) and self.page_size >= 1):
+            raise ValueError(f"page_size={self.page_size!r} must be an int >= 1")
+
+
+def page_bounds(K: jax.Array, lengths: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
+    """K: [B, H_kv, N_cap, D] -> (kmin, kmax): [B, H_kv, P, D] over each page's real tokens."""
+    batch, num_kv_heads, capacity, head_dim = K.shape
+    num_pages = -(-capacity // page_size)
+    pad = num_pages * page_size - capacity
+    valid = token_valid(lengths, capacity)[:, None, :, None]
+    K = K.astype(jnp.float32)
+    lo = jnp.pad(jnp.where(valid, K, jnp.inf), ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=jnp.inf)
+    hi = jnp.pad(jnp.where(valid, K, -jnp.inf), ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=-jnp.inf)
+    shape = (batch, num_kv_heads, num_pages, page_size, head_dim)
+    return lo.reshape(shape).min(axis=3), hi.reshape(shape).max(axis=3)
+
+
+def page_upper_bound(q: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
+    """q: [B, H_kv, G, D], kmin/kmax: [B, H_kv, P, D] -> f32[B, H_kv, G, P] (>= q·k in the page).
+    Empty pages (min=+inf) give -inf."""
+    q = q.astype(jnp.float32)[:, :, :, None, :]
+    lo, hi = kmin[:, :, None], kmax[:, :, None]
+    empty = jnp.isinf(lo[..., 0]) & (lo[..., 0] > 0)
+    # Guard the empty pages' infinities before the product (0 * inf would be NaN).
+    lo, hi = jnp.where(jnp.isfinite(lo), lo, 0.0), jnp.where(jnp.isfinite(hi), hi, 0.0)
+    bound = jnp.maximum(q * lo, q * hi).sum(axis=-1)
+    return jnp.where(empty, -jnp.inf, bound)
+
+
+class Quest(Selector):
+    name = "quest"
+
+    def _prepare(self, state, K, lengths):
+        kmin, kmax = page_bounds(K, lengths, self.config.page_size)
+        return {"kmin": kmin, "kmax": kmax, "capacity": jnp.zeros((K.shape[2],), jnp.int8)}
+
+    def _append(self, state, metadata, k_new, positions):
+        page = positions // self.config.page_size
+        k_new = k_new.astype(jnp.float32)
+
+        def update(bounds, value, p, op):
+            current = jax.lax.dynamic_slice_in_dim(bounds, p, 1, axis=1)[:, 0]
+            return jax.lax.dynamic_update_slice_in_dim(bounds, op(current, value)[:, None], p, axis=1)
+
+        kmin = jax.vmap(lambda b, v, p: update(b, v, p, jnp.minimum))(metadata["kmin"], k_new, page)
+        kmax = jax.vmap(lambda b, v, p: update(b, v, p, jnp.maximum))(metadata["kmax"], k_new, page)
+        return {**metadata, "kmin": kmin, "kmax": kmax}
+
+    def kv_geometry(self, metadata):
+        return metadata["kmin"].shape[1], metadata["capacity"].shape[0]
+
+    def _select(self, state, q, metadata, lengths):
+        kmin, kmax = metadata["kmin"], metadata["kmax"]
+        batch, num_kv_heads, num_pages, _ = kmin.shape
+        capacity = metadata["capacity"].shape[0]
+        page_size = self.config.page_size
+        bound = page_upper_bound(group_queries(q, num_kv_heads), kmin, kmax).max(axis=2)  # [B, H_kv, P]
+        pages_max = min(num_pages, -(-selection_budget(capacity, self.config.max_ratio) // page_size))
+        row_pages = jnp.repeat(-(-lengths // page_size), num_kv_heads)  # non-empty pages per row
+        page_index = topk_select(bound.reshape(batch * num_kv_heads, num_pages), row_pages, pages_max)
+        budget_pages = -(-selection_budget(jnp.repeat(lengths, num_kv_heads), self.config.max_ratio) // page_size)
+        slot = jnp.arange(pages_max, dtype=jnp.int32)[None, :]
+        page_index = jnp.where(slot < budget_pages[:, None], page_index, -1)
+        # Expand pages to tokens, drop padding, then move the valid tokens to the row's front.
+        tokens = page_index[:, :, None] * page_size + jnp.arange(page_size, dtype=jnp.int32)
+        tokens = tokens.reshape(batch * num_kv_heads, pages_max * page_size)
+        row_lengths = jnp.repeat(lengths, num_kv_heads)
+        real = (page_index[:, :, None] >= 0).repeat(page_size, axis=2).reshape(tokens.shape)
+        real &= tokens < row_lengths[:, None]
+        order = jnp.argsort(~real, axis=1, stable=True)
+        tokens = jnp.take_along_axis(jnp.where(real, tokens, -1), order, axis=1)
+        return tokens

@@ -1,0 +1,130 @@
+"""Eval harness: task generators, metrics, and an end-to-end run on a tiny model."""
+import argparse
+import math
+
+import numpy as np
+import pytest
+
+import copy
+
+from tests.selection.tiny import shared_tiny_model
+
+from jkv.eval import cli
+from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
+from jkv.eval.harness import EvalConfig, evaluate, format_table, summarize, write_csv
+from jkv.eval.tasks import TASKS, edit_similarity
+from jkv.selection import get_selector
+from jkv.selection.calibration import collect_calibration
+from jkv.selection.simple import Dense
+
+
+class ByteTokenizer:
+    """Bytes + 3 (ids 3..258); a chat template that just wraps the text."""
+
+    eos_id = 2
+
+    def encode(self, text):
+        return [b + 3 for b in text.encode("utf-8")]
+
+    def decode(self, ids):
+        return bytes(i - 3 for i in ids if 3 <= i < 259).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages):
+        return self.encode("<user>" + messages[0]["content"] + "<assistant>")
+
+
+def with_tokenizer(tokenizer):
+    """The shared tiny model (compiled pieces reused) with a byte tokenizer attached to a copy."""
+    model = copy.copy(shared_tiny_model())
+    model.tokenizer = tokenizer
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return ByteTokenizer()
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_tasks_are_deterministic_fit_the_length_and_score_their_answer(task, tokenizer):
+    a, b = TASKS[task](tokenizer, 600, 3), TASKS[task](tokenizer, 600, 3)
+    assert a.prompt == b.prompt and a.answer == b.answer
+    assert TASKS[task](tokenizer, 600, 4).prompt != a.prompt
+    assert abs(len(a.prompt) - 600) <= 120, len(a.prompt)
+    assert a.score(a.answer) == 1.0
+    assert a.score("") < 1.0 or task == "code_completion" and a.answer == ""
+    if task != "code_completion":
+        # The answer is actually in the prompt (a retrievable needle), for the chat tasks.
+        assert a.answer.split()[0] in tokenizer.decode(a.prompt)
+
+
+def test_edit_similarity():
+    assert edit_similarity("abc", "abc") == 1.0
+    assert edit_similarity("kitten", "sitting") == pytest.approx(1 - 3 / 7)
+    assert edit_similarity("", "") == 1.0 and edit_similarity("", "ab") == 0.0
+
+
+def test_fidelity_metrics_by_hand(tokenizer):
+    dense = np.log(np.asarray([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]))
+    sparse = np.log(np.asarray([[0.25, 0.5, 0.25], [0.1, 0.8, 0.1]]))
+    metrics = fidelity_metrics(dense, sparse, np.asarray([0, 1]))
+    kl_first = 0.5 * math.log(2) + 0.25 * math.log(0.5)
+    assert metrics["kl"] == pytest.approx(kl_first / 2)
+    assert metrics["top1"] == 0.5
+    assert metrics["ppl_ratio"] == pytest.approx(math.exp((math.log(4) - math.log(2)) / 2))
+    assert fidelity_metrics(dense, dense, np.asarray([0, 1]))["kl"] == 0.0
+    prompt, targets = fidelity_sample(tokenizer, 300, 16, 2)
+    assert len(prompt) == 300 and targets.shape == (16,)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fidelity_metrics(dense, sparse[:1], np.asarray([0, 1]))
+
+
+def test_harness_at_full_ratio_matches_dense_everywhere(tokenizer):
+    model = with_tokenizer(tokenizer)
+    rng = np.random.default_rng(0)
+    calibration = collect_calibration(model, list(rng.integers(3, 259, size=80)), 72, 8)
+    selectors = {(n, 1.0): get_selector(n, max_ratio=1.0) for n in ("oracle", "quest", "streamingllm")}
+    selectors[("infinigen", 1.0)] = get_selector("infinigen", max_ratio=1.0, alpha=math.inf, calibration=calibration)
+    config = EvalConfig(tasks=("passkey", "fidelity"), lengths=(256,), limit=2, fidelity_tokens=6,
+                        selectors=("oracle", "quest", "streamingllm", "infinigen"), ratios=(1.0,))
+    rows = evaluate(model, config, selectors, progress=False)
+    assert len(rows) == 2 * 2 * 5
+    dense_output = {(r["task"], r["index"]): r.get("output") for r in rows if r["selector"] == "dense"}
+    for row in rows:
+        assert row["kv_fraction"] == pytest.approx(1.0)
+        if row["task"] == "fidelity":
+            assert row["score"] == 1.0 and row["kl"] < 1e-6 and row["ppl_ratio"] == pytest.approx(1.0, abs=1e-4)
+        else:
+            assert row["output"] == dense_output[(row["task"], row["index"])]
+    summary = summarize(rows)
+    assert {s["selector"] for s in summary} == {"dense", "oracle", "quest", "streamingllm", "infinigen"}
+    assert all(s["relative_score"] == pytest.approx(1.0) for s in summary if s["task"] == "fidelity")
+    assert "infinigen" in format_table(summary)
+
+
+def test_low_ratio_on_tiny_model_reports_less_kv(tokenizer, tmp_path):
+    model = with_tokenizer(tokenizer)
+    config = EvalConfig(tasks=("fidelity",), lengths=(256,), limit=1, fidelity_tokens=4,
+                        selectors=("oracle", "streamingllm"), ratios=(0.2,))
+    rows = evaluate(model, config, progress=False)
+    sparse = [r for r in rows if r["selector"] != "dense"]
+    # 4 layers, 2 dense: two layers at ~20% -> (2 + 2 * 0.2) / 4 of the KV.
+    assert all(r["kv_fraction"] == pytest.approx((2 + 2 * 0.2) / 4, abs=0.01) for r in sparse)
+    assert all(0 < r["score"] <= 1 and r["kl"] >= 0 for r in sparse)
+    write_csv(str(tmp_path / "rows.csv"), rows)
+    assert (tmp_path / "rows.csv").read_text().startswith("task,length")
+
+
+def test_eval_config_and_cli_errors():
+    with pytest.raises(ValueError, match="unknown task.*valid: passkey"):
+        EvalConfig(tasks=("summarize",))
+    with pytest.raises(ValueError, match="valid names: dense, hata"):
+        EvalConfig(selectors=("h2o",))
+    with pytest.raises(ValueError, match=r"ratios=\(1.5,\)"):
+        EvalConfig(ratios=(1.5,))
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["eval", "--tasks", "passkey,fidelity", "--lengths", "512,1024", "--ratios", "0.1,0.2",
+                              "--limit", "3"])
+    assert args.tasks == ("passkey", "fidelity") and args.lengths == (512, 1024) and args.ratios == (0.1, 0.2)
+    assert args.func is cli.run and args.limit == 3

@@ -1,0 +1,53 @@
+"""HATA training on a tiny model's calibration data; orbax save/load of the weights."""
+import argparse
+
+import numpy as np
+import pytest
+
+from tests.selection.tiny import shared_tiny_model
+
+from jkv.selection import get_selector
+from jkv.selection.calibration import collect_calibration
+from jkv.selection.hata import load_weights, save_weights
+from jkv.selection.hata_train import HATATrainConfig, add_parser, init_projection, recall_at_k, train_projection
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    model = shared_tiny_model()
+    rng = np.random.default_rng(1)
+    return collect_calibration(model, list(rng.integers(3, 301, size=160)), 128, 32)
+
+
+def test_training_reduces_loss_and_improves_recall_over_random_projection(calibration, tmp_path):
+    train, held_out = calibration.split(0.75)
+    config = HATATrainConfig(bits=64, train_steps=100, learning_rate=1e-2)
+    initial = init_projection(train, config.bits, config.seed)
+    projection, losses = train_projection(train, config, initial)
+    assert projection.shape == (4, 2, 16, 64)
+    assert losses[-1] < 0.95 * losses[0]
+    sparse_layers = range(2, 4)
+    before = recall_at_k(initial, held_out, layers=sparse_layers)
+    after = recall_at_k(projection, held_out, layers=sparse_layers)
+    assert after > before + 0.02, (before, after)
+
+    save_weights(str(tmp_path / "hata"), projection, {"recall_trained": after})
+    restored, info = load_weights(str(tmp_path / "hata"))
+    np.testing.assert_array_equal(restored, projection)
+    assert info["recall_trained"] == after
+    selector = get_selector("hata", bits=64, weights_path=str(tmp_path / "hata"))
+    np.testing.assert_array_equal(np.asarray(selector.layer_state(3)), projection[3])
+
+
+def test_missing_weights_say_how_to_train(tmp_path):
+    with pytest.raises(FileNotFoundError, match="jkv train-hata"):
+        get_selector("hata", weights_path=str(tmp_path))
+
+
+def test_cli_parser_and_config_validation():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train-hata", "--out", "/tmp/x", "--train-steps", "5"])
+    assert args.train_steps == 5 and args.bits == 256 and callable(args.func)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        HATATrainConfig(bits=48)
