@@ -162,7 +162,32 @@ def run_models(args):
     return 0
 
 
+def add_eval(sub):
+    from .eval.cli import add_parser
+
+    add_parser(sub)
+
+
+def run_eval(args):
+    from .eval.cli import run
+
+    return run(args)
+
+
+def add_train_hata(sub):
+    from .selection.hata_train import add_parser
+
+    add_parser(sub)
+
+
+def run_train_hata(args):
+    from .selection.hata_train import run
+
+    return run(args)
+
+
 COMMANDS = {"generate": (add_generate, run_generate), "compare": (add_compare, run_compare),
+            "eval": (add_eval, run_eval), "train-hata": (add_train_hata, run_train_hata),
             "demo": (add_demo, run_demo), "models": (add_models, run_models), "serve": (add_serve, run_serve)}
 
 
