@@ -26,8 +26,9 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SELECTORS = ("oracle", "infinigen", "quest", "hata", "streamingllm")
 # (task, length, samples): passkey at ~1K where dense SmolLM2-135M works (FACTS.md); the
 # fidelity metric at 1K and 4K works at any length.
-WORKLOAD = [("passkey", 1024, 8), ("passkey_multi", 1024, 4), ("variable_tracking", 1024, 3),
-            ("code_completion", 1024, 4), ("fidelity", 1024, 3), ("fidelity", 4096, 1)]
+# variable_tracking is left out: dense SmolLM2-135M scores ~0.13 at 1K (near chance).
+WORKLOAD = [("passkey", 1024, 8), ("passkey_multi", 1024, 4), ("code_completion", 1024, 4),
+            ("fidelity", 1024, 3), ("fidelity", 4096, 1)]
 
 
 def plot(summary: list[dict], path: str) -> None:

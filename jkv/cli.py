@@ -1,4 +1,4 @@
-"""`jkv` command line: generate, compare, demo, models, profile, prefill-worker.
+"""`jkv` command line: generate, compare, demo, models, eval, train-hata, serve, profile, prefill-worker.
 
 Each subcommand is `add_<name>(subparsers)` + `run_<name>(args)`; `main()` dispatches. Errors a
 user can fix (bad model name, over-long prompt, invalid sampling value) print one line and exit 2.
@@ -12,6 +12,8 @@ import sys
 import time
 
 from models import DEFAULT_MODEL, ModelLoadError, known_models
+
+from .serving.launch import add_serve, run_serve
 
 log = logging.getLogger("jkv")
 
@@ -188,8 +190,33 @@ def run_models(args):
     return 0
 
 
+def add_eval(sub):
+    from .eval.cli import add_parser
+
+    add_parser(sub)
+
+
+def run_eval(args):
+    from .eval.cli import run
+
+    return run(args)
+
+
+def add_train_hata(sub):
+    from .selection.hata_train import add_parser
+
+    add_parser(sub)
+
+
+def run_train_hata(args):
+    from .selection.hata_train import run
+
+    return run(args)
+
+
 COMMANDS = {"generate": (add_generate, run_generate), "compare": (add_compare, run_compare),
-            "demo": (add_demo, run_demo), "models": (add_models, run_models),
+            "eval": (add_eval, run_eval), "train-hata": (add_train_hata, run_train_hata),
+            "demo": (add_demo, run_demo), "models": (add_models, run_models), "serve": (add_serve, run_serve),
             "prefill-worker": (add_prefill_worker, run_prefill_worker), "profile": (add_profile, run_profile)}
 
 

@@ -63,3 +63,10 @@ def test_unknown_model_exits_2_with_known_names(capsys):
 def test_invalid_sampling_flag_exits_2(capsys):
     assert main(["generate", "--prompt", "x", "--top-p", "2"]) == 2
     assert "top_p" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cmd", ["eval", "train-hata"])
+def test_selection_commands_are_wired_and_report_bad_models(cmd, capsys, tmp_path):
+    args = [cmd, "--model", "no-such-model"] + (["--out", str(tmp_path)] if cmd == "train-hata" else [])
+    assert main(args) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err

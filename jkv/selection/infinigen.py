@@ -11,8 +11,10 @@ rotation applied to the rotated q and k preserves every dot product exactly.
 
 Online: metadata is the partial key cache K A_p: [B, H_kv, N_cap, d_p]. The query is
 speculated from the previous layer's input (InfiniGen §4.3: layer l's query computed from
-layer l-1's attention input); a token is kept when its partial score is within `alpha` (5) of
-the row maximum for some query head of the group, capped at the max_ratio budget.
+layer l-1's attention input). Each KV head counts the tokens whose partial score is within
+`alpha` (5) of the maximum (for some query head of its group); the request's fetch count is
+that count averaged over its KV heads (as InfiniGen's implementation does), capped at the
+max_ratio budget, and every head takes its top tokens up to it.
 """
 from __future__ import annotations
 
@@ -110,4 +112,10 @@ class InfiniGen(Selector):
         scores = jnp.where(valid, scores, -jnp.inf)
         relative = (scores - scores.max(axis=-1, keepdims=True)).max(axis=2)  # [B, H_kv, N_cap], <= 0
         relative = jnp.where(valid[:, :, 0], relative, -jnp.inf)
-        return scores_to_index(relative, lengths, self.config.max_ratio, keep=relative > -self.config.alpha)
+        # InfiniGen's fetch count: tokens within alpha of the max, averaged over the request's
+        # heads, so peaky heads borrow budget from flat ones; capped by the max_ratio budget.
+        within = (relative > -self.config.alpha).sum(axis=2)  # [B, H_kv]
+        count = jnp.ceil(within.mean(axis=1)).astype(jnp.int32)  # [B]
+        index = scores_to_index(relative, lengths, self.config.max_ratio)
+        slot = jnp.arange(index.shape[1], dtype=jnp.int32)[None, :]
+        return jnp.where(slot < jnp.repeat(count, partial_keys.shape[1])[:, None], index, -1)

@@ -186,6 +186,11 @@ def test_infinigen_skew_is_orthonormal_and_threshold_keeps_close_tokens():
     sel = get_selector("infinigen", max_ratio=0.5, alpha=5.0, skew=full, speculate=False)
     sets = rows_as_sets(sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths))
     assert sets == [{5, 9, 20}] * H_KV  # 30 - 5 = 25 < 26, 27; token 30 (20) and the zeros fail
+    # The fetch count is averaged over KV heads: head 1 has only token 5 within alpha -> (3 + 1) / 2 = 2.
+    K[0, 1, 9, 0] = K[0, 1, 20, 0] = 10.0 * scale
+    sets = rows_as_sets(sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths))
+    assert sets == [{5, 9}, {5, 30}]
+    K[0, 1] = K[0, 0]
     capped = get_selector("infinigen", max_ratio=0.05, alpha=5.0, skew=full)  # budget 2
     sets = rows_as_sets(capped.select(LAYER, jnp.asarray(q), capped.prepare(LAYER, K, lengths), lengths))
     assert sets == [{5, 9}] * H_KV

@@ -2,7 +2,7 @@
 
 Every test in this directory is wrapped by ``no_leaks``: after the test, no thread started
 during it may still run (transport threads are all joined by ``Endpoint.close``), no child
-process may be left, and no ``/dev/shm/jkvt-*`` segment may remain.
+process it started may be left, and no ``/dev/shm/jkvt-*`` segment may remain.
 """
 from __future__ import annotations
 
@@ -41,12 +41,13 @@ def _shm_segments() -> set[str]:
 @pytest.fixture(autouse=True)
 def no_leaks():
     threads_before = set(threading.enumerate())
+    children_before = _children()  # session-scoped servers of other test packages are not this test's
     shm_before = _shm_segments()
     yield
     deadline = time.monotonic() + 3.0
     while True:
         extra_threads = [t for t in threading.enumerate() if t not in threads_before and t.is_alive()]
-        extra_children = _children()
+        extra_children = _children() - children_before
         extra_shm = _shm_segments() - shm_before
         if not (extra_threads or extra_children or extra_shm) or time.monotonic() > deadline:
             break

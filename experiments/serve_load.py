@@ -1,0 +1,209 @@
+"""Load test of `jkv serve`: Poisson arrivals at several rates, vLLM benchmark_serving-style report.
+
+Starts the servers itself on loopback (free ports): target `all` is one `--role all` server;
+target `router` is a `--role router` in front of two `--role all` upstreams. For each target and
+rate it sends `--num-prompts` streaming /v1/completions requests (short prompts, fixed output
+length via ignore_eos) with exponential inter-arrival gaps, and measures per request:
+TTFT (first content chunk), TTST (second chunk), TBT (gaps after the second chunk, DESIGN.md
+"Metrics"), e2e; then prints a vLLM-style block and writes
+experiments/results/serve_load_<target>_r<rate>.json plus one summary CSV row per run.
+
+    python experiments/serve_load.py --model smollm2-135m-instruct --rates 0.5 1 --num-prompts 12
+
+Absolute numbers on a shared CPU machine are only comparable side by side within one run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "The capital of France is",
+    "Write one sentence about the ocean:",
+    "List three primary colors:",
+    "Explain what a KV cache is in one sentence:",
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The most important idea in computer science is",
+]
+
+
+class Server:
+    def __init__(self, args: list[str], timeout: float = 300):
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen([sys.executable, "-m", "jkv.cli", "serve", "--port", "0", *args], cwd=REPO,
+                                     env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.url, ready, self.log = None, threading.Event(), []
+
+        def read():
+            for line in self.proc.stderr:
+                self.log.append(line)
+                if "listening on http://" in line:
+                    self.url = line.split("listening on ")[1].split()[0]
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(timeout) or self.url is None:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.log[-30:]))
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    times, usage, error = [], None, None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    error = obj["error"]["message"]
+                elif obj.get("usage"):
+                    usage = obj["usage"]
+                elif obj["choices"] and obj["choices"][0]["text"]:
+                    times.append(time.perf_counter() - t0)
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    if error or not times or usage is None:
+        return {"ok": False, "error": error or "no tokens / no usage"}
+    return {"ok": True, "times": times, "e2e": time.perf_counter() - t0, "prompt_tokens": usage["prompt_tokens"],
+            "output_tokens": usage["completion_tokens"]}
+
+
+async def run_load(url: str, model: str, rate: float, n: int, max_tokens: int, seed: int) -> tuple[list[dict], float]:
+    rng = random.Random(seed)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600, connect=10)) as client:
+        tasks = []
+        t0 = time.perf_counter()
+        for i in range(n):
+            tasks.append(asyncio.create_task(one_request(client, url, model, PROMPTS[i % len(PROMPTS)], max_tokens)))
+            await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def summarize(results: list[dict], duration: float) -> dict:
+    ok = [r for r in results if r["ok"]]
+    ms = lambda xs: np.asarray(xs, float) * 1e3  # noqa: E731
+    ttft = ms([r["times"][0] for r in ok])
+    ttst = ms([r["times"][1] for r in ok if len(r["times"]) > 1])
+    tbt = ms([b - a for r in ok for a, b in zip(r["times"][1:], r["times"][2:])])  # excludes the second token
+    tpot = ms([(r["e2e"] - r["times"][0]) / max(r["output_tokens"] - 1, 1) for r in ok])
+    e2e = ms([r["e2e"] for r in ok])
+    out = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+           "total_input_tokens": sum(r["prompt_tokens"] for r in ok),
+           "total_output_tokens": sum(r["output_tokens"] for r in ok)}
+    out["request_throughput"] = len(ok) / duration
+    out["output_throughput"] = out["total_output_tokens"] / duration
+    out["total_token_throughput"] = (out["total_input_tokens"] + out["total_output_tokens"]) / duration
+    for name, xs in (("ttft", ttft), ("ttst", ttst), ("tpot", tpot), ("tbt", tbt), ("e2el", e2e)):
+        xs = xs if len(xs) else np.zeros(1)
+        out[f"mean_{name}_ms"] = float(xs.mean())
+        out[f"median_{name}_ms"] = float(np.median(xs))
+        out[f"p99_{name}_ms"] = float(np.percentile(xs, 99))
+    out["errors"] = sorted({r["error"] for r in results if not r["ok"]})[:5]
+    return out
+
+
+def print_report(title: str, s: dict):
+    w = 50
+    print(f"{' ' + title + ' ':=^{w}}")
+    rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
+            ("Benchmark duration (s):", f"{s['duration_s']:.2f}"), ("Total input tokens:", s["total_input_tokens"]),
+            ("Total generated tokens:", s["total_output_tokens"]),
+            ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+            ("Total Token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
+    for label, v in rows:
+        print(f"{label:<40}{v:<10}")
+    for name, head in (("ttft", "Time to First Token"), ("ttst", "Time to Second Token"),
+                       ("tpot", "Time per Output Token (excl. 1st token)"),
+                       ("tbt", "Time Between Tokens (excl. 1st, 2nd)"), ("e2el", "End-to-end Latency")):
+        print(f"{head:-^{w}}")
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            print(f"{label + ' ' + name.upper() + ' (ms):':<40}{s[f'{stat}_{name}_ms']:<10.2f}")
+    print("=" * w)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0], help="request rates (req/s, Poisson)")
+    ap.add_argument("--num-prompts", type=int, default=12, help="requests per (target, rate)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--targets", nargs="+", default=["all", "router"], choices=["all", "router"])
+    ap.add_argument("--max-slots", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(REPO / "experiments" / "results"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    common = ["--model", args.model, "--served-model-name", "m", "--max-slots", str(args.max_slots),
+              "--max-model-len", str(args.max_model_len)]
+    rows = []
+    for target in args.targets:
+        t = time.perf_counter()
+        servers = [Server(common)] if target == "all" else [Server(common), Server(common)]
+        if target == "router":
+            ups = [a for s in servers for a in ("--upstream", s.url)]
+            servers.append(Server(["--role", "router", "--health-interval", "1", *ups]))
+        url = servers[-1].url
+        print(f"[{target}] servers up in {time.perf_counter() - t:.1f}s at {url}", flush=True)
+        try:
+            # warm every prompt-length bucket on every upstream outside the timed runs
+            asyncio.run(run_load(url, "m", 100.0, 2 * len(PROMPTS), 2, seed=1))
+            for rate in args.rates:
+                results, duration = asyncio.run(run_load(url, "m", rate, args.num_prompts, args.max_tokens,
+                                                         args.seed))
+                s = summarize(results, duration)
+                s.update(target=target, request_rate=rate, model=args.model, max_tokens=args.max_tokens,
+                         num_prompts=args.num_prompts, max_slots=args.max_slots)
+                print_report(f"Serving Benchmark Result: {target}, {rate} req/s", s)
+                (out / f"serve_load_{target}_r{rate:g}.json").write_text(json.dumps(s, indent=2))
+                rows.append(s)
+        finally:
+            for s in reversed(servers):
+                s.stop()
+    keys = ["target", "request_rate", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
+            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_ttst_ms", "median_ttst_ms", "p99_ttst_ms",
+            "mean_tbt_ms", "median_tbt_ms", "p99_tbt_ms", "mean_e2el_ms"]
+    with open(out / "serve_load.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {out}/serve_load.csv and {len(rows)} JSON files")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

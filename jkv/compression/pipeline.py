@@ -1,0 +1,264 @@
+"""The compression pipeline BS = C(Q(T(X))) over KV blocks (KVServe §5.1, Fig. 7).
+
+    pipe = Pipeline(PipelineSpec.parse("hadamard+kivi4g32+zstd3"), calibration)
+    data = pipe.encode_block(K_block, layer=l, kind="k")   # K_block: [H_kv, Nb, D] -> bytes
+    K_hat = decode_block(data)                              # bytes -> jnp [H_kv, Nb, D], block dtype
+
+K and V are separate blocks (KIVI quantizes them along different axes). Transform + quantize +
+bit packing run in one jitted function per (spec, plan, shape, dtype); the host then concatenates
+the sections and applies the codec. Decoding is the mirror image and needs nothing but the bytes:
+the container header names the transform, the quantization plan (bits per head, axis, group) and
+every section, so a decode node needs no calibration state. Decoding validates the header against
+the layout the plan implies before any array is built (`ContainerError` otherwise), and
+dequantizes straight into the computation-ready layout [H_kv, Nb, D].
+
+`Pipeline` objects are immutable after construction apart from a cache of fitted affine
+parameters guarded by a lock; encode/decode may be called from several threads.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.compression import quantizers, transforms
+from jkv.compression.container import ContainerError, SECTION_DTYPES, pack_container, unpack_container
+from jkv.compression.spec import PipelineSpec, TransformSpec
+
+BLOCK_DTYPES = ("float16", "bfloat16", "float32")
+FP16_MAX = 65504.0
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Calibration state some stages need (fitted offline, applied on the encode side only).
+
+    kv: {(layer, "k"|"v"): [H_kv, N, D] or [B, H_kv, N, D]} calibration KV (affine transform).
+    head_scores: f32[L, H_kv] retrieval scores (`heads.retrieval_scores`) for MixHQ, or
+    retrieval_heads: bool[L, H_kv] given directly.
+    """
+
+    kv: Mapping[tuple[int, str], np.ndarray] | None = None
+    head_scores: np.ndarray | None = None
+    retrieval_heads: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """What a container says about its block (from the validated header)."""
+
+    spec_id: str
+    layer: int
+    kind: str
+    shape: tuple[int, int, int]
+    dtype: str
+    transform: TransformSpec
+    plan: quantizers.QuantPlan
+    nbytes: int  # the whole container
+
+    @property
+    def raw_nbytes(self) -> int:
+        """Bytes of the uncompressed block."""
+        return int(np.prod(self.shape)) * SECTION_DTYPES[self.dtype].itemsize
+
+
+class Pipeline:
+    """Encoder for one `PipelineSpec` (plus the calibration its stages need)."""
+
+    def __init__(self, spec: PipelineSpec, calibration: Calibration | None = None):
+        self.spec = spec
+        self._calibration = calibration or Calibration()
+        self._affine: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+        self._lock = threading.Lock()
+        if spec.transform.name == "affine" and self._calibration.kv is None:
+            raise ValueError(f"{spec.id}: the affine transform needs Calibration(kv={{(layer, kind): KV}})")
+        self._retrieval = None
+        if spec.quantizer.method == "mixhq":
+            if self._calibration.retrieval_heads is not None:
+                self._retrieval = np.asarray(self._calibration.retrieval_heads, dtype=bool)
+            elif self._calibration.head_scores is not None:
+                self._retrieval = quantizers.mixhq_retrieval_heads(spec.quantizer, self._calibration.head_scores)
+            else:
+                raise ValueError(f"{spec.id}: MixHQ needs Calibration(head_scores=...) or (retrieval_heads=...)")
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    def plan(self, layer: int, kind: str, n_heads: int) -> quantizers.QuantPlan:
+        return quantizers.make_plan(self.spec.quantizer, layer, kind, n_heads, self._retrieval)
+
+    def _transform_inputs(self, layer: int, kind: str) -> dict[str, np.ndarray]:
+        if self.spec.transform.name != "affine":
+            return {}
+        with self._lock:
+            if (layer, kind) not in self._affine:
+                samples = self._calibration.kv.get((layer, kind))
+                if samples is None:
+                    raise ValueError(f"{self.spec.id}: no affine calibration KV for (layer={layer}, kind={kind!r})")
+                self._affine[(layer, kind)] = transforms.fit_affine(samples)
+            return self._affine[(layer, kind)]
+
+    def encode_block(self, x, *, layer: int, kind: str) -> bytes:
+        """x: [H_kv, Nb, D] float16/bfloat16/float32 (K or V of one layer block) -> container bytes."""
+        if kind not in quantizers.KINDS:
+            raise ValueError(f"{kind=} must be 'k' or 'v'")
+        if not isinstance(layer, int) or layer < 0:
+            raise ValueError(f"{layer=} must be an int >= 0")
+        x = jnp.asarray(x)
+        if x.ndim != 3 or min(x.shape) < 1:
+            raise ValueError(f"a KV block must be [H_kv, Nb, D] with positive sizes; got shape {x.shape}")
+        dtype = x.dtype.name
+        if dtype not in BLOCK_DTYPES:
+            raise ValueError(f"KV block dtype {dtype} unsupported; use one of {BLOCK_DTYPES}")
+        shape = tuple(int(s) for s in x.shape)
+        plan = self.plan(layer, kind, shape[0])
+        inputs = self._transform_inputs(layer, kind)
+        if inputs and inputs["affine.shift"].shape != (shape[0], shape[2]):
+            raise ValueError(f"affine calibration for layer {layer} is {inputs['affine.shift'].shape}, block is {shape}")
+        layout = _layout(self.spec.transform, plan, shape, dtype)
+        sections, max_abs = _encode_fn(self.spec.transform, plan, shape, dtype)(x, inputs)
+        max_abs = float(max_abs)
+        if not np.isfinite(max_abs) or (any(b != 16 for b in plan.head_bits) and max_abs > FP16_MAX):
+            raise ValueError(f"KV block (layer {layer}, {kind}) has |value| up to {max_abs} after the transform; "
+                             f"quantizer scales are float16, so values must be finite and <= {FP16_MAX}")
+        header = {"spec": self.spec.id, "layer": layer, "kind": kind, "shape": list(shape), "dtype": dtype,
+                  "transform": self.spec.transform.id, "plan": plan.to_header()}
+        return pack_container(header, [(name, np.asarray(sections[name])) for name in layout], self.spec.codec)
+
+    def encode_kv(self, k, v, *, layer: int) -> tuple[bytes, bytes]:
+        """K, V: [H_kv, Nb, D] of one layer block -> (k_bytes, v_bytes)."""
+        return self.encode_block(k, layer=layer, kind="k"), self.encode_block(v, layer=layer, kind="v")
+
+
+def inspect_block(data: bytes) -> tuple[BlockInfo, dict[str, np.ndarray]]:
+    """Validate a container fully (header semantics included): (info, host sections)."""
+    header, sections = unpack_container(data)
+    try:
+        shape = header["shape"]
+        if not (isinstance(shape, list) and len(shape) == 3
+                and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)):
+            raise ValueError(f"shape {shape!r} must be three positive ints [H_kv, Nb, D]")
+        dtype, kind, layer = header["dtype"], header["kind"], header["layer"]
+        if dtype not in BLOCK_DTYPES:
+            raise ValueError(f"block dtype {dtype!r} must be one of {BLOCK_DTYPES}")
+        if kind not in quantizers.KINDS:
+            raise ValueError(f"kind {kind!r} must be 'k' or 'v'")
+        if not isinstance(layer, int) or isinstance(layer, bool) or layer < 0:
+            raise ValueError(f"layer {layer!r} must be an int >= 0")
+        if not isinstance(header["transform"], str) or not isinstance(header["plan"], dict):
+            raise ValueError("transform must be an id string and plan an object")
+        transform = TransformSpec.parse(header["transform"])
+        plan = quantizers.QuantPlan.from_header(header["plan"])
+        shape = tuple(shape)
+        expected = _layout(transform, plan, shape, dtype)
+        spec_id = str(header["spec"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ContainerError(f"invalid block header: {e!s}") from None
+    got = {name: (arr.shape, arr.dtype) for name, arr in sections.items()}
+    if got != expected:
+        raise ContainerError(f"block sections {sorted(got)} do not match the layout its header implies {sorted(expected)} "
+                             f"(or their shapes/dtypes differ)")
+    return BlockInfo(spec_id, layer, kind, shape, dtype, transform, plan, len(data)), sections
+
+
+def decode_block(data: bytes) -> jax.Array:
+    """Container bytes -> the block as jnp [H_kv, Nb, D] in its original dtype (computation-ready)."""
+    info, sections = inspect_block(data)
+    return _decode_fn(info.transform, info.plan, info.shape, info.dtype)(sections)
+
+
+def _layout(transform: TransformSpec, plan: quantizers.QuantPlan, shape, dtype: str) -> dict[str, tuple]:
+    store = SECTION_DTYPES[dtype]
+    layout = transforms.side_layout(transform, shape, store)
+    layout.update(quantizers.section_layout(plan, shape, store))
+    return layout
+
+
+@functools.lru_cache(maxsize=256)
+def _encode_fn(transform: TransformSpec, plan: quantizers.QuantPlan, shape, dtype: str):
+    store = SECTION_DTYPES[dtype]
+
+    @jax.jit
+    def encode(x, inputs):
+        y, side = transforms.forward(transform, x.astype(jnp.float32), inputs, store)
+        max_abs = jnp.where(jnp.all(jnp.isfinite(y)), jnp.max(jnp.abs(y)), jnp.inf)  # XLA's max may drop NaN
+        return {**side, **quantizers.quantize(y, plan, store)}, max_abs
+
+    return encode
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_fn(transform: TransformSpec, plan: quantizers.QuantPlan, shape, dtype: str):
+    store = SECTION_DTYPES[dtype]
+
+    @jax.jit
+    def decode(sections):
+        y = quantizers.dequantize(sections, plan, shape)
+        return transforms.inverse(transform, y, sections).astype(store)
+
+    return decode
+
+
+@dataclass(frozen=True)
+class PipelineReport:
+    """Compression ratio (all container bytes counted) and throughput of one spec on given blocks."""
+
+    spec_id: str
+    raw_bytes: int
+    encoded_bytes: int
+    encode_s: float
+    decode_s: float
+
+    @property
+    def cr(self) -> float:
+        return self.raw_bytes / self.encoded_bytes
+
+    @property
+    def encode_Bps(self) -> float:
+        return self.raw_bytes / self.encode_s
+
+    @property
+    def decode_Bps(self) -> float:
+        return self.raw_bytes / self.decode_s
+
+    @property
+    def throughput_Bps(self) -> float:
+        """s_p: harmonic combination of encode and decode throughput (KVServe §3.1)."""
+        return self.raw_bytes / (self.encode_s + self.decode_s)
+
+
+def compression_ratio(blocks: Sequence[bytes]) -> float:
+    """Uncompressed bytes of the blocks (from their headers) / total container bytes."""
+    infos = [inspect_block(b)[0] for b in blocks]
+    return sum(i.raw_nbytes for i in infos) / sum(i.nbytes for i in infos)
+
+
+def measure(pipeline: Pipeline, blocks: Sequence[tuple[int, str, object]], repeats: int = 3) -> PipelineReport:
+    """Encode + decode `blocks` [(layer, kind, x [H_kv, Nb, D])]: CR and best-of-`repeats` times.
+
+    The first pass (which compiles) is not timed.
+    """
+    if repeats < 1:
+        raise ValueError(f"{repeats=} must be >= 1")
+    if not blocks:
+        raise ValueError("measure needs at least one block")
+    arrays = [(layer, kind, jnp.asarray(x)) for layer, kind, x in blocks]
+    raw = sum(x.size * x.dtype.itemsize for _, _, x in arrays)
+    encoded = [pipeline.encode_block(x, layer=layer, kind=kind) for layer, kind, x in arrays]
+    jax.block_until_ready([decode_block(b) for b in encoded])
+    enc_best = dec_best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        encoded = [pipeline.encode_block(x, layer=layer, kind=kind) for layer, kind, x in arrays]
+        t1 = time.perf_counter()
+        jax.block_until_ready([decode_block(b) for b in encoded])
+        t2 = time.perf_counter()
+        enc_best, dec_best = min(enc_best, t1 - t0), min(dec_best, t2 - t1)
+    return PipelineReport(pipeline.id, int(raw), sum(len(b) for b in encoded), enc_best, dec_best)

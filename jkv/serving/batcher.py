@@ -1,0 +1,377 @@
+"""Continuous-batching engine: fixed decode slots, per-request prefill + insert, one decode batch.
+
+Interface (JetStream-style): `submit(request)` → the engine thread runs `prefill` (a batch of
+its own), `insert`s the request's KV into a free slot of the on-device decode cache, and from
+the next step on the request is one row of the running `decode_step`. `cancel(request_id)`
+frees its slot. Results leave through the request's `emit(event)` callback.
+
+Device state (owned by the engine thread only):
+    cache:     tuple over layers of (K, V), each [B_slots, H_kv, N_max, D]
+    tokens:    i32[B_slots]  the token each slot feeds to the next decode step
+    positions: i32[B_slots]  the cache index that token is written to (= tokens already cached)
+Idle slots decode a dummy token at position 0; their rows are never read, and `insert`
+overwrites the slot's cache (positions < prompt length) before reuse. Decode attends only to
+indices <= positions[b], so stale entries beyond a new request's prompt are never seen.
+
+Concurrency. Exactly one thread (the engine thread, started by `start()`) touches the model
+and the device. Other threads — the HTTP server's event loop, tests — only call `submit()`
+and `cancel()`, which put items on a thread-safe `queue.SimpleQueue`; the engine thread drains
+it between decode steps. Each request carries `emit`, called on the engine thread with every
+`StreamEvent`; the server passes `AsyncSink(loop, asyncio_queue).emit`, which hands the event
+to the event loop with `loop.call_soon_threadsafe`, so per-request queues are only touched
+by their loop. `stop()` asks the loop to finish, fails requests still queued or running with
+an error event, and joins the thread. Order per iteration: drain inbox (new requests,
+cancellations) → admit waiting requests into free slots (prefill + insert + first token) →
+one decode step for all running slots → emit deltas, free finished slots.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import queue
+import threading
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import Model
+
+from ..engine import bucket_cache_len, bucket_prompt_len
+from ..sampling import SamplingParams, sample_tokens
+from .text_stream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatcherConfig:
+    """max_slots: decode batch size B_slots; max_model_len: prompt + generated tokens per request."""
+
+    max_slots: int = 8
+    max_model_len: int = 1024
+
+    def __post_init__(self):
+        if self.max_slots < 1:
+            raise ValueError(f"max_slots={self.max_slots} must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+
+
+@dataclasses.dataclass
+class StreamEvent:
+    """One update for a request. `finish_reason` is set on the last event ("stop", "length",
+    "cancelled" or "error" — then `error` says why)."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+    final_text: str | None = None  # the whole output on the last event
+
+
+@dataclasses.dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[StreamEvent], None]
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus max_tokens does not fit max_model_len."""
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def insert_kv(cache, kv, slot):
+    """JetStream `insert`: write one request's prefill KV into decode slot `slot`.
+
+    cache: tuple over layers of (K, V) [B_slots, H_kv, N_max, D]; kv: same with [1, H_kv, T, D],
+    T <= N_max; slot: i32[] . Returns the updated cache (the input cache is donated).
+    """
+    zero = jnp.zeros((), jnp.int32)
+    return tuple((jax.lax.dynamic_update_slice(K, k.astype(K.dtype), (slot, zero, zero, zero)),
+                  jax.lax.dynamic_update_slice(V, v.astype(V.dtype), (slot, zero, zero, zero)))
+                 for (K, V), (k, v) in zip(cache, kv))
+
+
+class _Running:
+    """Engine-thread bookkeeping for one admitted request."""
+
+    def __init__(self, req: EngineRequest, stream: TextStream, seed: int):
+        self.req = req
+        self.stream = stream
+        self.seed = seed
+        self.token_times: list[float] = []
+
+
+class ContinuousBatcher:
+    """A model, B_slots decode slots and the engine thread that runs them."""
+
+    def __init__(self, model: Model, config: BatcherConfig = BatcherConfig(), metrics=None):
+        ctx = model.cfg.max_position_embeddings
+        if config.max_model_len > ctx:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {ctx}; "
+                             f"use --max-model-len <= {ctx}")
+        self.model = model
+        self.config = config
+        self.metrics = metrics
+        self.n_max = bucket_cache_len(config.max_model_len)
+        self.eos_ids = tuple(model.cfg.eos_token_ids)
+        B = config.max_slots
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[EngineRequest] = collections.deque()
+        self._slots: list[_Running | None] = [None] * B
+        self._tokens = np.zeros(B, np.int32)
+        self._positions = np.zeros(B, np.int32)
+        self._steps = np.zeros(B, np.int32)
+        self._cache = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards the counters read by other threads
+        self._n_waiting = 0
+        self._n_running = 0
+
+    # ------------------------------------------------------------ any thread
+    def check_request(self, prompt_len: int, max_tokens: int):
+        """Raises ContextLengthError naming both lengths when the request cannot fit."""
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty (0 tokens); give at least one token")
+        limit = self.config.max_model_len
+        if prompt_len + max_tokens > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion "
+                f"(max_tokens)). Shorten the prompt or lower max_tokens.")
+
+    def submit(self, req: EngineRequest):
+        """Queue a request (thread-safe). Raises ContextLengthError if it cannot fit."""
+        self.check_request(len(req.prompt_token_ids), req.params.max_tokens)
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shutting down; no new requests are accepted")
+        with self._lock:
+            self._n_waiting += 1
+        self._inbox.put(("submit", req))  # the engine thread publishes the gauges (one writer, no stale values)
+
+    def cancel(self, request_id: str):
+        """Cancel a waiting or running request (thread-safe); its slot is freed before the next step."""
+        self._inbox.put(("cancel", request_id))
+
+    @property
+    def num_waiting(self) -> int:
+        return self._n_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self._n_running
+
+    def start(self):
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self._cache = self.model.init_cache(self.config.max_slots, self.n_max)
+        self._thread = threading.Thread(target=self._loop, name="jkv-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0):
+        """Stop the engine thread; requests still queued or running end with an error event."""
+        self._stop.set()
+        self._inbox.put(("wake", None))
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("engine thread did not stop within %.0fs", timeout)
+            self._thread = None
+
+    def warmup(self):
+        """Compile prefill (shortest bucket), insert, decode and the sampler before serving."""
+        m = self.model
+        logits, kv = m.prefill(np.zeros((1, bucket_prompt_len(1)), np.int32), np.ones(1, np.int32))
+        cache = m.init_cache(self.config.max_slots, self.n_max)
+        cache = insert_kv(cache, tuple(kv), jnp.int32(0))
+        B = self.config.max_slots
+        z = np.zeros(B, np.int32)
+        logits, cache = m.decode_step(cache, z, z)
+        sample_tokens(logits, np.ones(B, np.float32), z, np.ones(B, np.float32), z.astype(np.uint32), z)
+        jax.block_until_ready(logits)
+
+    # ------------------------------------------------------- engine thread
+    def _set_gauges(self):
+        if self.metrics is not None:
+            self.metrics.set_engine_state(waiting=self._n_waiting, running=self._n_running,
+                                          slots=self.config.max_slots)
+
+    def _loop(self):
+        try:
+            while not self._stop.is_set():
+                idle = self._n_running == 0 and not self._waiting
+                self._drain_inbox(block=idle)
+                self._admit()
+                if self._n_running:
+                    self._decode_one_step()
+        except Exception as e:  # the engine is dead: fail everything loudly rather than hang clients
+            log.exception("engine thread crashed")
+            self._fail_all(f"engine error: {e}")
+            raise
+        self._fail_all("the server is shutting down")
+
+    def _drain_inbox(self, block: bool):
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, payload = item
+            if kind == "submit":
+                self._waiting.append(payload)
+            elif kind == "cancel":
+                self._cancel(payload)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                self._set_gauges()
+                return
+
+    def _cancel(self, request_id: str):
+        for req in list(self._waiting):
+            if req.request_id == request_id:
+                self._waiting.remove(req)
+                with self._lock:
+                    self._n_waiting -= 1
+                self._finish_event(req, None, "cancelled")
+                self._set_gauges()
+                return
+        for s, run in enumerate(self._slots):
+            if run is not None and run.req.request_id == request_id:
+                self._free(s, "cancelled")
+                return
+
+    def _admit(self):
+        while self._waiting and None in self._slots:
+            req = self._waiting.popleft()
+            with self._lock:
+                self._n_waiting -= 1
+            slot = self._slots.index(None)
+            try:
+                self._prefill_insert(req, slot)
+            except Exception as e:
+                log.exception("prefill of %s failed", req.request_id)
+                self._finish_event(req, None, "error", error=f"prefill failed: {e}")
+            self._set_gauges()
+
+    def _prefill_insert(self, req: EngineRequest, slot: int):
+        m = self.model
+        n = len(req.prompt_token_ids)
+        T = bucket_prompt_len(n)
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, :n] = req.prompt_token_ids
+        logits, kv = m.prefill(tokens, np.array([n], np.int32))
+        if T > self.n_max:  # only padding lies beyond n_max (n <= max_model_len <= n_max)
+            kv = [(K[:, :, :self.n_max], V[:, :, :self.n_max]) for K, V in kv]
+        self._cache = insert_kv(self._cache, tuple(kv), jnp.int32(slot))
+        if self.metrics is not None:
+            self.metrics.observe_prefill(n)
+        p = req.params
+        seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**31))
+        run = _Running(req, TextStream(m.tokenizer, p, self.eos_ids), seed)
+        first = self._pick(logits, np.array([p.temperature], np.float32), np.array([p.top_k], np.int32),
+                           np.array([p.top_p], np.float32), np.array([seed], np.uint32), np.zeros(1, np.int32))
+        self._slots[slot] = run
+        with self._lock:
+            self._n_running += 1
+        self._tokens[slot] = first[0]
+        self._positions[slot] = n
+        self._steps[slot] = 0
+        self._emit_token(slot, int(first[0]))
+
+    @staticmethod
+    def _pick(logits, temperature, top_k, top_p, seeds, steps) -> np.ndarray:
+        if not (temperature > 0).any():
+            return np.asarray(jnp.argmax(logits, -1), np.int32)
+        return np.asarray(sample_tokens(logits, temperature, top_k, top_p, seeds, steps))
+
+    def _decode_one_step(self):
+        logits, self._cache = self.model.decode_step(self._cache, self._tokens, self._positions)
+        active = [s for s, r in enumerate(self._slots) if r is not None]
+        self._steps[active] += 1
+        params = [r.req.params if r is not None else None for r in self._slots]
+        temperature = np.array([p.temperature if p else 0.0 for p in params], np.float32)
+        top_k = np.array([p.top_k if p else 0 for p in params], np.int32)
+        top_p = np.array([p.top_p if p else 1.0 for p in params], np.float32)
+        seeds = np.array([r.seed if r else 0 for r in self._slots], np.uint32)
+        next_tok = self._pick(logits, temperature, top_k, top_p, seeds, self._steps)
+        for s in active:
+            self._positions[s] += 1
+            self._tokens[s] = next_tok[s]
+            self._emit_token(s, int(next_tok[s]))
+
+    def _emit_token(self, slot: int, token_id: int):
+        run = self._slots[slot]
+        now = time.perf_counter()
+        run.token_times.append(now - run.req.arrival)
+        if self.metrics is not None:
+            self.metrics.observe_token(run.token_times)
+        delta = run.stream.push(token_id)
+        if run.stream.finish_reason is not None:
+            self._free(slot, run.stream.finish_reason, delta)
+        else:
+            self._send(run.req, StreamEvent(run.req.request_id, text=delta, token_ids=[token_id],
+                                            prompt_tokens=len(run.req.prompt_token_ids),
+                                            completion_tokens=len(run.stream.ids)))
+
+    @staticmethod
+    def _send(req: EngineRequest, event: StreamEvent):
+        try:
+            req.emit(event)
+        except Exception:  # a broken consumer must not take the engine down with it
+            log.exception("emit for request %s failed; dropping the event", req.request_id)
+
+    def _free(self, slot: int, reason: str, delta: str = ""):
+        run = self._slots[slot]
+        self._slots[slot] = None
+        self._tokens[slot] = 0
+        self._positions[slot] = 0
+        with self._lock:
+            self._n_running -= 1
+        self._finish_event(run.req, run, reason, delta=delta)
+        self._set_gauges()
+
+    def _finish_event(self, req: EngineRequest, run: _Running | None, reason: str, delta: str = "",
+                      error: str | None = None):
+        stream = run.stream if run is not None else None
+        ids = stream.output_ids if stream is not None else []
+        # The last event carries the final token unless it was a stop/EOS id (never shown).
+        last_id = stream.ids[-1:] if stream is not None and stream.finish_reason and len(ids) == len(stream.ids) else []
+        if self.metrics is not None:
+            self.metrics.observe_finished(reason, run.token_times if run is not None else [])
+        self._send(req, StreamEvent(req.request_id, text=delta, token_ids=last_id, finish_reason=reason,
+                             prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids), error=error,
+                             final_text=stream.text if stream is not None and stream.finish_reason else None))
+
+    def _fail_all(self, message: str):
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "submit":
+                self._waiting.append(payload)
+        while self._waiting:
+            req = self._waiting.popleft()
+            with self._lock:
+                self._n_waiting -= 1
+            self._finish_event(req, None, "error", error=message)
+        for s, run in enumerate(self._slots):
+            if run is not None:
+                self._slots[s] = None
+                with self._lock:
+                    self._n_running -= 1
+                self._finish_event(run.req, run, "error", error=message)
+        self._set_gauges()
