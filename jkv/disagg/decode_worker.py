@@ -227,7 +227,7 @@ class DecodeWorker:
 
     def _hand_in(self, lives):
         by_owner: dict[str, list] = {}
-        spec_fraction = self.transfer.spec_ratio / self.model.cfg.num_layers
+        spec_fraction = self.transfer.spec_ratio / (self.model.cfg.num_layers if self.transfer.spec_every_layer else 1)
         for lv in lives:
             if lv.owner is None:
                 continue
@@ -359,7 +359,7 @@ class DecodeWorker:
             step_remote = np.zeros(B, np.int64)
             step_selected = np.zeros(B, np.int64)
             for layer in range(L):
-                if self.transfer.speculative:
+                if self.transfer.speculative and (layer == 0 or self.transfer.spec_every_layer):
                     self._trigger_speculation(lives)
                 q, k, v = model.qkv(layer, x, pos)
                 kn, vn = np.asarray(k, np.float32), np.asarray(v, np.float32)

@@ -42,6 +42,8 @@ class TransferConfig:
     kr_fraction: float | None = None
     bandwidth_bps: float | None = None
     seed: int = 0
+    spec_every_layer: bool = True  # DESIGN.md: trigger at each attention layer; False: once per step
+
 
     def __post_init__(self):
         object.__setattr__(self, "mode", _ALIASES.get(self.mode, self.mode))
