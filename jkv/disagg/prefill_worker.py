@@ -304,10 +304,12 @@ class PrefillWorker:
         layer = int(header["layer"])
         ks, vs, pos = [], [], 0
         for rid, counts in header["items"]:
-            with self._lock:
-                h = self._held.get(rid)
-                if h is not None:
-                    h.lease_until = time.monotonic() + self.lease_s
+            # No lock: a speculative push may hold it, and the on-demand reply is on the decode
+            # step's critical path (dict lookups and attribute stores are atomic in CPython; a
+            # request freed meanwhile still has its buffers referenced by `h`).
+            h = self._held.get(rid)
+            if h is not None:
+                h.lease_until = time.monotonic() + self.lease_s
             if h is None:
                 raise KeyError(f"{self.name} holds no KV for request {rid!r} (freed, expired or never prefilled)")
             nbytes = 0
