@@ -1,6 +1,7 @@
 """jkv: disaggregated LLM inference on thin networks (JAX/Pallas)."""
 from .api import LLM
+from .disagg.config import Disaggregation
 from .outputs import RequestMetrics, RequestOutput
 from .sampling import SamplingParams
 
-__all__ = ["LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["Disaggregation", "LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
