@@ -190,32 +190,22 @@ def run_models(args):
     return 0
 
 
-def add_eval(sub):
-    from .eval.cli import add_parser
+def _delegate(module: str):
+    """(add, run) for a subcommand whose module defines add_parser(subparsers) and run(args);
+    the module is imported only when the parser is built or the command runs."""
+    import importlib
 
-    add_parser(sub)
+    def add(sub):
+        importlib.import_module(module, __package__).add_parser(sub)
 
+    def run(args):
+        return importlib.import_module(module, __package__).run(args)
 
-def run_eval(args):
-    from .eval.cli import run
-
-    return run(args)
-
-
-def add_train_hata(sub):
-    from .selection.hata_train import add_parser
-
-    add_parser(sub)
-
-
-def run_train_hata(args):
-    from .selection.hata_train import run
-
-    return run(args)
+    return add, run
 
 
 COMMANDS = {"generate": (add_generate, run_generate), "compare": (add_compare, run_compare),
-            "eval": (add_eval, run_eval), "train-hata": (add_train_hata, run_train_hata),
+            "eval": _delegate(".eval.cli"), "train-hata": _delegate(".selection.hata_train"),
             "demo": (add_demo, run_demo), "models": (add_models, run_models), "serve": (add_serve, run_serve),
             "prefill-worker": (add_prefill_worker, run_prefill_worker), "profile": (add_profile, run_profile)}
 
