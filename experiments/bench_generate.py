@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from jkv.compare import load_hf_reference  # noqa: E402
+from jkv.compare import hf_step, load_hf_reference  # noqa: E402
 from models import load_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -89,16 +89,15 @@ def hf_decode(hf, ids, batch, steps):
     import torch
 
     with torch.no_grad():
-        past0 = hf(torch.tensor([ids] * batch), use_cache=True).past_key_values
+        _, past0 = hf_step(hf, torch.tensor([ids] * batch))
 
     def run():
         past = copy.deepcopy(past0)
         tok = torch.full((batch, 1), 42)
         with torch.no_grad():
             for _ in range(steps):
-                out = hf(tok, past_key_values=past, use_cache=True)
-                past = out.past_key_values
-                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                logits, past = hf_step(hf, tok, past)
+                tok = logits[:, -1].argmax(-1, keepdim=True)
     return run
 
 

@@ -98,19 +98,33 @@ def _log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def hf_step(hf, tokens, cache=None):
+    """One transformers forward with its KV cache: returns (logits, cache).
+
+    transformers 5.x renamed `past_key_values` to `cache` (the old name is removed in 5.40);
+    use whichever this version's forward takes.
+    """
+    import inspect
+
+    if "cache" in inspect.signature(hf.forward).parameters:
+        out = hf(tokens, cache=cache, use_cache=True)
+        return out.logits, out.cache
+    out = hf(tokens, past_key_values=cache, use_cache=True)
+    return out.logits, out.past_key_values
+
+
 def hf_greedy(hf, ids: list[int], n: int, eos_ids: Sequence[int]) -> list[int]:
     """Greedy continuation with an explicit loop (no generation-config surprises)."""
     import torch
 
-    out = hf(torch.tensor([ids]), use_cache=True)
-    past, toks = out.past_key_values, []
+    logits, cache = hf_step(hf, torch.tensor([ids]))
+    toks = []
     for _ in range(n):
-        t = int(out.logits[0, -1].argmax())
+        t = int(logits[0, -1].argmax())
         toks.append(t)
         if t in eos_ids:
             break
-        out = hf(torch.tensor([[t]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        logits, cache = hf_step(hf, torch.tensor([[t]]), cache)
     return toks
 
 
