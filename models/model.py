@@ -35,7 +35,10 @@ class Model:
         self._qkv = jax.jit(p(tfm.layer_qkv, cfg))
         self._input_norm = jax.jit(p(tfm.layer_input_norm, cfg))
         self._attend = jax.jit(p(tfm.layer_attend_and_mlp, cfg), static_argnames=("attention_fn",))
-        self._decode = jax.jit(p(tfm.decode_step, cfg), donate_argnums=(1,))
+        # Two programs per decode step: XLA CPU copies a donated cache that one program both reads and
+        # updates in place, so attention reads it in one program and a second writes it in place.
+        self._decode_compute = jax.jit(p(tfm.decode_step_compute, cfg))
+        self._write_kv = jax.jit(tfm.write_decode_kv, donate_argnums=(0,))
 
     def __repr__(self):
         c = self.cfg
@@ -112,7 +115,9 @@ class Model:
 
         The cache passed in is donated (invalid afterwards); use the returned one.
         """
-        return self._decode(self.params, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(positions, jnp.int32))
+        positions = jnp.asarray(positions, jnp.int32)
+        logits, new_k, new_v = self._decode_compute(self.params, cache, jnp.asarray(tokens, jnp.int32), positions)
+        return logits, self._write_kv(cache, new_k, new_v, positions)
 
 
 def tiny_config(family: str = "llama", **overrides) -> ModelConfig:

@@ -210,30 +210,68 @@ def layer_attend_and_mlp(cfg: ModelConfig, layer_params, x, q, K_sel, V_sel, val
     return out[:, 0]
 
 
-def _write_cache(cache_l, new, positions):
-    """cache_l: [B, H_kv, N, D]; new: [B, H_kv, D]; positions: i32[B] -> cache with new at positions."""
-    upd = lambda c, n, p: jax.lax.dynamic_update_slice(c, n[:, None, :], (0, p, 0))
-    return jax.vmap(upd)(cache_l, new.astype(cache_l.dtype), positions)
+def decode_attention(q, K, V, k_new, v_new, positions):
+    """Decode attention over cache entries < positions[b] plus the new token itself.
+
+    q: [B, H, D]; K, V: [B, H_kv, N, D] (the cache *before* this step's write); k_new, v_new:
+    [B, H_kv, D]; positions: i32[B] -> [B, H, D]. The new token is merged with one shared softmax
+    (flash-style), so the program never reads the cache it updates: XLA CPU copies a donated
+    buffer that is both read and updated in place in one program (~120 full cache copies per step).
+    """
+    B, H, D = q.shape
+    H_kv = K.shape[1]
+    qg = q.reshape(B, H_kv, H // H_kv, D)
+    scale = D ** -0.5
+    s_old = jnp.einsum("bkgd,bknd->bkgn", qg, K, preferred_element_type=jnp.float32) * scale
+    old_ok = (jnp.arange(K.shape[2])[None, :] < positions[:, None])[:, None, None, :]
+    s_old = jnp.where(old_ok, s_old, _MASK_VALUE)
+    s_new = jnp.einsum("bkgd,bkd->bkg", qg, k_new, preferred_element_type=jnp.float32)[..., None] * scale
+    m = jnp.maximum(s_old.max(-1, keepdims=True), s_new)
+    p_old = jnp.where(old_ok, jnp.exp(s_old - m), 0.0)
+    p_new = jnp.exp(s_new - m)
+    o = jnp.einsum("bkgn,bknd->bkgd", p_old.astype(V.dtype), V, preferred_element_type=jnp.float32)
+    o = (o + p_new * v_new[:, :, None, :].astype(jnp.float32)) / (p_old.sum(-1, keepdims=True) + p_new)
+    return o.reshape(B, H, D).astype(q.dtype)
+
+
+def decode_step_compute(cfg: ModelConfig, params, cache, tokens, positions):
+    """The read-only half of a dense decode step.
+
+    cache: tuple over layers of (K, V), each [B, H_kv, N_max, D]; tokens, positions: i32[B].
+    Returns (logits f32[B, V], new_k [L, B, H_kv, D], new_v [L, B, H_kv, D]); the new entries go
+    into the cache with `write_decode_kv`.
+    """
+    x = embed(params, tokens)
+    layer = DecoderLayer(cfg)
+    new_k, new_v = [], []
+    for layer_params, (K, V) in zip(params["layers"], cache):
+        q, k, v = layer_qkv(cfg, layer_params, x, positions)
+        attn = decode_attention(q, K, V, k, v, positions).reshape(x.shape[0], 1, -1)
+        x = layer.apply({"params": layer_params}, x[:, None], attn, method=DecoderLayer.attn_out_and_mlp)[:, 0]
+        new_k.append(k)
+        new_v.append(v)
+    return final_logits(cfg, params, x), jnp.stack(new_k), jnp.stack(new_v)
+
+
+def write_decode_kv(cache, new_k, new_v, positions):
+    """Write each layer's new k/v ([L, B, H_kv, D]) at positions[b]; in place when the cache is donated."""
+    def put(c, new):  # c: [B, H_kv, N, D], new: [B, H_kv, D]
+        for b in range(c.shape[0]):
+            c = jax.lax.dynamic_update_slice(c, new[b][None, :, None, :].astype(c.dtype), (b, 0, positions[b], 0))
+        return c
+
+    return tuple((put(K, new_k[l]), put(V, new_v[l])) for l, (K, V) in enumerate(cache))
 
 
 def decode_step(cfg: ModelConfig, params, cache, tokens, positions):
-    """Fully jitted dense decode step.
+    """Fully jitted dense decode step (compute, then cache write).
 
     cache: tuple over layers of (K, V), each [B, H_kv, N_max, D]; tokens, positions: i32[B].
-    Returns (logits f32[B, V], new cache). Entries at index <= positions[b] are attended.
+    Returns (logits f32[B, V], new cache). Entries at index < positions[b] plus the new token are
+    attended; the new token's k/v land at index positions[b].
     """
-    x = embed(params, tokens)
-    n_max = cache[0][0].shape[2]
-    valid = jnp.minimum(positions + 1, n_max)
-    valid_count = jnp.broadcast_to(valid[:, None], (tokens.shape[0], cfg.num_kv_heads))
-    new_cache = []
-    for layer_params, (K, V) in zip(params["layers"], cache):
-        q, k, v = layer_qkv(cfg, layer_params, x, positions)
-        K = _write_cache(K, k, positions)
-        V = _write_cache(V, v, positions)
-        x = layer_attend_and_mlp(cfg, layer_params, x, q, K, V, valid_count)
-        new_cache.append((K, V))
-    return final_logits(cfg, params, x), tuple(new_cache)
+    logits, new_k, new_v = decode_step_compute(cfg, params, cache, tokens, positions)
+    return logits, write_decode_kv(cache, new_k, new_v, positions)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):
