@@ -92,6 +92,10 @@ def test_peer_killed_mid_transfer_fails_pending_and_survivor_serves(backend, spa
         assert t.state is TransferState.FAILED and t.reason
         assert t.finished_at - killed_at < timeout
     assert isinstance(write.error, PeerDeadError)
+    # The endpoint drops the peer right after failing its operations (same teardown, other thread).
+    gone_by = time.monotonic() + 1.0
+    while "doomed" in ep.peers and time.monotonic() < gone_by:
+        time.sleep(0.01)
     assert not to_doomed.alive and "doomed" not in ep.peers
     # the survivor keeps serving: outgoing to the other process, incoming from a new peer
     assert to_healthy.call("echo", b"still here") == b"still here"
