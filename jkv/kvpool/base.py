@@ -87,6 +87,13 @@ def make_meta(key: ChunkKey, payload: Payload, num_tokens: int | None = None) ->
                      num_tokens=key.namespace.chunk_tokens if num_tokens is None else num_tokens)
 
 
+def buffer_views(keys: Sequence[ChunkKey], buffers) -> list[memoryview]:
+    """One writable view per key for `get_many` (ValueError on a count mismatch or unusable buffer)."""
+    if len(keys) != len(buffers):
+        raise ValueError(f"got {len(keys)} keys but {len(buffers)} buffers; pass one each")
+    return [buffer_view(k, b, i) for i, (k, b) in enumerate(zip(keys, buffers))]
+
+
 def buffer_view(key: ChunkKey, buffer, index: int) -> memoryview:
     """Writable flat byte view of a caller's preallocated buffer (ValueError if unusable)."""
     if isinstance(buffer, np.ndarray):

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, buffer_view, check_fits,
+from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, buffer_views, check_fits,
                              make_meta, payload_view, verified)
 from jkv.kvpool.hashing import ChunkKey
 
@@ -65,9 +65,7 @@ class HostKVPool(KVPool):
 
     def get_many(self, keys: Sequence[ChunkKey],
                  buffers: Sequence[np.ndarray | bytearray | memoryview]) -> list[ChunkMeta | None]:
-        if len(keys) != len(buffers):
-            raise ValueError(f"got {len(keys)} keys but {len(buffers)} buffers; pass one each")
-        views = [buffer_view(k, b, i) for i, (k, b) in enumerate(zip(keys, buffers))]
+        views = buffer_views(keys, buffers)
         out: list[ChunkMeta | None] = []
         with self._lock:
             for i, (key, view) in enumerate(zip(keys, views)):

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 import redis
 
-from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, buffer_view, check_fits,
+from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, buffer_views, check_fits,
                              make_meta, payload_view, verified)
 from jkv.kvpool.hashing import ChunkKey
 
@@ -109,9 +109,7 @@ class RedisKVPool(KVPool):
 
     def get_many(self, keys: Sequence[ChunkKey],
                  buffers: Sequence[np.ndarray | bytearray | memoryview]) -> list[ChunkMeta | None]:
-        if len(keys) != len(buffers):
-            raise ValueError(f"got {len(keys)} keys but {len(buffers)} buffers; pass one each")
-        views = [buffer_view(k, b, i) for i, (k, b) in enumerate(zip(keys, buffers))]
+        views = buffer_views(keys, buffers)
         if not keys:
             return []
         replies = self._batch("get_many", lambda pipe, k: pipe.hmget(k.name, _PAYLOAD, _META),
