@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-SECRET = "test-secret-0123"
+from transport_consts import REPO, SECRET  # noqa: E402,F401  (re-exported for fixtures)
 
 
 def _children() -> set[int]:

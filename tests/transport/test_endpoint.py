@@ -13,7 +13,7 @@ from transport import (AuthError, BackendUnavailable, Endpoint, Mask, OpTimeout,
 from transport.auth import _proof, _recv, _send, client_handshake
 from transport.wire import HEADER_SIZE, Op
 
-from conftest import SECRET  # noqa: E402  (tests/transport is on sys.path)
+from transport_consts import SECRET  # noqa: E402  (tests/transport is on sys.path)
 
 
 @pytest.fixture(params=["tcp", "shm"])

@@ -9,7 +9,7 @@ import pytest
 
 from transport.netns import VethLink, netns_available
 
-from conftest import REPO, SECRET  # noqa: E402  (tests/transport is on sys.path)
+from transport_consts import REPO, SECRET  # noqa: E402  (tests/transport is on sys.path)
 
 _OK, _WHY = netns_available()
 

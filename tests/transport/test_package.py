@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from conftest import REPO  # noqa: E402  (tests/transport is on sys.path)
+from transport_consts import REPO  # noqa: E402  (tests/transport is on sys.path)
 
 
 def test_transport_imports_neither_jax_nor_models_nor_jkv():

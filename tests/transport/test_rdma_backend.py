@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import SECRET  # noqa: E402  (tests/transport is on sys.path)
+from transport_consts import SECRET  # noqa: E402  (tests/transport is on sys.path)
 from fake_verbs import Fabric, LoopbackVerbs  # noqa: E402
 
 from transport import BackendUnavailable, Endpoint, Mask, PeerDeadError, TransferState, TransportError
