@@ -87,12 +87,12 @@ class ServeConfig:
     def _check_roles(self):
         router_only = [n for n in ("upstream", "prefill", "decode") if getattr(self, n)]
         if self.role == "router":
-            if not self.upstream and not (self.prefill and self.decode):
-                raise ValueError("role=router needs at least one --upstream URL (a `jkv serve --role all` server), "
-                                 "or --prefill and --decode URLs (a disaggregated pool)")
             if bool(self.prefill) != bool(self.decode):
                 raise ValueError("a disaggregated router pool needs both --prefill URLs (`--role prefill`) and "
                                  "--decode URLs (`--role decode`)")
+            if not self.upstream and not self.decode:
+                raise ValueError("role=router needs at least one --upstream URL (a `jkv serve --role all` server), "
+                                 "or --prefill and --decode URLs (a disaggregated pool)")
         elif router_only:
             raise ValueError(f"--{router_only[0]} is only for --role router, not role={self.role!r}")
         if self.role == "decode" and not self.prefill_worker:

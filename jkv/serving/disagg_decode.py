@@ -42,6 +42,7 @@ from .text_stream import TextStream
 log = logging.getLogger(__name__)
 
 WARMUP_PROMPT = [1, 2, 3, 4]
+CONNECT_TIMEOUT_S = 1.0  # a named prefill worker that refuses this long is skipped (round robin instead)
 
 
 class _Run:
@@ -202,9 +203,9 @@ class DisaggBatcher:
         if name is not None and self.worker._owner_alive(name):
             return name
         try:
-            name = self.worker.endpoint.connect(main).name
+            name = self.worker.endpoint.connect(main, connect_timeout=CONNECT_TIMEOUT_S).name
             if bulk:
-                self.worker.endpoint.connect(bulk)
+                self.worker.endpoint.connect(bulk, connect_timeout=CONNECT_TIMEOUT_S)
         except Exception as e:  # a dead address: round robin over the live workers instead
             log.warning("cannot connect to prefill worker %s (%s); using another one", address, e)
             return None
