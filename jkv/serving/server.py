@@ -1,4 +1,7 @@
-"""OpenAI-compatible HTTP API over a `ContinuousBatcher` (`jkv serve --role all`).
+"""OpenAI-compatible HTTP API over an engine: the colocated `ContinuousBatcher` (`jkv serve --role all`)
+or the disaggregated `DisaggBatcher` (`--role decode`, `--role all --disaggregation`); both take
+`submit(EngineRequest)` / `cancel(request_id)` and emit `StreamEvent`s. A router's
+`X-JKV-Prefill-Worker` header becomes `EngineRequest.kv_owner` (the prefill worker to own the KV).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming or one JSON body),
 GET /v1/models, GET /health, GET /metrics (Prometheus text).

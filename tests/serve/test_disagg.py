@@ -187,6 +187,17 @@ def test_requests_spread_across_prefill_instances_and_kv_counters_move(live, tin
     assert metric(live.decode.url, "jkv_kv_transfer_failures_total") == 0
 
 
+def test_prefill_worker_header_chooses_the_kv_owner(live):
+    pa, pb = live.prefills
+    counts = lambda: [metric(p.url, "jkv_prefill_requests_total", {"outcome": "prefilled"}) for p in (pa, pb)]  # noqa
+    before = counts()
+    c = openai.OpenAI(base_url=live.decode.url + "/v1", api_key="x", max_retries=0, timeout=60,
+                      default_headers={"X-JKV-Prefill-Worker": health(pb.url)["transport_address"]})
+    for _ in range(3):  # round robin would give prefill-a some of these
+        assert c.completions.create(model="tiny", prompt="fox", max_tokens=2).usage.completion_tokens >= 1
+    assert [a - b for a, b in zip(counts(), before)] == [0, 3]
+
+
 def test_client_disconnect_mid_stream_cancels_and_frees_kv_on_both_roles(live):
     d = live.decode.url
     cancelled = metric(d, "jkv_engine_requests_finished_total", {"finish_reason": "cancelled"})
