@@ -217,7 +217,8 @@ class DisaggBatcher:
 
     def _run_batch(self, batch: list[_Run]):
         runs = {r.req.request_id: r for r in batch}
-        owners = {rid: self._owner(r.req.kv_owner) for rid, r in runs.items()}
+        by_address = {a: self._owner(a) for a in {r.req.kv_owner for r in batch}}  # one connect try per address
+        owners = {rid: by_address[r.req.kv_owner] for rid, r in runs.items()}
         requests = [Request(r.req.request_id, r.req.prompt_token_ids, r.req.prompt_token_ids, r.req.params)
                     for r in batch]
         if self.metrics is not None:
