@@ -1,7 +1,10 @@
 """Load test of `jkv serve`: Poisson arrivals at several rates, vLLM benchmark_serving-style report.
 
 Starts the servers itself on loopback (free ports): target `all` is one `--role all` server;
-target `router` is a `--role router` in front of two `--role all` upstreams. For each target and
+target `router` is a `--role router` in front of two `--role all` upstreams; target `disagg` is
+the disaggregated SmartGen setup — two `--role prefill` servers (paced links, `--link`) and one
+`--role decode` server (mode smartgen) behind `--role router --prefill ... --decode ...`; the
+selector is built once here and shipped to every role as a file (they must share it). For each target and
 rate it sends `--num-prompts` streaming /v1/completions requests (short prompts, fixed output
 length via ignore_eos) with exponential inter-arrival gaps, and measures per request:
 TTFT (first content chunk), TTST (second chunk), TBT (gaps after the second chunk, DESIGN.md
@@ -9,6 +12,10 @@ TTFT (first content chunk), TTST (second chunk), TBT (gaps after the second chun
 experiments/results/serve_load_<target>_r<rate>.json plus one summary CSV row per run.
 
     python experiments/serve_load.py --model smollm2-135m-instruct --rates 0.5 1 --num-prompts 12
+    python experiments/serve_load.py --targets all disagg --rates 0.25 0.5 1
+
+The disaggregated decode worker runs static batches (requests that arrive while a batch decodes
+wait for it), so at higher rates its TTFT includes that wait; `all` batches continuously.
 
 Absolute numbers on a shared CPU machine are only comparable side by side within one run.
 """
@@ -44,8 +51,8 @@ PROMPTS = [
 
 
 class Server:
-    def __init__(self, args: list[str], timeout: float = 300):
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+    def __init__(self, args: list[str], timeout: float = 300, env: dict | None = None):
+        env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "jkv.cli", "serve", "--port", "0", *args], cwd=REPO,
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.url, ready, self.log = None, threading.Event(), []
@@ -154,17 +161,85 @@ def print_report(title: str, s: dict):
     print("=" * w)
 
 
+def start_disaggregated(args, common, out: Path) -> list[Server]:
+    """2 x --role prefill, 1 x --role decode (smartgen), router --prefill --decode (last in the list)."""
+    import secrets
+
+    sys.path.insert(0, str(REPO))
+    from jkv.disagg.selectors import build_selector, save_selector
+    from models import load_model
+
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="jkv-serve-load-")) / f"selector_{args.selector}.pkl"
+    save_selector(build_selector(load_model(args.model), args.selector), path)
+    env = {"JKV_SECRET": secrets.token_hex(16)}
+    shared = ["--selector-file", str(path), "--transport", "tcp"]
+    started: list[Server] = []
+    try:
+        box: list = [None, None]
+        threads = [threading.Thread(target=lambda i=i: box.__setitem__(i, Server(
+            ["--role", "prefill", "--model", args.model, *shared, "--bandwidth", args.link,
+             "--worker-name", f"prefill-{i}"], env=env))) for i in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        started += [p for p in box if p is not None]
+        if len(started) != 2:
+            raise RuntimeError("a prefill server did not start")
+        addrs = [httpx.get(p.url + "/health").json()["transport_address"] for p in started]
+        started.append(Server([*common, "--role", "decode", *shared, "--disaggregation", "smartgen", "--strategy",
+                               "streaming", "--kr-fraction", str(args.kr_fraction), "--bandwidth", args.link,
+                               "--max-blocks", "64", *[a for x in addrs for a in ("--prefill-worker", x)]], env=env))
+        started.append(Server(["--role", "router", "--health-interval", "1",
+                               *[a for p in started[:2] for a in ("--prefill", p.url)], "--decode", started[2].url]))
+        return started
+    except BaseException:
+        for s in reversed(started):
+            s.stop()
+        raise
+
+
+def kv_metrics(servers: list[Server]) -> dict:
+    """KV-transfer counters of the decode server and prefill request counts (cumulative, incl. warm-up)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def samples(url):
+        out = {}
+        for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+            for smp in fam.samples:
+                key = smp.name + "".join(f",{k}={v}" for k, v in sorted(smp.labels.items()))
+                out[key] = smp.value
+        return out
+
+    d = samples(servers[2].url)
+    res = {f"kv_bytes_{p}": d.get(f"jkv_kv_transfer_bytes_total,path={p},role=decode", 0.0)
+           for p in ("proactive", "speculative", "on_demand")}
+    n = d.get("jkv_kv_on_demand_ratio_count", 0.0)
+    res["mean_on_demand_ratio"] = d.get("jkv_kv_on_demand_ratio_sum", 0.0) / n if n else 0.0
+    res["kv_transfer_failures"] = d.get("jkv_kv_transfer_failures_total,role=decode", 0.0)
+    res["decode_batches"] = d.get("jkv_decode_batches_total", 0.0)
+    for i, p in enumerate(servers[:2]):
+        res[f"prefill{i}_requests"] = samples(p.url).get("jkv_prefill_requests_total,outcome=prefilled", 0.0)
+    return res
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0], help="request rates (req/s, Poisson)")
     ap.add_argument("--num-prompts", type=int, default=12, help="requests per (target, rate)")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (ignore_eos)")
-    ap.add_argument("--targets", nargs="+", default=["all", "router"], choices=["all", "router"])
+    ap.add_argument("--targets", nargs="+", default=["all", "router", "disagg"], choices=["all", "router", "disagg"])
+    ap.add_argument("--selector", default="infinigen", help="disagg: sparse-attention selector")
+    ap.add_argument("--link", default="1gbit", help="disagg: paced link of each prefill worker")
+    ap.add_argument("--kr-fraction", type=float, default=0.3, help="disagg: proactive share of the KV blocks")
     ap.add_argument("--max-slots", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "experiments" / "results"))
+    ap.add_argument("--csv", default=None, help="summary CSV name under --out (default serve_load.csv)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,7 +248,10 @@ def main(argv=None):
     rows = []
     for target in args.targets:
         t = time.perf_counter()
-        servers = [Server(common)] if target == "all" else [Server(common), Server(common)]
+        if target == "disagg":
+            servers = start_disaggregated(args, common, out)
+        else:
+            servers = [Server(common)] if target == "all" else [Server(common), Server(common)]
         if target == "router":
             ups = [a for s in servers for a in ("--upstream", s.url)]
             servers.append(Server(["--role", "router", "--health-interval", "1", *ups]))
@@ -182,12 +260,18 @@ def main(argv=None):
         try:
             # warm every prompt-length bucket on every upstream outside the timed runs
             asyncio.run(run_load(url, "m", 100.0, 2 * len(PROMPTS), 2, seed=1))
+            if target == "disagg":  # static batches: compile the small batch sizes low rates produce
+                for b in range(1, 5):
+                    asyncio.run(run_load(url, "m", 1000.0, b, 3, seed=b))
             for rate in args.rates:
                 results, duration = asyncio.run(run_load(url, "m", rate, args.num_prompts, args.max_tokens,
                                                          args.seed))
                 s = summarize(results, duration)
                 s.update(target=target, request_rate=rate, model=args.model, max_tokens=args.max_tokens,
                          num_prompts=args.num_prompts, max_slots=args.max_slots)
+                if target == "disagg":
+                    s.update(kv_metrics(servers), link=args.link, selector=args.selector,
+                             kr_fraction=args.kr_fraction)
                 print_report(f"Serving Benchmark Result: {target}, {rate} req/s", s)
                 (out / f"serve_load_{target}_r{rate:g}.json").write_text(json.dumps(s, indent=2))
                 rows.append(s)
@@ -196,12 +280,14 @@ def main(argv=None):
                 s.stop()
     keys = ["target", "request_rate", "completed", "failed", "duration_s", "request_throughput", "output_throughput",
             "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_ttst_ms", "median_ttst_ms", "p99_ttst_ms",
-            "mean_tbt_ms", "median_tbt_ms", "p99_tbt_ms", "mean_e2el_ms"]
-    with open(out / "serve_load.csv", "w", newline="") as f:
+            "mean_tbt_ms", "median_tbt_ms", "p99_tbt_ms", "mean_e2el_ms", "mean_on_demand_ratio", "kv_bytes_proactive",
+            "kv_bytes_speculative", "kv_bytes_on_demand", "decode_batches", "prefill0_requests", "prefill1_requests"]
+    csv_name = "serve_load.csv" if args.csv is None else args.csv
+    with open(out / csv_name, "w", newline="") as f:
         w = csv.DictWriter(f, keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    print(f"wrote {out}/serve_load.csv and {len(rows)} JSON files")
+    print(f"wrote {out}/{csv_name} and {len(rows)} JSON files")
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 
 

@@ -193,9 +193,14 @@ class DecodeWorker:
                      fetched=np.zeros((cfg.num_layers, cfg.num_kv_heads, capacity), bool))
 
     # ---------------------------------------------------------------- generate
-    def generate(self, requests: list[Request], t0: float | None = None) -> list[RequestOutput]:
+    def generate(self, requests: list[Request], t0: float | None = None, on_token=None,
+                 owner_of=None) -> list[RequestOutput]:
         """Decode a static batch; returns one output per request (finish_reason "error" with
-        metrics.extra["error"] for a request whose prefill worker failed)."""
+        metrics.extra["error"] for a request whose prefill worker failed).
+
+        Serving hooks: `on_token(request_id, token_id)` is called on this thread for every
+        generated token as it is sampled (streaming); `owner_of(request)` may name the live
+        prefill worker that should own a request's KV (None or a dead one: round robin)."""
         t0 = time.time() if t0 is None else t0
         for r in requests:
             check_context(self.model, r)
@@ -210,14 +215,15 @@ class DecodeWorker:
         lives = []
         try:
             for b, r in enumerate(requests):
+                want = owner_of(r) if owner_of is not None else None
                 lv = self._plan(r, f"{r.request_id}.{id(self)}.{time.monotonic_ns()}", capacity,
-                                owners[b % len(owners)] if owners else None)
+                                want if want in owners else owners[b % len(owners)] if owners else None)
                 with self._lock:
                     self._live[lv.rid] = lv
                 lives.append(lv)
             self._hand_in(lives)
             self._await_handoffs(lives)
-            return self._decode(lives, capacity, t0)
+            return self._decode(lives, capacity, t0, on_token)
         finally:
             for lv in lives:
                 self._finish_request(lv, unregister=True)
@@ -321,7 +327,7 @@ class DecodeWorker:
         return out
 
     # ---------------------------------------------------------------- the decode loop
-    def _decode(self, lives, capacity, t0):
+    def _decode(self, lives, capacity, t0, on_token=None):
         model, cfg, sel = self.model, self.model.cfg, self.selector
         B, H, L = len(lives), cfg.num_kv_heads, cfg.num_layers
         dense_below = L if sel.is_dense else sel.config.dense_layers
@@ -343,6 +349,8 @@ class DecodeWorker:
             if lv.error is not None:
                 done[b] = ("error", [], "")
                 continue
+            if on_token is not None:
+                on_token(lv.req.request_id, gen[b][0])
             reason, ids, text = checkers[b].finish(gen[b])
             if reason:
                 done[b] = (reason, ids, text)
@@ -401,6 +409,8 @@ class DecodeWorker:
                     continue
                 gen[b].append(int(current[b]))
                 times[b].append(now)
+                if on_token is not None:
+                    on_token(lv.req.request_id, gen[b][-1])
                 reason, ids, text = checkers[b].finish(gen[b])
                 if reason:
                     done[b] = (reason, ids, text)

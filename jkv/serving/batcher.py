@@ -84,6 +84,7 @@ class EngineRequest:
     params: SamplingParams
     emit: Callable[[StreamEvent], None]
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    kv_owner: str | None = None  # disaggregated: transport address of the prefill worker to own the KV
 
 
 class ContextLengthError(ValueError):

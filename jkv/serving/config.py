@@ -13,8 +13,9 @@ from pathlib import Path
 
 from models import DEFAULT_MODEL
 
-ROLES = ("all", "router")  # "prefill" / "decode" arrive with the disaggregated engine
+ROLES = ("all", "prefill", "decode", "router")
 UPSTREAM_KINDS = ("all", "prefill", "decode")
+LIST_OPTIONS = ("upstream", "prefill", "decode", "prefill_worker")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +35,32 @@ class ServeConfig:
     upstream_timeout: float = 600.0
     graceful_timeout: float = 30.0
     log_level: str = "info"
+    # disaggregated prefill/decode (SmartGen); field meanings as in jkv.disagg.Disaggregation
+    disaggregation: str | None = None
+    num_prefill_workers: int = 1
+    prefill_worker: tuple[str, ...] = ()
+    selector: str = "infinigen"
+    selector_file: str | None = None
+    transport: str = "tcp"
+    bandwidth: str | None = "1gbit"
+    strategy: str = "profile"
+    spec_ratio: float = 0.10
+    max_blocks: int = 1024
+    profile: str | None = None
+    kr_fraction: float | None = None
+    on_failure: str = "fail"
+    lease_s: float = 300.0
+    transfer_timeout: float = 5.0
+    transport_listen: str | None = None
+    worker_name: str | None = None
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "upstream", tuple(self.upstream))
+        for name in LIST_OPTIONS:
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.role not in ROLES:
-            raise ValueError(f"role={self.role!r} must be one of {ROLES} (prefill/decode come with the "
-                             "disaggregated engine)")
+            raise ValueError(f"role={self.role!r} must be one of {ROLES}")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port={self.port} must be in [0, 65535] (0 picks a free port)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -50,26 +71,76 @@ class ServeConfig:
         for name in ("health_interval", "health_timeout", "upstream_timeout", "graceful_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
-        if self.role == "router" and not self.upstream:
-            raise ValueError("role=router needs at least one --upstream URL (a `jkv serve --role all` server)")
-        if self.role != "router" and self.upstream:
-            raise ValueError(f"--upstream is only for --role router, not role={self.role!r}")
-        for u in self.upstream:
+        self._check_roles()
+        for u in self.upstream + self.prefill + self.decode:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"upstream {u!r} must be an http:// or https:// URL")
+        if self.uses_disaggregation:
+            self.disaggregation_config()  # validates mode, selector transport, bandwidth, ... naming the value
+            if self.mode != "full" and self.strategy in ("profile", "oracle") and self.profile is None:
+                raise ValueError(f"--strategy {self.strategy} (mode {self.mode}) needs an importance profile: pass "
+                                 "--profile FILE from `jkv profile`, or use --strategy sequential / streaming / "
+                                 "random")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level={self.log_level!r} must be debug, info, warning or error")
+
+    def _check_roles(self):
+        router_only = [n for n in ("upstream", "prefill", "decode") if getattr(self, n)]
+        if self.role == "router":
+            if bool(self.prefill) != bool(self.decode):
+                raise ValueError("a disaggregated router pool needs both --prefill URLs (`--role prefill`) and "
+                                 "--decode URLs (`--role decode`)")
+            if not self.upstream and not self.decode:
+                raise ValueError("role=router needs at least one --upstream URL (a `jkv serve --role all` server), "
+                                 "or --prefill and --decode URLs (a disaggregated pool)")
+        elif router_only:
+            raise ValueError(f"--{router_only[0]} is only for --role router, not role={self.role!r}")
+        if self.role == "decode" and not self.prefill_worker:
+            raise ValueError("role=decode needs at least one --prefill-worker ADDRESS (the transport address a "
+                             "`jkv serve --role prefill` logs and reports on /health)")
+        if self.role != "decode" and self.prefill_worker:
+            raise ValueError(f"--prefill-worker is only for --role decode, not role={self.role!r}")
+        if self.disaggregation is not None and self.role not in ("all", "decode"):
+            raise ValueError(f"--disaggregation is for --role all or decode, not role={self.role!r}")
+        if self.num_prefill_workers < 1:
+            raise ValueError(f"num_prefill_workers={self.num_prefill_workers} must be >= 1")
+        for name in ("lease_s", "transfer_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
 
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
+    @property
+    def uses_disaggregation(self) -> bool:
+        return self.role == "decode" or (self.role == "all" and self.disaggregation is not None)
+
+    @property
+    def mode(self) -> str:
+        return self.disaggregation or "smartgen"
+
+    def disaggregation_config(self, **overrides):
+        """The `Disaggregation` of a decode (or --role all --disaggregation) server."""
+        from jkv.disagg.config import Disaggregation
+
+        kw = dict(mode=self.mode, selector=self.selector, transport=self.transport, bandwidth=self.bandwidth,
+                  prefill_workers=self.num_prefill_workers, strategy=self.strategy, spec_ratio=self.spec_ratio,
+                  max_blocks=self.max_blocks, profile=self.profile, kr_fraction=self.kr_fraction,
+                  on_failure=self.on_failure, lease_s=self.lease_s, timeout_s=self.transfer_timeout,
+                  model_spec=self.model, addresses=self.prefill_worker)
+        kw.update(overrides)
+        return Disaggregation(**kw)
+
 
 # flag -> (type, help). Defaults come from ServeConfig; argparse defaults are SUPPRESSed so we
 # can tell which flags the user actually gave (they override the config file).
 _HELP = {
-    "role": (str, "all: one process with the continuous-batching engine and the HTTP API; "
-                  "router: a load-balancing proxy in front of --upstream servers"),
+    "role": (str, "all: one process with the continuous-batching engine and the HTTP API (with "
+                  "--disaggregation: a SmartGen decode worker fed by local prefill worker processes); "
+                  "prefill: a SmartGen prefill worker (transport endpoint) with /health and /metrics; "
+                  "decode: the OpenAI API over a SmartGen decode worker fed by --prefill-worker addresses; "
+                  "router: a load-balancing proxy in front of --upstream servers or --prefill/--decode pools"),
     "host": (str, "address to listen on; the default is loopback only, use 0.0.0.0 to expose"),
     "port": (int, "TCP port to listen on; 0 picks a free one (the bound port is logged)"),
     "model": (str, "registered name, Hugging Face directory or .gguf file (role all)"),
@@ -84,6 +155,32 @@ _HELP = {
     "upstream_timeout": (float, "router: seconds an upstream may take to answer one request"),
     "graceful_timeout": (float, "on SIGTERM/SIGINT, seconds to let in-flight requests finish before exit"),
     "log_level": (str, "debug, info, warning or error"),
+    "disaggregation": (str, "role all/decode: SmartGen transfer mode full, partial, +profile, +parallel or "
+                            "smartgen (role decode default: smartgen). The disaggregated engine is a static "
+                            "batch: requests that arrive while a batch decodes wait for the next batch"),
+    "num_prefill_workers": (int, "role all --disaggregation: local prefill worker processes to start"),
+    "prefill_worker": (str, "role decode: transport address (main|bulk) of a prefill worker, as a "
+                            "`--role prefill` server logs it and reports on /health (repeatable)"),
+    "selector": (str, "sparse-attention selector shared by prefill and decode (infinigen, quest, oracle, "
+                      "streamingllm, ...); every role of one deployment must use the same one"),
+    "selector_file": (str, "load the selector from this file (jkv.disagg.selectors.save_selector) instead "
+                           "of building it from --selector"),
+    "transport": (str, "KV transport between prefill and decode: tcp, shm or rdma"),
+    "bandwidth": (str, "prefill: pace this worker's link (e.g. 1gbit); all/decode: the link estimate of "
+                       "Eq. 2 and the pace of local prefill workers"),
+    "strategy": (str, "proactive choice: profile, sequential, random, streaming or oracle"),
+    "spec_ratio": (float, "speculative transfer cap: fraction of a request's blocks per decode step"),
+    "max_blocks": (int, "M, KV blocks per layer"),
+    "profile": (str, "`jkv profile` file (needed by strategy profile unless --kr-fraction is set)"),
+    "kr_fraction": (float, "force Kr (proactive blocks) to this fraction of all blocks instead of Eq. 2"),
+    "on_failure": (str, "when a prefill worker dies: fail its requests (error event) or recompute their KV"),
+    "lease_s": (float, "a prefill worker frees a request's KV after this long without decode activity"),
+    "transfer_timeout": (float, "seconds before a silent transport peer counts as dead"),
+    "transport_listen": (str, "role prefill: host:port of the transport endpoint (default loopback, free port)"),
+    "worker_name": (str, "role prefill: the worker's transport name, unique per deployment (default "
+                         "prefill-<pid>)"),
+    "prefill": (str, "router: URL of a `jkv serve --role prefill` server (repeatable)"),
+    "decode": (str, "router: URL of a `jkv serve --role decode` server (repeatable)"),
 }
 
 
@@ -95,7 +192,7 @@ def add_serve_arguments(p: argparse.ArgumentParser):
         default = defaults[name].default
         shown = "" if default in (None, ()) else f" (default: {default})"
         kw = dict(type=typ, default=argparse.SUPPRESS, help=help_ + shown)
-        if name == "upstream":
+        if name in LIST_OPTIONS:
             kw["action"] = "append"
         if name == "role":
             kw["choices"] = ROLES
@@ -130,8 +227,10 @@ def read_config_file(path: str | Path) -> dict:
         name = str(key).replace("-", "_")
         if name not in _HELP:
             raise ValueError(f"config file {path}: unknown option {key!r}; known: {', '.join(sorted(_HELP))}")
-        if name == "upstream":
+        if name in LIST_OPTIONS:
             value = [value] if isinstance(value, str) else list(value)
+        elif value is None:
+            pass  # an explicit null keeps the option unset
         else:
             typ = _HELP[name][0]
             try:

@@ -1,10 +1,17 @@
 """`jkv serve`: parse flags/config, build the role's components, log what each bound to, run uvicorn.
 
 Process model: one process per role. `--role all` loads the model, starts the engine thread
-(`ContinuousBatcher`) and serves HTTP on uvicorn's event loop in the main thread; `--role router`
-has no model and runs only the event loop. SIGINT/SIGTERM trigger uvicorn's graceful shutdown:
-the listener closes, in-flight responses get `graceful_timeout` seconds to finish, then the
-engine thread is stopped.
+(`ContinuousBatcher`) and serves HTTP on uvicorn's event loop in the main thread; with
+`--disaggregation MODE` the engine is instead a SmartGen decode worker (`DisaggBatcher`) fed by
+`--num-prefill-workers` local prefill worker processes (`jkv.disagg.cluster`). `--role decode`
+is the same engine connected to running `--role prefill` servers (`--prefill-worker ADDRESS`).
+`--role prefill` runs a prefill worker (its "jkv-prefill-main" thread plus transport threads)
+and a small /health + /metrics app. `--role router` has no model and runs only the event loop.
+SIGINT/SIGTERM trigger uvicorn's graceful shutdown: the listener closes, in-flight responses
+get `graceful_timeout` seconds to finish, then the engine (and any worker processes) stop.
+
+The transport secret of the prefill and decode roles comes from the JKV_SECRET environment
+variable (never a flag or a config file); `--role all --disaggregation` makes a random one.
 """
 from __future__ import annotations
 
@@ -19,11 +26,34 @@ log = logging.getLogger("jkv.serve")
 
 
 def add_serve(sub):
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching) or router",
-                       description="Serve a model over an OpenAI-compatible HTTP API (--role all), or route "
-                                   "requests across such servers (--role router). Every option can also be "
-                                   "given in a --config YAML/TOML file; command-line flags win.")
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching), disaggregated "
+                                     "prefill/decode roles, or router",
+                       description="Serve a model over an OpenAI-compatible HTTP API (--role all), run one "
+                                   "role of a disaggregated SmartGen deployment (--role prefill / decode; "
+                                   "JKV_SECRET must hold the shared transport secret), or route requests "
+                                   "across servers (--role router). The disaggregated engine decodes static "
+                                   "batches: requests arriving while a batch decodes wait for the next one. "
+                                   "Every option can also be given in a --config YAML/TOML file; "
+                                   "command-line flags win.")
     add_serve_arguments(p)
+
+
+def add_decode_worker(sub):
+    p = sub.add_parser("decode-worker", help="a SmartGen decode worker serving the OpenAI API (= jkv serve "
+                                             "--role decode); JKV_SECRET must be set",
+                       description="Run the decode role of a disaggregated deployment: an OpenAI-compatible "
+                                   "server whose engine is a SmartGen decode worker connected to the prefill "
+                                   "workers given by --prefill-worker (their transport addresses). Requests "
+                                   "are decoded in static batches of up to --max-slots, admitted at batch "
+                                   "boundaries. Same options as `jkv serve` (--role is fixed to decode).")
+    add_serve_arguments(p)
+
+
+def run_decode_worker(args) -> int:
+    if getattr(args, "role", "decode") != "decode":
+        raise ValueError(f"jkv decode-worker always runs --role decode, not --role {args.role}")
+    args.role = "decode"
+    return run_serve(args)
 
 
 def _setup_logging(level: str):
@@ -47,6 +77,106 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+def _secret() -> str:
+    import os
+
+    secret = os.environ.get("JKV_SECRET", "")
+    if len(secret) < 8:
+        raise ValueError("set JKV_SECRET to the deployment's shared transport secret (>= 8 bytes); every prefill "
+                         "and decode role of one deployment must use the same one")
+    return secret
+
+
+def _load(cfg: ServeConfig):
+    from jkv.disagg.prefill_worker import load_model_spec
+
+    model = load_model_spec(cfg.model, cfg.dtype)
+    ctx = model.cfg.max_position_embeddings
+    max_len = cfg.max_model_len
+    if max_len > ctx:
+        log.warning("max_model_len %d exceeds %s's context length %d; using %d", max_len, cfg.model, ctx, ctx)
+        max_len = ctx
+    return model, max_len
+
+
+def _selector(cfg: ServeConfig, model):
+    from jkv.disagg.selectors import build_selector, load_selector
+
+    return load_selector(cfg.selector_file) if cfg.selector_file else build_selector(model, cfg.selector)
+
+
+def build_disaggregated(cfg: ServeConfig):
+    """--role decode, or --role all --disaggregation: a DecodeWorker engine. Returns (app, engine)."""
+    from jkv.disagg.cluster import DisaggregatedEngine
+
+    from .batcher import BatcherConfig
+    from .disagg_decode import DisaggBatcher
+    from .metrics import ServerMetrics
+    from .server import create_app
+
+    model, max_len = _load(cfg)
+    selector = _selector(cfg, model)
+    remote = cfg.role == "decode"
+    dis = cfg.disaggregation_config(secret=_secret() if remote else None)
+    cluster = DisaggregatedEngine(model, dis, model_spec=cfg.model, selector=selector)
+    addresses = list(dis.addresses) if remote else cluster.workers.addresses
+    if not remote:
+        for i, a in enumerate(addresses):
+            log.info("prefill-worker: local process prefill-%d (pid %d) on transport %s %s, link %s", i,
+                     cluster.workers.procs[i].pid, cfg.transport, a, cfg.bandwidth or "unpaced")
+    metrics = ServerMetrics(cfg.role, kv_transfer=True)
+    engine = DisaggBatcher(model, cluster.decode, BatcherConfig(cfg.max_slots, max_len), metrics,
+                           addresses=addresses, owners=list(cluster.decode.owners))
+    try:
+        engine.warmup()
+    except BaseException:
+        cluster.close()
+        raise
+    engine.start()
+    log.info("engine: %r, mode disaggregated %s (selector %s, strategy %s, transport %s, link estimate %s), "
+             "static batches of up to %d requests admitted at batch boundaries, prefill workers %s",
+             model, cfg.mode, selector.name, cfg.strategy, cfg.transport, cfg.bandwidth or "unpaced", cfg.max_slots,
+             dict(zip(cluster.decode.owners, addresses)))
+
+    def shutdown():
+        engine.stop()
+        cluster.close()
+
+    app = create_app(engine, cfg.model_name, metrics, cfg.default_max_tokens, on_shutdown=shutdown)
+    return app, engine
+
+
+def build_prefill(cfg: ServeConfig):
+    """--role prefill: a SmartGen prefill worker and its /health + /metrics app. Returns (app, worker)."""
+    import os
+    import threading
+
+    from .disagg_prefill import ServingPrefillWorker, create_prefill_app
+    from .metrics import PrefillMetrics
+
+    secret = _secret()
+    model, _ = _load(cfg)
+    selector = _selector(cfg, model)
+    metrics = PrefillMetrics()
+    name = cfg.worker_name or f"prefill-{os.getpid()}"
+    worker = ServingPrefillWorker(model, selector, name, secret=secret, backend=cfg.transport,
+                                  bandwidth=cfg.bandwidth, lease_s=cfg.lease_s, timeout=cfg.transfer_timeout,
+                                  metrics=metrics)
+    address = worker.listen(cfg.transport_listen)
+    runner = threading.Thread(target=worker.run, name="jkv-prefill-main", daemon=True)
+    runner.start()
+    log.info("prefill-worker: %s, %r, selector %s, transport %s listening on %s, link %s, lease %.0fs",
+             name, model, selector.name, cfg.transport, address, cfg.bandwidth or "unpaced", cfg.lease_s)
+    info = {"transport_address": address, "transport": cfg.transport, "selector": selector.name,
+            "model": cfg.model_name, "bandwidth": cfg.bandwidth}
+
+    def shutdown():
+        worker.close()
+        runner.join(5)
+
+    return create_prefill_app(worker, metrics, info, on_shutdown=shutdown), worker
 
 
 def build_all(cfg: ServeConfig):
@@ -78,15 +208,26 @@ def run_serve(args) -> int:
 
     cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
-    if cfg.role == "all":
+    if cfg.uses_disaggregation:
+        app, _ = build_disaggregated(cfg)
+        what = f"OpenAI API for model {cfg.model_name!r}, disaggregated {cfg.mode}"
+    elif cfg.role == "all":
         app, _ = build_all(cfg)
         what = f"OpenAI API for model {cfg.model_name!r}"
+    elif cfg.role == "prefill":
+        app, _ = build_prefill(cfg)
+        what = "prefill worker /health and /metrics"
     else:
         from .router import create_router_app
 
         app = create_router_app(cfg)
-        log.info("router: %d upstreams of kind 'all' %s, selector least in-flight tokens, /health every %.1fs",
-                 len(cfg.upstream), list(cfg.upstream), cfg.health_interval)
+        if cfg.upstream:
+            log.info("router: %d upstreams of kind 'all' %s, selector least in-flight tokens, /health every %.1fs",
+                     len(cfg.upstream), list(cfg.upstream), cfg.health_interval)
+        if cfg.decode:
+            log.info("router: disaggregated pool, prefill %s (least in-flight tokens), decode %s (least in-flight "
+                     "tokens), prefill choice sent as header %s, /health every %.1fs", list(cfg.prefill),
+                     list(cfg.decode), "X-JKV-Prefill-Worker", cfg.health_interval)
         what = "router"
     sock = _bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]

@@ -18,7 +18,7 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 class ServerMetrics:
     """Metrics of one `--role all` server (engine + HTTP front end)."""
 
-    def __init__(self, role: str = "all"):
+    def __init__(self, role: str = "all", kv_transfer: bool = False):
         self.role = role
         r = self.registry = CollectorRegistry()
         self.ttft = Histogram("jkv_time_to_first_token_seconds", "arrival -> first generated token",
@@ -41,6 +41,7 @@ class ServerMetrics:
         self.prompt_tokens = Counter("jkv_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.requests = Counter("jkv_http_requests", "HTTP API requests by role, endpoint and status code",
                                 ["role", "endpoint", "status"], registry=r)
+        self.kv = DecodeKVMetrics(r) if kv_transfer else None  # the decode side of a disaggregated engine
 
     # engine thread
     def set_engine_state(self, waiting: int, running: int, slots: int):
@@ -69,6 +70,101 @@ class ServerMetrics:
             self.e2e.observe(token_times[-1])
 
     # event loop
+    def count_request(self, endpoint: str, status: int):
+        self.requests.labels(self.role, endpoint, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+KV_PATHS = ("proactive", "speculative", "on_demand", "metadata")
+_RATIO_BUCKETS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+class KVTransferMetrics:
+    """SmartGen KV-transfer metrics (DESIGN.md "Metrics"), on the registry of a decode server (from
+    each request's RequestOutput.metrics.extra) or of a prefill server (from its worker's
+    per-request byte counts when it frees the request, its lease thread and its RPC failures)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str):
+        r = registry
+        self.bytes = Counter("jkv_kv_transfer_bytes", "KV bytes moved prefill -> decode, by path "
+                             "(proactive / speculative / on_demand / metadata)", ["role", "path"], registry=r)
+        for path in KV_PATHS:
+            self.bytes.labels(role, path)
+        self.role = role
+        self.failures = Counter("jkv_kv_transfer_failures", "requests or transfers that failed because a peer "
+                                "died or answered with an error", ["role"], registry=r)
+        self.failures.labels(role)
+        self.host_bytes = Gauge("jkv_kv_host_bytes_in_use", "bytes of request KV held in this process' host "
+                                "pool (0 when idle: the leak check)", registry=r)
+        self.host_requests = Gauge("jkv_kv_host_requests", "requests holding KV in this process' host pool",
+                                   registry=r)
+
+    def watch_pool(self, pool):
+        """Gauges read the HostKVPool at scrape time."""
+        self.host_bytes.set_function(lambda: pool.bytes_in_use)
+        self.host_requests.set_function(lambda: len(pool.live()))
+
+    def add_bytes(self, by_path: dict):
+        for path, n in (by_path or {}).items():
+            if path in KV_PATHS and n:
+                self.bytes.labels(self.role, path).inc(n)
+
+    def failed(self, n: int = 1):
+        self.failures.labels(self.role).inc(n)
+
+
+class DecodeKVMetrics(KVTransferMetrics):
+    def __init__(self, registry: CollectorRegistry):
+        super().__init__(registry, "decode")
+        r = registry
+        self.on_demand_ratio = Histogram("jkv_kv_on_demand_ratio", "per request: selected KV entries fetched on "
+                                         "demand / all selected (SmartGen §4.2)", buckets=_RATIO_BUCKETS, registry=r)
+        self.recomputed = Counter("jkv_kv_recomputed_requests", "requests whose prompt KV was recomputed on the "
+                                  "decode side after their prefill worker failed", registry=r)
+        self.by_owner = Counter("jkv_decode_requests_by_prefill_worker", "finished requests by the prefill worker "
+                                "that owned their KV", ["owner"], registry=r)
+        self.batches = Counter("jkv_decode_batches", "static decode batches run", registry=r)
+
+    def observe_output(self, extra: dict):
+        self.add_bytes(extra.get("bytes"))
+        if "on_demand_ratio" in extra:
+            self.on_demand_ratio.observe(float(extra["on_demand_ratio"]))
+        if extra.get("recomputed"):
+            self.recomputed.inc()
+        if extra.get("owner"):
+            self.by_owner.labels(str(extra["owner"])).inc()
+
+
+class PrefillMetrics:
+    """Metrics of a `--role prefill` server (its SmartGen prefill worker + the small HTTP app)."""
+
+    def __init__(self):
+        self.role = "prefill"
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("jkv_http_requests", "HTTP API requests by role, endpoint and status code",
+                                ["role", "endpoint", "status"], registry=r)
+        self.prefilled = Counter("jkv_prefill_requests", "requests handed to this worker by outcome "
+                                 "(prefilled / failed)", ["outcome"], registry=r)
+        for outcome in ("prefilled", "failed"):
+            self.prefilled.labels(outcome)
+        self.prompt_tokens = Counter("jkv_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.prefill_time = Histogram("jkv_prefill_batch_seconds", "wall time of one prefill batch",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+        self.freed = Counter("jkv_kv_freed_requests", "requests whose KV this worker freed, by why (decode = the "
+                             "decode worker holds everything / finished / cancelled)",
+                             ["reason"], registry=r)
+        for reason in ("decode", "lease_expired", "failed", "shutdown"):
+            self.freed.labels(reason)
+        self.expired = Counter("jkv_kv_expired_leases", "requests freed because their lease expired or their "
+                               "decode worker disconnected", registry=r)
+        self.inflight_tokens = Gauge("jkv_prefill_inflight_tokens", "prompt tokens queued or held here",
+                                     registry=r)
+        self.inflight_requests = Gauge("jkv_prefill_inflight_requests", "requests queued or holding KV here",
+                                       registry=r)
+        self.kv = KVTransferMetrics(r, "prefill")
+
     def count_request(self, endpoint: str, status: int):
         self.requests.labels(self.role, endpoint, str(status)).inc()
 

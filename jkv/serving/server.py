@@ -1,4 +1,7 @@
-"""OpenAI-compatible HTTP API over a `ContinuousBatcher` (`jkv serve --role all`).
+"""OpenAI-compatible HTTP API over an engine: the colocated `ContinuousBatcher` (`jkv serve --role all`)
+or the disaggregated `DisaggBatcher` (`--role decode`, `--role all --disaggregation`); both take
+`submit(EngineRequest)` / `cancel(request_id)` and emit `StreamEvent`s. A router's
+`X-JKV-Prefill-Worker` header becomes `EngineRequest.kv_owner` (the prefill worker to own the KV).
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (SSE streaming or one JSON body),
 GET /v1/models, GET /health, GET /metrics (Prometheus text).
@@ -32,6 +35,7 @@ from .metrics import ServerMetrics
 from . import protocol as P
 
 log = logging.getLogger(__name__)
+PREFILL_WORKER_HEADER = "x-jkv-prefill-worker"  # router -> decode: transport address of the chosen prefill worker
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -88,8 +92,9 @@ def install_error_handlers(app: FastAPI):
 class _Job:
     """The engine requests of one HTTP request: choice index -> request id, and their sink."""
 
-    def __init__(self, engine: ContinuousBatcher, loop):
+    def __init__(self, engine: ContinuousBatcher, loop, kv_owner: str | None = None):
         self.engine = engine
+        self.kv_owner = kv_owner
         self.sink = AsyncSink(loop)
         self.index: dict[str, int] = {}
         self.open: set[str] = set()
@@ -100,7 +105,7 @@ class _Job:
                 rid = P.new_id("req")
                 self.index[rid] = len(self.index)
                 self.open.add(rid)
-                self.engine.submit(EngineRequest(rid, ids, sp, self.sink.emit))
+                self.engine.submit(EngineRequest(rid, ids, sp, self.sink.emit, kv_owner=self.kv_owner))
 
     async def events(self) -> AsyncIterator[tuple[int, StreamEvent]]:
         while self.open:
@@ -115,7 +120,7 @@ class _Job:
         self.open.clear()
 
 
-def create_app(engine: ContinuousBatcher, model_name: str, metrics: ServerMetrics,
+def create_app(engine, model_name: str, metrics: ServerMetrics,
                default_max_tokens: int = 256, on_shutdown=None) -> FastAPI:
     tok = engine.model.tokenizer
     vocab = engine.model.cfg.vocab_size
@@ -165,7 +170,7 @@ def create_app(engine: ContinuousBatcher, model_name: str, metrics: ServerMetric
         return lambda p, ids: planned[p]
 
     async def run(request: Request, body: P.SamplingFields, prompts_ids, params_for, chat: bool):
-        job = _Job(engine, asyncio.get_running_loop())
+        job = _Job(engine, asyncio.get_running_loop(), request.headers.get(PREFILL_WORKER_HEADER))
         try:
             job.submit(prompts_ids, params_for)
         except (RuntimeError, ContextLengthError) as e:
@@ -278,7 +283,9 @@ def create_app(engine: ContinuousBatcher, model_name: str, metrics: ServerMetric
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "running": engine.num_running, "waiting": engine.num_waiting}
+        extra = engine.health() if hasattr(engine, "health") else {}
+        return {"status": "ok", "role": metrics.role, "running": engine.num_running, "waiting": engine.num_waiting,
+                **extra}
 
     @app.get("/metrics")
     async def prometheus():

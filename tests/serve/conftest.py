@@ -20,13 +20,13 @@ REPO = Path(__file__).resolve().parents[2]
 class ServerProcess:
     """`python -m jkv.cli serve ...` on port 0; `url` is read from its startup log line."""
 
-    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120):
+    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120, command: str = "serve"):
         self.args = args
         self.log: list[str] = []
         e = dict(os.environ, **(env or {}))
         e.setdefault("PYTHONPATH", str(REPO))
         e.setdefault("JAX_PLATFORMS", "cpu")
-        self.proc = subprocess.Popen([sys.executable, "-m", "jkv.cli", "serve", "--host", "127.0.0.1", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "jkv.cli", command, "--host", "127.0.0.1", *args],
                                      cwd=REPO, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._ready = threading.Event()
         self.url = None

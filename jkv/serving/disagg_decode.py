@@ -1,0 +1,323 @@
+"""The decode side of disaggregated serving: `ContinuousBatcher`'s interface over a SmartGen
+`DecodeWorker` (`jkv serve --role decode`, and `--role all --disaggregation MODE`).
+
+    engine = DisaggBatcher(model, decode_worker, BatcherConfig(max_slots, max_model_len), metrics)
+    engine.start(); engine.submit(EngineRequest(...)); engine.cancel(request_id); engine.stop()
+
+`server.create_app` drives it exactly like the colocated batcher. The difference is admission:
+`DecodeWorker.generate` decodes a *static batch* (plan, hand-in to the prefill workers, wait for
+every hand-off, decode until all finish), so requests are admitted at batch boundaries — up to
+`max_slots` waiting requests form the next batch, and a request arriving while a batch decodes
+waits for it to finish (its wait is part of its TTFT). Tokens stream out as they are sampled
+through the worker's `on_token` hook; each request's `TextStream` turns them into deltas with
+the same stop rules the worker applies, so the streamed text equals its final output.
+
+KV owner: an `EngineRequest.kv_owner` (the router's `X-JKV-Prefill-Worker` header, a prefill
+worker's transport address) makes that prefill worker own the request's KV; an address this
+worker is not connected to yet is connected at the next batch boundary; a dead or unknown one
+falls back to round robin over the live prefill workers.
+
+Threads. The engine thread owns the DecodeWorker (`generate` runs there, and `on_token` is
+called there). `submit` / `cancel` come from the event loop: a submit goes through a
+`queue.SimpleQueue`; a cancel of a waiting request is finished at once, a cancel of a running
+one ends its stream at once and is passed to a control thread that calls
+`DecodeWorker.cancel` (an RPC that frees the KV on the prefill worker, then on this side;
+the worker is built for cancel from another thread while `generate` runs). Per-request state
+is guarded by `self._lock`; a request's events go out in order and nothing follows its final
+event (`_Run.closed`). `stop()` fails waiting requests, cancels running ones and joins both
+threads.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+
+from ..engine import Request
+from .batcher import BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent
+from .text_stream import TextStream
+
+log = logging.getLogger(__name__)
+
+WARMUP_PROMPT = [1, 2, 3, 4]
+CONNECT_TIMEOUT_S = 1.0  # a named prefill worker that refuses this long is skipped (round robin instead)
+
+
+class _Run:
+    """One request in a batch (engine-thread bookkeeping; `closed` under the batcher's lock)."""
+
+    def __init__(self, req: EngineRequest, stream: TextStream):
+        self.req = req
+        self.stream = stream
+        self.token_times: list[float] = []
+        self.closed = False
+        self.cancelled = False
+
+
+class DisaggBatcher:
+    """A SmartGen DecodeWorker behind ContinuousBatcher's submit/cancel/events interface."""
+
+    check_request = ContinuousBatcher.check_request
+
+    def __init__(self, model, worker, config: BatcherConfig = BatcherConfig(), metrics=None,
+                 addresses: list[str] = (), owners: list[str] = ()):
+        ctx = model.cfg.max_position_embeddings
+        if config.max_model_len > ctx:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {ctx}; "
+                             f"use --max-model-len <= {ctx}")
+        self.model, self.worker, self.config, self.metrics = model, worker, config, metrics
+        self.eos_ids = tuple(model.cfg.eos_token_ids)
+        self._owner_by_main = {a.partition("|")[0]: o for a, o in zip(addresses, owners)}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancels: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: collections.deque[EngineRequest] = collections.deque()
+        self._running: dict[str, _Run] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._n_waiting = 0
+        self._cancelled_waiting: set[str] = set()
+        if metrics is not None and metrics.kv is not None:
+            metrics.kv.watch_pool(worker.pool)
+
+    # ------------------------------------------------------------ any thread
+    def submit(self, req: EngineRequest):
+        self.check_request(len(req.prompt_token_ids), req.params.max_tokens)
+        if self._stop.is_set():
+            raise RuntimeError("the engine is shutting down; no new requests are accepted")
+        with self._lock:
+            self._n_waiting += 1
+        self._inbox.put(req)
+        self._set_gauges()
+
+    def cancel(self, request_id: str):
+        """Cancel a waiting or running request (thread-safe); its KV is freed on both roles."""
+        with self._lock:
+            run = self._running.get(request_id)
+            if run is None:  # waiting (or unknown): dropped when its batch forms
+                self._cancelled_waiting.add(request_id)
+                return
+            run.cancelled = True
+        self._finish(run, "cancelled")
+        self._cancels.put(request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._n_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def start(self):
+        if self._threads:
+            raise RuntimeError("the engine is already started")
+        self._threads = [threading.Thread(target=self._loop, name="jkv-decode-engine", daemon=True),
+                         threading.Thread(target=self._cancel_loop, name="jkv-decode-cancel", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self, timeout: float = 30.0):
+        self._stop.set()
+        self._inbox.put(None)
+        self._cancels.put(None)
+        with self._lock:
+            running = list(self._running)
+        for rid in running:
+            self.cancel(rid)
+        for t in self._threads:
+            t.join(timeout)
+            if t.is_alive():
+                log.error("%s did not stop within %.0fs", t.name, timeout)
+        self._threads = []
+
+    def warmup(self):
+        """One short request through prefill, hand-off and decode (compiles both sides)."""
+        from ..sampling import SamplingParams
+
+        t = time.perf_counter()
+        out = self.worker.generate([Request("warmup", WARMUP_PROMPT, WARMUP_PROMPT,
+                                            SamplingParams(max_tokens=3, ignore_eos=True))])
+        if out[0].finish_reason == "error":
+            raise RuntimeError(f"warm-up request failed: {out[0].metrics.extra.get('error')}")
+        log.debug("disaggregated warm-up in %.1fs", time.perf_counter() - t)
+
+    def health(self) -> dict:
+        """Extra /health fields: the prefill workers this decode worker knows and the KV it holds."""
+        peers = self.worker.endpoint.peers
+        return {"mode": self.worker.transfer.mode, "kv_host_bytes_in_use": self.worker.pool.bytes_in_use,
+                "kv_host_requests": len(self.worker.pool.live()),
+                "prefill_workers": [{"name": o, "alive": o in peers and peers[o].alive,
+                                     "address": next((a for a, n in self._owner_by_main.items() if n == o), None)}
+                                    for o in self.worker.owners]}
+
+    # ------------------------------------------------------------ engine thread
+    def _set_gauges(self):
+        if self.metrics is not None:
+            running = len(self._running)
+            self.metrics.set_engine_state(waiting=self._n_waiting, running=running, slots=self.config.max_slots)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            try:
+                item = self._inbox.get(timeout=0.5) if not self._waiting else self._inbox.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                self._waiting.append(item)
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    item = None
+            batch = self._take_batch()
+            if batch:
+                self._run_batch(batch)
+        self._fail_waiting("the server is shutting down")
+
+    def _take_batch(self) -> list[_Run]:
+        batch = []
+        while self._waiting and len(batch) < self.config.max_slots:
+            req = self._waiting.popleft()
+            with self._lock:
+                self._n_waiting -= 1
+                cancelled = req.request_id in self._cancelled_waiting
+                self._cancelled_waiting.discard(req.request_id)
+                run = _Run(req, TextStream(self.model.tokenizer, req.params, self.eos_ids))
+                if not cancelled:
+                    self._running[req.request_id] = run
+            if cancelled:
+                self._finish(run, "cancelled")
+            else:
+                batch.append(run)
+        self._set_gauges()
+        return batch
+
+    def _owner(self, address: str | None) -> str | None:
+        """The prefill worker named by a transport address; connects to a new or restarted one."""
+        if not address:
+            return None
+        main, _, bulk = address.partition("|")
+        name = self._owner_by_main.get(main)
+        if name is not None and self.worker._owner_alive(name):
+            return name
+        try:
+            name = self.worker.endpoint.connect(main, connect_timeout=CONNECT_TIMEOUT_S).name
+            if bulk:
+                self.worker.endpoint.connect(bulk, connect_timeout=CONNECT_TIMEOUT_S)
+        except Exception as e:  # a dead address: round robin over the live workers instead
+            log.warning("cannot connect to prefill worker %s (%s); using another one", address, e)
+            return None
+        if name not in self.worker.owners:
+            self.worker.owners.append(name)
+        self._owner_by_main[main] = name
+        log.info("decode: connected to prefill worker %s at %s", name, address)
+        return name
+
+    def _run_batch(self, batch: list[_Run]):
+        runs = {r.req.request_id: r for r in batch}
+        by_address = {a: self._owner(a) for a in {r.req.kv_owner for r in batch}}  # one connect try per address
+        owners = {rid: by_address[r.req.kv_owner] for rid, r in runs.items()}
+        requests = [Request(r.req.request_id, r.req.prompt_token_ids, r.req.prompt_token_ids, r.req.params)
+                    for r in batch]
+        if self.metrics is not None:
+            for r in batch:
+                self.metrics.observe_prefill(len(r.req.prompt_token_ids))
+            if self.metrics.kv is not None:
+                self.metrics.kv.batches.inc()
+        try:
+            outs = self.worker.generate(requests, on_token=lambda rid, tok: self._on_token(runs[rid], tok),
+                                        owner_of=lambda req: owners.get(req.request_id))
+        except Exception as e:
+            log.exception("decode batch of %d requests failed", len(batch))
+            if self.metrics is not None and self.metrics.kv is not None:
+                self.metrics.kv.failed(len(batch))
+            for r in batch:
+                self._finish(r, "error", error=f"engine error: {e}")
+            outs = []
+        for o in outs:
+            r = runs[o.request_id]
+            if self.metrics is not None and self.metrics.kv is not None:
+                self.metrics.kv.observe_output(o.metrics.extra)
+            if o.finish_reason == "error":
+                if not r.cancelled:
+                    if self.metrics is not None and self.metrics.kv is not None:
+                        self.metrics.kv.failed()
+                    self._finish(r, "error", error=o.metrics.extra.get("error") or "decode failed")
+            elif not r.closed:  # the worker stopped it where the stream did not (should not happen)
+                self._finish(r, o.finish_reason, final_text=o.text)
+        with self._lock:
+            for rid in runs:
+                self._running.pop(rid, None)
+                self._cancelled_waiting.discard(rid)
+        self._set_gauges()
+
+    def _on_token(self, run: _Run, token_id: int):
+        if run.closed:
+            if run.cancelled:  # cancelled before the worker planned it: stop it here, on its own thread
+                self.worker.cancel(run.req.request_id)
+            return
+        run.token_times.append(time.perf_counter() - run.req.arrival)
+        if self.metrics is not None:
+            self.metrics.observe_token(run.token_times)
+        delta = run.stream.push(token_id)
+        if run.stream.finish_reason is not None:
+            self._finish(run, run.stream.finish_reason, delta)
+        else:
+            self._send(run, StreamEvent(run.req.request_id, text=delta, token_ids=[token_id],
+                                        prompt_tokens=len(run.req.prompt_token_ids),
+                                        completion_tokens=len(run.stream.ids)), final=False)
+
+    def _finish(self, run: _Run, reason: str, delta: str = "", error: str | None = None,
+                final_text: str | None = None):
+        stream = run.stream
+        done = stream.finish_reason is not None
+        ids = stream.output_ids
+        last = stream.ids[-1:] if done and len(ids) == len(stream.ids) else []
+        event = StreamEvent(run.req.request_id, text=delta, token_ids=last, finish_reason=reason,
+                            prompt_tokens=len(run.req.prompt_token_ids), completion_tokens=len(ids), error=error,
+                            final_text=stream.text if done else final_text)
+        if self._send(run, event, final=True) and self.metrics is not None:
+            self.metrics.observe_finished(reason, run.token_times)
+
+    def _send(self, run: _Run, event: StreamEvent, final: bool) -> bool:
+        with self._lock:
+            if run.closed:
+                return False
+            run.closed = final
+        try:
+            run.req.emit(event)
+        except Exception:
+            log.exception("emit for request %s failed; dropping the event", run.req.request_id)
+        return True
+
+    def _fail_waiting(self, message: str):
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                self._waiting.append(item)
+        while self._waiting:
+            req = self._waiting.popleft()
+            with self._lock:
+                self._n_waiting -= 1
+            self._finish(_Run(req, TextStream(self.model.tokenizer, req.params, self.eos_ids)), "error",
+                         error=message)
+        self._set_gauges()
+
+    # ------------------------------------------------------------ control thread
+    def _cancel_loop(self):
+        while True:
+            rid = self._cancels.get()
+            if rid is None:
+                return
+            try:
+                self.worker.cancel(rid)
+            except Exception:
+                log.exception("cancelling request %s on the decode worker failed", rid)
+
+
+__all__ = ["DisaggBatcher", "ContextLengthError"]
