@@ -27,6 +27,23 @@ def test_fit_recovers_known_coefficients_from_noisy_timings():
     assert fitted.d == pytest.approx(TRUE.d, abs=1e-3)
 
 
+def test_relative_fit_recovers_coefficients_and_fits_small_samples_better():
+    rng = np.random.default_rng(2)
+    ctx = rng.integers(1, 32_000, 200)
+    query = np.concatenate([rng.integers(8, 64, 150), rng.integers(1_000, 2_000, 50)])
+    # Multiplicative noise (5%): the regime where an absolute fit is dominated by big samples.
+    t_load = TRUE.t_load(ctx) * rng.lognormal(0, 0.05, 200)
+    t_comp = TRUE.t_comp(query) * rng.lognormal(0, 0.05, 200)
+    rel = CostModel.fit(ctx, query, t_load, t_comp, relative=True)
+    assert rel.c == pytest.approx(TRUE.c, rel=0.05) and rel.d == pytest.approx(TRUE.d, rel=0.05)
+    assert rel.a == pytest.approx(TRUE.a, rel=0.05)
+    small = query < 64
+    err = lambda m: np.median(np.abs(m.t_comp(query[small]) / t_comp[small] - 1))
+    assert err(rel) <= err(CostModel.fit(ctx, query, t_load, t_comp))
+    with pytest.raises(ValueError, match="positive times"):
+        CostModel.fit(ctx, query, t_load, np.zeros_like(t_comp), relative=True)
+
+
 def test_fit_total_recovers_slopes_and_joint_intercept():
     ctx, query, t_load, t_comp = synthetic_profile(seed=1)
     keep = ctx > 0
