@@ -246,11 +246,13 @@ def main(argv=None) -> None:
     parser.add_argument("--link", default="2gbit", help="pool link pacing (server sends)")
     parser.add_argument("--chunk-tokens", type=int, default=64)
     parser.add_argument("--contexts", type=int, default=6)
-    parser.add_argument("--queries", type=int, default=6, help="queries per context")
+    parser.add_argument("--queries", type=int, default=8, help="queries per context")
     parser.add_argument("--min-context", type=int, default=512)
     parser.add_argument("--max-context", type=int, default=1536)
-    parser.add_argument("--loads", default="0.5,0.7,0.9",
-                        help="offered loads as fractions of the baseline's capacity")
+    parser.add_argument("--loads", default="0.7,0.9",
+                        help="full-hit offered loads as fractions of the baseline's capacity")
+    parser.add_argument("--mixed-loads", default="0.9",
+                        help="mixed-hit offered loads (each point costs ~2x a full-hit one)")
     parser.add_argument("--scenarios", default="full-hit,mixed-hit")
     parser.add_argument("--host-slots", type=int, default=32, help="L2 capacity in chunks")
     parser.add_argument("--device-slots", type=int, default=64, help="L1 capacity in chunks")
@@ -260,7 +262,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.scenarios, args.loads, args.contexts, args.queries = "full-hit", "0.9", 4, 4
-    loads = [float(x) for x in args.loads.split(",")]
+    loads = {"full-hit": [float(x) for x in args.loads.split(",")],
+             "mixed-hit": [float(x) for x in args.mixed_loads.split(",")]}
     scenarios = [s.strip() for s in args.scenarios.split(",")]
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -305,7 +308,7 @@ def main(argv=None) -> None:
             print(f"\n== {scenario}: {len(requests)} requests per point; baseline capacity "
                   f"(1 / mean modelled service time) {capacity:.2f} QPS ==")
             print(f"{'load':>5} {'QPS':>6} " + " ".join(f"{p:>21}" for p in POLICIES))
-            for load in loads:
+            for load in loads[scenario]:
                 qps = load * capacity
                 workload = build_workload(dataclasses.replace(base[scenario], qps=qps), tokenize)
                 requests, slo = build_requests(engine, workload, cost_model)
@@ -346,7 +349,7 @@ def main(argv=None) -> None:
 
     print("\n== at the highest swept load (the baseline sustains loads < 1) ==")
     for scenario in scenarios:
-        top = max(load for load in loads if load < 1.0)
+        top = max(load for load in loads[scenario] if load < 1.0)
         b, s = get(scenario, top, "serialized-fifo"), get(scenario, top, "sjf")
         e, l = get(scenario, top, "edf"), get(scenario, top, "lstf")
         pt, f = get(scenario, top, "sjf-pt"), get(scenario, top, "fifo")

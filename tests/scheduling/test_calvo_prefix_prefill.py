@@ -31,7 +31,7 @@ def full_kv(model, tokens):
                                             for k, v in kv])
 
 
-@pytest.mark.parametrize("n, prefix_len", [(37, 0), (37, 16), (37, 24), (20, 8), (64, 56)])
+@pytest.mark.parametrize("n, prefix_len", [(37, 0), (37, 24), (64, 56)])
 def test_suffix_on_prefix_equals_full_prefill(model, prefill, n, prefix_len):
     tokens = np.random.default_rng(n).integers(3, 300, n).astype(np.int32)
     ref_logits, ref_kv = full_kv(model, tokens)
