@@ -48,6 +48,7 @@ from jkv.kvpool.remote_pool import RemoteKVPool  # noqa: E402
 from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig,  # noqa: E402
                             PipelineRequest, StageFunctions, make_policy, run_serialized)
 from jkv.scheduling.metrics import summarize  # noqa: E402
+from jkv.scheduling.policies import RequestInfo  # noqa: E402
 from jkv.scheduling.pool_stages import pool_fetch, write_back  # noqa: E402
 from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_shape,  # noqa: E402
                                            split_chunks)
@@ -163,7 +164,6 @@ def profile(engine: Engine, contexts: list[np.ndarray], rng) -> CostModel:
         samples.append((context, len(context) * 3 // 4 // engine.C * engine.C, 32))  # 75% hit
     for i, (context, cached, q) in enumerate(samples * 2):     # 2 repeats; the first warms up
         prompt = np.concatenate([context, rng.integers(100, 20000, q).astype(np.int32)])
-        from jkv.scheduling.policies import RequestInfo
         request = engine.request(("profile", i), prompt, cached,
                                  RequestInfo(("profile", i), 0.0, 0, 0))
         with engine.pipeline(make_policy("fifo")) as pipeline:

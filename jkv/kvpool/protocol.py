@@ -32,7 +32,7 @@ _LEN = struct.Struct("<I")
 META_JSON_BOUND = 512
 
 
-def encode(header: dict, tail=b"") -> bytes | list:
+def encode(header: dict, tail=b"") -> bytes:
     """`u32 len | JSON header | tail` as one bytes object (tail copied once)."""
     raw = json.dumps(header, separators=(",", ":")).encode()
     return b"".join((_LEN.pack(len(raw)), raw, tail))

@@ -24,6 +24,7 @@ sender thread by the transport.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -33,7 +34,6 @@ import sys
 import threading
 
 from jkv.kvpool import protocol
-from jkv.kvpool.base import PoolStats
 from jkv.kvpool.hashing import key_from_name
 from jkv.kvpool.host_pool import HostKVPool
 
@@ -114,12 +114,7 @@ class PoolServer:
         return protocol.encode({"deleted": self.pool.delete(key_from_name(header["key"]))})
 
     def _stats(self, peer: str, message) -> bytes:
-        import dataclasses
         return protocol.encode(dataclasses.asdict(self.pool.stats()))
-
-
-def stats_from_header(header: dict) -> PoolStats:
-    return PoolStats(**header)
 
 
 # -- command line (`jkv pool`, or `python -m jkv.kvpool.server`) -----------------------------------
