@@ -35,7 +35,7 @@ from jkv.scheduling.simulator import (StageTimes, isolated_ttft_s, profile_cost_
                                       simulate_pipelined, simulate_serialized)
 from jkv.scheduling.workload import WorkloadConfig, build_workload, with_deadlines  # noqa: E402
 
-POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf")
+POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf", "lstf-static")
 # name -> (pool link Gbps, hit ratios)
 SCENARIOS = {"full-hit 400G": (400.0, (1.0,)),
              "mixed-hit 400G": (400.0, (0.25, 0.5, 0.75, 1.0)),

@@ -1,5 +1,5 @@
-"""`jkv` command line: generate, compare, demo, models, eval, train-hata, serve, profile, prefill-worker,
-decode-worker.
+"""`jkv` command line: generate, compare, demo, models, eval, train-hata, pool, serve, profile,
+prefill-worker, decode-worker.
 
 Each subcommand is `add_<name>(subparsers)` + `run_<name>(args)`; `main()` dispatches. Errors a
 user can fix (bad model name, over-long prompt, invalid sampling value) print one line and exit 2.
@@ -207,6 +207,7 @@ def _delegate(module: str):
 
 COMMANDS = {"generate": (add_generate, run_generate), "compare": (add_compare, run_compare),
             "eval": _delegate(".eval.cli"), "train-hata": _delegate(".selection.hata_train"),
+            "pool": _delegate(".kvpool.server"),
             "demo": (add_demo, run_demo), "models": (add_models, run_models), "serve": (add_serve, run_serve),
             "prefill-worker": (add_prefill_worker, run_prefill_worker), "profile": (add_profile, run_profile),
             "decode-worker": (add_decode_worker, run_decode_worker)}

@@ -117,3 +117,23 @@ def chunk_keys(tokens: Sequence[int] | np.ndarray, namespace: ChunkNamespace,
         parent = chain_digest(parent, arr[i * c:(i + 1) * c])
         keys.append(ChunkKey(namespace, i, parent))
     return keys
+
+
+def key_from_name(name: str) -> ChunkKey:
+    """The ChunkKey whose `.name` is `name` (`jkv:<model>:<dtype>:c<C>:<hex>`), for pool servers
+    that receive names on the wire. The chunk index is not part of a name (the chained digest
+    already fixes the position) and comes back as -1. ValueError on anything malformed."""
+    if not isinstance(name, str) or not name.startswith("jkv:"):
+        raise ValueError(f"chunk key name {name!r} must look like 'jkv:<model>:<dtype>:c<C>:<hex>'")
+    head, dtype, chunk, digest_hex = (name[4:].rsplit(":", 3) + ["", "", ""])[:4]
+    try:
+        digest = bytes.fromhex(digest_hex)
+        chunk_tokens = int(chunk[1:]) if chunk.startswith("c") else -1
+        namespace = ChunkNamespace(head, dtype, chunk_tokens)
+    except ValueError as exc:
+        raise ValueError(f"chunk key name {name!r} is malformed ({exc}); expected "
+                         "'jkv:<model>:<dtype>:c<C>:<32 hex digits>'") from None
+    if len(digest) != DIGEST_BYTES:
+        raise ValueError(f"chunk key name {name!r} has a {len(digest)}-byte digest; expected "
+                         f"{DIGEST_BYTES} bytes ({2 * DIGEST_BYTES} hex digits)")
+    return ChunkKey(namespace, -1, digest)

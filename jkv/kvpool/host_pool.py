@@ -82,6 +82,23 @@ class HostKVPool(KVPool):
                 out.append(meta)
         return out
 
+    def lookup_many(self, keys: Sequence[ChunkKey]) -> list[tuple[bytes, ChunkMeta] | None]:
+        """Like get_many, but hands out the stored (immutable) bytes instead of copying them into
+        buffers: the `jkv pool` server sends them straight into its reply. Counts hits/misses and
+        refreshes recency exactly as get_many does."""
+        out: list[tuple[bytes, ChunkMeta] | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key.name)
+                if entry is None or not verified(key, entry[1], memoryview(entry[0])):
+                    self._misses += 1
+                    out.append(None)
+                    continue
+                self._entries.move_to_end(key.name)
+                self._hits += 1
+                out.append(entry)
+        return out
+
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         with self._lock:
             return [k.name in self._entries for k in keys]

@@ -119,7 +119,7 @@ class PipelineCore:
     """
 
     def __init__(self, host_slots: int, device_slots: int, *, proactive: bool = True,
-                 host_reserve: int = 1):
+                 host_reserve: int = 1, progress_key=None, clock=None):
         if host_slots < 2 or device_slots < 1:
             raise ValueError(f"{host_slots=} must be >= 2 and {device_slots=} >= 1 chunk slots")
         if not 1 <= host_reserve < host_slots:
@@ -130,6 +130,13 @@ class PipelineCore:
         self.proactive = proactive
         self.host_reserve = host_reserve
         self.stats = CoreStats()
+        # Optional dynamic priority (info, prefix tokens not yet in L1, now) -> key, re-evaluated
+        # on every dispatch (LSTF's remaining slack); None keeps the admission-time order.
+        # clock() gives `now` on the requests' clock (arrival_s / deadline_s).
+        if progress_key is not None and clock is None:
+            raise ValueError("a progress_key needs clock= (now on the requests' arrival clock)")
+        self.progress_key = progress_key
+        self.clock = clock
         self._jobs: dict[Hashable, Job] = {}
         self._order: list[tuple[tuple, Hashable]] = []   # (sort_key, request_id), ascending
         self._seq = 0
@@ -184,7 +191,7 @@ class PipelineCore:
         """Reserve space for and return the next task for `stage`'s executor, or None."""
         pick = {Stage.FETCH: self._next_fetch, Stage.UPLOAD: self._next_upload,
                 Stage.COMPUTE: self._next_compute}[stage]
-        for _, rid in self._order:
+        for _, rid in self._dispatch_order():
             job = self._jobs[rid]
             if job.dropped or job.computing:
                 continue
@@ -193,6 +200,24 @@ class PipelineCore:
                 job.inflight += 1
                 return task
         return None
+
+    def _dispatch_order(self) -> list[tuple[tuple, Hashable]]:
+        if self.progress_key is None:
+            return self._order
+        now = self.clock()
+        return sorted(self._order, key=lambda entry: (
+            tuple(self.progress_key(self._jobs[entry[1]].request.info,
+                                    self.remaining_load_tokens(self._jobs[entry[1]]), now)),
+            entry[0][1]))
+
+    @staticmethod
+    def remaining_load_tokens(job: Job) -> float:
+        """Prefix tokens of `job` still to reach L1 (cached_tokens pro rata per chunk)."""
+        request = job.request
+        if request.num_chunks == 0:
+            return 0.0
+        left = max(0, job.valid_chunks - len(job.uploaded))
+        return request.info.cached_tokens * left / request.num_chunks
 
     def _next_fetch(self, job: Job) -> Task | None:
         if job.next_fetch >= job.valid_chunks:

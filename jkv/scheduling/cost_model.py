@@ -51,11 +51,15 @@ class CostModel:
         return self.t_load(ctx_tokens) + self.t_comp(query_tokens)
 
     @classmethod
-    def fit(cls, ctx_tokens, query_tokens, t_load, t_comp, deployment: str = "") -> "CostModel":
+    def fit(cls, ctx_tokens, query_tokens, t_load, t_comp, deployment: str = "",
+            relative: bool = False) -> "CostModel":
         """Least-squares fit of both stage lines from per-request profiling samples.
 
         ctx_tokens, query_tokens: i[n]; t_load, t_comp: f[n] seconds. Samples with ctx_tokens == 0
         carry no loading information and are ignored for (a, b).
+        relative: minimise relative instead of absolute errors (weights 1/t), so samples spanning
+        orders of magnitude (a 16-token query and a 1K-token recompute) are all fitted well
+        rather than the largest dominating and the small ones getting negative predictions.
         """
         ctx, query, load, comp = (np.asarray(x, dtype=np.float64).reshape(-1)
                                   for x in (ctx_tokens, query_tokens, t_load, t_comp))
@@ -63,8 +67,8 @@ class CostModel:
             raise ValueError(f"sample arrays differ in length: {len(ctx)=} {len(query)=} "
                              f"{len(load)=} {len(comp)=}")
         has_load = ctx > 0
-        a, b = _line(ctx[has_load], load[has_load], "ctx_tokens")
-        c, d = _line(query, comp, "query_tokens")
+        a, b = _line(ctx[has_load], load[has_load], "ctx_tokens", relative)
+        c, d = _line(query, comp, "query_tokens", relative)
         return cls(a, b, c, d, deployment)
 
     @classmethod
@@ -96,9 +100,13 @@ class CostModel:
         return cls(**raw)
 
 
-def _line(x: np.ndarray, y: np.ndarray, what: str) -> tuple[float, float]:
+def _line(x: np.ndarray, y: np.ndarray, what: str, relative: bool = False) -> tuple[float, float]:
     design = np.stack([x, np.ones_like(x)], axis=1)
     _check_rank(design, what)
+    if relative:
+        if (y <= 0).any():
+            raise ValueError(f"a relative fit needs positive times; got min {y.min()} s for {what}")
+        design, y = design / y[:, None], np.ones_like(y)
     (slope, intercept), *_ = np.linalg.lstsq(design, y, rcond=None)
     return float(slope), float(intercept)
 

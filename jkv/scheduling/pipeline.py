@@ -99,12 +99,16 @@ class PipelineConfig:
 class LoadingPipeline:
     """Runs requests through fetch/upload/compute concurrently, in `policy` order per stage."""
 
-    def __init__(self, stages: StageFunctions, config: PipelineConfig, policy: Policy | None = None):
+    def __init__(self, stages: StageFunctions, config: PipelineConfig, policy: Policy | None = None,
+                 clock=time.monotonic):
+        """clock: `now` on the clock of the requests' arrival_s / deadline_s (used by policies
+        with dynamic keys, e.g. LSTF's remaining slack)."""
         self._stages = stages
         self.config = config
         self.policy = policy or fifo()
         self._core = PipelineCore(config.host_slots, config.device_slots,
-                                  proactive=config.proactive, host_reserve=config.host_reserve)
+                                  proactive=config.proactive, host_reserve=config.host_reserve,
+                                  progress_key=self.policy.progress_key, clock=clock)
         self._cv = threading.Condition()
         self._closed = False
         self._futures: dict[Hashable, concurrent.futures.Future] = {}

@@ -8,7 +8,16 @@ admission (the paper computes LST "for each incoming request"), so dispatch neve
     sjf-pt  prefill (uncached) tokens only               (PrefillOnly-style, blind to loading)
     sjf     modelled cost T_load + T_comp                (minimises mean TTFT, §3.2 (1))
     edf     deadline                                     (static, cost-blind)
-    lstf    slack = deadline - T_load - T_comp           (maximises SLO attainment, §3.2 (2))
+    lstf    slack = deadline - now - T_load_remaining - T_comp (§3.2 (2)), re-evaluated at
+            every dispatch as the request's chunks reach L1; a request whose slack is already
+            negative cannot meet its deadline any more and goes behind every feasible one
+            (shortest remaining cost first among them), so one late request does not make
+            the ones behind it late too (the EDF/LSTF domino effect under overload)
+    lstf-static  slack = deadline - T_load - T_comp fixed at admission, as the paper computes
+            it "for each incoming request" (the A/B reference)
+
+Dynamic keys: a policy may carry `progress_key(info, remaining_load_tokens, now)`; the pipeline
+core then re-sorts by it whenever a dispatcher picks (`now` on the requests' clock).
 """
 from __future__ import annotations
 
@@ -47,6 +56,7 @@ class Policy:
 
     name: str
     key: Callable[[RequestInfo], tuple]
+    progress_key: Callable[[RequestInfo, float, float], tuple] | None = None
 
 
 def _needs_cost_model(name: str, cost_model: CostModel | None) -> CostModel:
@@ -74,14 +84,29 @@ def edf() -> Policy:
 
 
 def lstf(cost_model: CostModel) -> Policy:
-    # CALVO §3.2: LST = DDL - T_load - T_comp. "now" is common to all requests, so ordering by
-    # this static value equals ordering by the remaining slack at any instant.
-    return Policy("lstf", lambda r: (r.deadline_s - cost_model.cost(r.cached_tokens,
-                                                                     r.compute_tokens),
-                                     r.arrival_s))
+    # CALVO §3.2: LST = DDL - T_load - T_comp; here with `now` and the loading still to do (a
+    # request whose prefix is half in L1 has half its T_load left), evaluated at each dispatch.
+    def slack(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
+        remaining = (cost_model.t_load(remaining_load_tokens)
+                     + cost_model.t_comp(r.compute_tokens))
+        lst = r.deadline_s - now - remaining
+        if lst < 0:                      # already hopeless: after every feasible request
+            return (1, remaining, r.arrival_s)
+        return (0, lst, r.arrival_s)
+
+    return Policy("lstf", lambda r: (0, r.deadline_s - cost_model.cost(r.cached_tokens,
+                                                                        r.compute_tokens),
+                                     r.arrival_s), progress_key=slack)
 
 
-POLICY_NAMES = ("fifo", "sjf-pt", "sjf", "edf", "lstf")
+def lstf_static(cost_model: CostModel) -> Policy:
+    """LSTF with the slack fixed at admission (whole T_load), never re-evaluated."""
+    return Policy("lstf-static", lambda r: (r.deadline_s - cost_model.cost(r.cached_tokens,
+                                                                            r.compute_tokens),
+                                            r.arrival_s))
+
+
+POLICY_NAMES = ("fifo", "sjf-pt", "sjf", "edf", "lstf", "lstf-static")
 
 
 def make_policy(name: str, cost_model: CostModel | None = None) -> Policy:
@@ -97,4 +122,6 @@ def make_policy(name: str, cost_model: CostModel | None = None) -> Policy:
         return edf()
     if key == "lstf":
         return lstf(_needs_cost_model(key, cost_model))
+    if key == "lstf-static":
+        return lstf_static(_needs_cost_model(key, cost_model))
     raise ValueError(f"unknown scheduling policy {name!r}; valid: {', '.join(POLICY_NAMES)}")

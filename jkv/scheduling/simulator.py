@@ -110,7 +110,9 @@ def simulate_pipelined(requests: Sequence[RequestInfo], times: StageTimes, polic
                        host_slots: int = 256, device_slots: int = 1024,
                        proactive: bool = True) -> list[SimRecord]:
     """Run `requests` through the CALVO pipeline; records in the input order."""
-    core = PipelineCore(host_slots, device_slots, proactive=proactive)
+    clock = [0.0]
+    core = PipelineCore(host_slots, device_slots, proactive=proactive,
+                        progress_key=policy.progress_key, clock=lambda: clock[0])
     events: list[tuple[float, int, int, object]] = []
     seq = 0
     for info in requests:
@@ -122,6 +124,7 @@ def simulate_pipelined(requests: Sequence[RequestInfo], times: StageTimes, polic
     records: dict = {}
     while events:
         now, kind, _, item = heapq.heappop(events)
+        clock[0] = now
         if kind == 1:
             request = to_pipeline_request(item, times.chunk_tokens)
             core.add(request, policy.key(item))

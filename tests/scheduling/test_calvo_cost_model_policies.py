@@ -27,6 +27,23 @@ def test_fit_recovers_known_coefficients_from_noisy_timings():
     assert fitted.d == pytest.approx(TRUE.d, abs=1e-3)
 
 
+def test_relative_fit_recovers_coefficients_and_fits_small_samples_better():
+    rng = np.random.default_rng(2)
+    ctx = rng.integers(1, 32_000, 200)
+    query = np.concatenate([rng.integers(8, 64, 150), rng.integers(1_000, 2_000, 50)])
+    # Multiplicative noise (5%): the regime where an absolute fit is dominated by big samples.
+    t_load = TRUE.t_load(ctx) * rng.lognormal(0, 0.05, 200)
+    t_comp = TRUE.t_comp(query) * rng.lognormal(0, 0.05, 200)
+    rel = CostModel.fit(ctx, query, t_load, t_comp, relative=True)
+    assert rel.c == pytest.approx(TRUE.c, rel=0.05) and rel.d == pytest.approx(TRUE.d, rel=0.05)
+    assert rel.a == pytest.approx(TRUE.a, rel=0.05)
+    small = query < 64
+    err = lambda m: np.median(np.abs(m.t_comp(query[small]) / t_comp[small] - 1))
+    assert err(rel) <= err(CostModel.fit(ctx, query, t_load, t_comp))
+    with pytest.raises(ValueError, match="positive times"):
+        CostModel.fit(ctx, query, t_load, np.zeros_like(t_comp), relative=True)
+
+
 def test_fit_total_recovers_slopes_and_joint_intercept():
     ctx, query, t_load, t_comp = synthetic_profile(seed=1)
     keep = ctx > 0
@@ -106,8 +123,48 @@ def test_ties_fall_back_to_arrival():
 
 
 def test_policy_names_are_validated():
-    with pytest.raises(ValueError, match="valid: fifo, sjf-pt, sjf, edf, lstf"):
+    with pytest.raises(ValueError, match="valid: fifo, sjf-pt, sjf, edf, lstf, lstf-static"):
         make_policy("round-robin")
     with pytest.raises(ValueError, match="pass cost_model"):
         make_policy("lstf")
     assert make_policy("SJF_PT").name == "sjf-pt"
+
+
+def test_lstf_static_orders_by_admission_slack():
+    a = info("A", 0.0, cached=90_000, compute=0, deadline=1.0)
+    b = info("B", 0.0, cached=10_000, compute=0, deadline=0.8)
+    assert order(make_policy("lstf-static", PAPER), [a, b]) == ["A", "B"]
+
+
+def test_lstf_slack_uses_now_and_remaining_load_and_demotes_late_requests():
+    key = make_policy("lstf", PAPER).progress_key
+    a = info("A", 0.0, cached=90_000, compute=0, deadline=1.0)   # full load 0.9 s
+    b = info("B", 0.0, cached=10_000, compute=0, deadline=0.8)   # full load 0.1 s
+    assert key(a, 90_000, 0.0) < key(b, 10_000, 0.0)             # slack 0.1 < 0.7
+    assert key(a, 20_000, 0.0) > key(b, 10_000, 0.0)             # A mostly loaded: 0.8 > 0.7
+    # At now = 0.5 A can no longer make it (0.5 + 0.9 > 1.0): it goes behind B, which can.
+    assert key(a, 90_000, 0.5) > key(b, 10_000, 0.5)
+    late = [info(f"L{i}", 0.0, cached=c, compute=0, deadline=0.1) for i, c in
+            enumerate([50_000, 20_000])]
+    assert key(late[1], 20_000, 0.5) < key(late[0], 50_000, 0.5)  # among late: shortest first
+
+
+def test_core_reorders_by_progress_key_as_chunks_reach_l1():
+    from jkv.scheduling.core import PipelineCore, PipelineRequest, Stage
+    now = [0.0]
+    core = PipelineCore(8, 16, progress_key=make_policy("lstf", PAPER).progress_key,
+                        clock=lambda: now[0])
+    a = PipelineRequest(info("A", 0.0, cached=40_000, compute=0, deadline=1.0), num_chunks=4)
+    b = PipelineRequest(info("B", 0.0, cached=10_000, compute=0, deadline=0.75), num_chunks=1)
+    core.add(a, (0,))
+    core.add(b, (1,))
+    # A's slack 0.6 < B's 0.65: A fetches first; after 2 of its 4 chunks are in L1 its slack is
+    # 0.8 and B (0.65) comes first.
+    fetches = [core.next_task(Stage.FETCH) for _ in range(2)]
+    assert [t.request.request_id for t in fetches] == ["A", "A"]
+    for t in fetches:
+        core.complete(t)
+        core.complete(core.next_task(Stage.UPLOAD))
+    assert core.next_task(Stage.FETCH).request.request_id == "B"
+    with pytest.raises(ValueError, match="clock"):
+        PipelineCore(8, 16, progress_key=make_policy("lstf", PAPER).progress_key)

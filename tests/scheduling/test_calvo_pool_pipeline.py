@@ -118,3 +118,19 @@ def test_write_back_stores_only_missing_chunks_and_then_they_load():
     assert run_with_pool(pool, [request]) == [4]               # warm pool: everything loads
     with pytest.raises(ValueError, match="outside"):
         write_back(pool, keys, computed, first_chunk=1)
+
+
+def test_pipeline_loads_from_the_jkv_pool_server_and_recomputes_when_it_dies():
+    from jkv.kvpool.remote_pool import RemoteKVPool
+    from tests.kvpool.pool_server import SECRET, PoolServerProcess
+    server = PoolServerProcess().start()
+    pool = RemoteKVPool(server.address, secret=SECRET, op_timeout_s=1.0, retry_after_s=60)
+    try:
+        requests = [pooled_request(f"r{i}", ctx=i, num_chunks=3, query=i) for i in range(3)]
+        populate(pool, requests, skip={("r2", 1)})
+        assert run_with_pool(pool, requests) == [3, 3, 1]
+        server.stop()
+        assert run_with_pool(pool, requests) == [0, 0, 0]
+    finally:
+        pool.close()
+        server.stop()

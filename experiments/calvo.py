@@ -1,0 +1,369 @@
+"""CALVO on SmolLM2 with a paced pool link (paper Figs. 7, 8, 10 on a real model, real pool).
+
+A `jkv pool` server runs as a child process and paces everything it sends at `--link`
+(transport token bucket); the engine loads cached KV chunks from it over tcp with
+`RemoteKVPool`, copies them L2 -> L1, and prefills each request's uncached suffix with
+SmolLM2-135M (`PrefixPrefill`). Compared side by side on the same requests:
+
+  serialized-fifo   vLLM + LMCache-like baseline: one request at a time, load then compute
+  fifo, sjf-pt, sjf, edf, lstf   the pipelined engine (`LoadingPipeline`) under each policy
+
+Workload: long-context / short-query requests built from local documents (tokenized with the
+model's tokenizer), Poisson arrivals, SLO = {2, 4, 8} x the request's interference-free TTFT
+(from the fitted cost model). Scenarios: `full-hit` (every context cached: Figs. 7, 8) and
+`mixed-hit` (each request's cached share drawn from {75, 87.5, 100}%: Fig. 10). QPS is swept as
+a fraction of the baseline's measured capacity.
+
+Order of work: start the pool, cache every context (prefill once, write chunks back), profile
+isolated requests on the pipelined engine and fit the cost model T = a*ctx + b + c*query + d
+(§3.2), then run every (scenario, load, policy) point in real time. First tokens of every run
+are checked against the baseline's (the schedule must not change results).
+
+    python experiments/calvo.py [--quick] [--link 2gbit]
+
+Writes experiments/results/calvo.csv, calvo.png and calvo_cost_model.json.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import pathlib
+import queue
+import secrets
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from jkv.kvpool.hashing import ChunkNamespace, chunk_keys  # noqa: E402
+from jkv.kvpool.remote_pool import RemoteKVPool  # noqa: E402
+from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig,  # noqa: E402
+                            PipelineRequest, StageFunctions, make_policy, run_serialized)
+from jkv.scheduling.metrics import summarize  # noqa: E402
+from jkv.scheduling.policies import RequestInfo  # noqa: E402
+from jkv.scheduling.pool_stages import pool_fetch, write_back  # noqa: E402
+from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_shape,  # noqa: E402
+                                           split_chunks)
+from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
+
+POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf")
+SCENARIOS = {"full-hit": (1.0,), "mixed-hit": (0.75, 0.875, 1.0)}
+
+
+class Engine:
+    """The model, the pool client and the L2/L1 buffers shared by every run."""
+
+    def __init__(self, args, secret: str, address: str):
+        from models import load_model
+
+        self.args = args
+        self.model = load_model(args.model)
+        cfg = self.model.cfg
+        self.C = args.chunk_tokens
+        self.ns = ChunkNamespace(args.model, cfg.dtype, self.C)
+        self.prefill = PrefixPrefill(self.model, prefix_bucket=512)
+        shape = chunk_shape(cfg, self.C)
+        self.host = np.zeros((args.host_slots,) + shape, np.dtype(cfg.dtype))
+        self.device = np.zeros((args.device_slots,) + shape, np.dtype(cfg.dtype))
+        self.chunk_bytes = self.host[0].nbytes
+        self.pool = RemoteKVPool(address, secret=secret, op_timeout_s=30.0)
+        self.prompts: dict = {}
+        self.compiled: set = set()
+        stages = ModelStages(self.prefill, self.host, self.device, self.C,
+                             lambda r: self.prompts[r.request_id])
+        self.functions = StageFunctions(pool_fetch(self.pool, self.host,
+                                                   lambda r: r.payload["keys"]),
+                                        stages.upload, stages.compute)
+
+    def cache_context(self, context: np.ndarray, cached_tokens: int) -> None:
+        """Prefill the context once and write its first cached_tokens // C chunks to the pool."""
+        keys = chunk_keys(context, self.ns)[:cached_tokens // self.C]
+        if not keys or all(self.pool.contains_many(keys)):
+            return
+        _, kv = self.prefill(None, 0, context)
+        chunks = split_chunks(kv, self.C)[:len(keys)]
+        write_back(self.pool, keys, chunks)
+
+    def request(self, rid, prompt: np.ndarray, cached_tokens: int, info) -> PipelineRequest:
+        """A pipeline request loading the prompt's cached chunks (those the workload says are
+        cached and the pool really holds: the longest prefix match)."""
+        keys = chunk_keys(prompt, self.ns)[:cached_tokens // self.C]
+        hit = self.pool.longest_prefix_keys(keys)
+        self.prompts[rid] = prompt
+        compute_tokens = len(prompt) - hit * self.C
+        info = dataclasses.replace(info, request_id=rid, cached_tokens=hit * self.C,
+                                   compute_tokens=compute_tokens)
+        return PipelineRequest(info, hit, compute_slots=-(-compute_tokens // self.C),
+                               payload={"keys": keys[:hit]})
+
+    def pipeline(self, policy, clock=time.monotonic) -> LoadingPipeline:
+        return LoadingPipeline(self.functions, PipelineConfig(self.args.host_slots,
+                                                              self.args.device_slots), policy,
+                               clock=clock)
+
+
+def start_pool(args, secret: str) -> tuple[subprocess.Popen, str]:
+    env = dict(os.environ, JKV_SECRET=secret, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "jkv.kvpool.server", "--capacity",
+                             args.pool_capacity, "--bandwidth", args.link, "--stdin-eof-exits"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    return proc, json.loads(proc.stdout.readline())["address"]
+
+
+def run_realtime(engine: Engine, requests: list[PipelineRequest], policy_name: str,
+                 cost_model: CostModel) -> dict:
+    """Submit each request at its arrival time; return {request_id: (ttft_s, first token)}."""
+    out = {}
+    if policy_name == "serialized-fifo":
+        inbox: queue.Queue = queue.Queue()
+
+        def worker():
+            while (item := inbox.get()) is not None:
+                request, arrived = item
+                result = run_serialized([request], engine.functions, engine.args.host_slots,
+                                        engine.args.device_slots)[0]
+                out[request.request_id] = (time.monotonic() - arrived, result.value[0])
+
+        thread = threading.Thread(target=worker, name="calvo-serialized")
+        thread.start()
+        t0 = time.monotonic()
+        for request in requests:
+            time.sleep(max(0.0, t0 + request.info.arrival_s - time.monotonic()))
+            inbox.put((request, time.monotonic()))
+        inbox.put(None)
+        thread.join()
+        return out
+    futures = {}
+    t0 = time.monotonic()   # the workload's clock (arrival_s, deadline_s) starts here
+    with engine.pipeline(make_policy(policy_name, cost_model),
+                         clock=lambda: time.monotonic() - t0) as pipeline:
+        for request in requests:
+            time.sleep(max(0.0, t0 + request.info.arrival_s - time.monotonic()))
+            futures[request.request_id] = pipeline.submit(request)
+        for rid, future in futures.items():
+            result = future.result(timeout=600)
+            out[rid] = (result.ttft_s, result.value[0])
+    return out
+
+
+def profile(engine: Engine, contexts: list[np.ndarray], rng) -> CostModel:
+    """Isolated requests on the pipelined engine -> per-stage times -> least-squares fit."""
+    ctx_s, query_s, load_s, comp_s = [], [], [], []
+    samples = []
+    for context in contexts:
+        for q in (16, 64):
+            samples.append((context, len(context), q))
+        samples.append((context, len(context) * 3 // 4 // engine.C * engine.C, 32))  # 75% hit
+    for i, (context, cached, q) in enumerate(samples * 2):     # 2 repeats; the first warms up
+        prompt = np.concatenate([context, rng.integers(100, 20000, q).astype(np.int32)])
+        request = engine.request(("profile", i), prompt, cached,
+                                 RequestInfo(("profile", i), 0.0, 0, 0))
+        with engine.pipeline(make_policy("fifo")) as pipeline:
+            result = pipeline.submit(request).result(timeout=600)
+        if i < len(samples):
+            continue
+        ctx_s.append(request.info.cached_tokens)
+        query_s.append(request.info.compute_tokens)
+        load_s.append(result.compute_started_s - result.submitted_s)
+        comp_s.append(result.finished_s - result.compute_started_s)
+    model = CostModel.fit(ctx_s, query_s, load_s, comp_s, relative=True,
+                          deployment=f"{engine.args.model} fp32, pool link {engine.args.link}, "
+                                     f"chunk {engine.C}, 2-core CPU")
+    pred = model.t_load(np.array(ctx_s)) + model.t_comp(np.array(query_s))
+    err = np.abs(pred - (np.array(load_s) + np.array(comp_s))) / (np.array(load_s) + np.array(comp_s))
+    print(f"profiled {len(ctx_s)} isolated requests: T_load = {model.a * 1e3:.4f} ms/token * ctx "
+          f"+ {model.b * 1e3:.1f} ms, T_comp = {model.c * 1e3:.3f} ms/token * query + "
+          f"{model.d * 1e3:.1f} ms; median |error| of T {100 * np.median(err):.1f}%")
+    return model
+
+
+def warm_up(engine: Engine, requests: list[PipelineRequest]) -> None:
+    """Compile every (prefix, suffix) bucket pair these requests need, outside the timed runs."""
+    pp, C = engine.prefill, engine.C
+    cfg = engine.model.cfg
+    for prefix, suffix in sorted({(r.num_chunks * C, r.info.compute_tokens) for r in requests}):
+        key = (pp.prefix_padded(prefix), pp.suffix_bucket(suffix))
+        if key in engine.compiled:
+            continue
+        engine.compiled.add(key)
+        kv = np.zeros((cfg.num_layers, 2, cfg.num_kv_heads, key[0], cfg.head_dim),
+                      np.dtype(cfg.dtype)) if prefix else None
+        pp(kv, prefix, np.ones(suffix, np.int32))
+
+
+def build_requests(engine: Engine, workload, cost_model: CostModel):
+    requests, slo = [], {}
+    for w in workload:
+        info = w.info()
+        request = engine.request(w.request_id, w.tokens(), w.cached_tokens, info)
+        isolated = cost_model.cost(request.info.cached_tokens, request.info.compute_tokens)
+        deadline = w.arrival_s + w.slo_factor * isolated
+        request = dataclasses.replace(request, info=dataclasses.replace(request.info,
+                                                                        deadline_s=deadline))
+        requests.append(request)
+        slo[w.request_id] = w.slo_factor * isolated
+    return requests, slo
+
+
+def plot(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    scenarios = sorted({r["scenario"] for r in rows}, key=list(SCENARIOS).index)
+    fig, axes = plt.subplots(2, len(scenarios), figsize=(6 * len(scenarios), 8), squeeze=False)
+    for col, scenario in enumerate(scenarios):
+        for policy in POLICIES:
+            pts = sorted((r["qps"], r["mean_s"], r["slo_attainment"]) for r in rows
+                         if r["scenario"] == scenario and r["policy"] == policy)
+            if not pts:
+                continue
+            qps, mean, slo = zip(*pts)
+            style = "--" if policy == "serialized-fifo" else "-"
+            axes[0][col].plot(qps, mean, style, marker="o", label=policy)
+            axes[1][col].plot(qps, [100 * s for s in slo], style, marker="o", label=policy)
+        axes[0][col].set(title=f"SmolLM2, {scenario}: mean TTFT (Figs. 7/10)", xlabel="QPS",
+                         ylabel="mean TTFT (s)", yscale="log")
+        axes[1][col].set(title=f"SmolLM2, {scenario}: SLO attainment (Fig. 8)", xlabel="QPS",
+                         ylabel="SLO attainment (%)", ylim=(0, 102))
+        axes[0][col].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="full-hit only, one load, 16 requests")
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--link", default="2gbit", help="pool link pacing (server sends)")
+    parser.add_argument("--chunk-tokens", type=int, default=64)
+    parser.add_argument("--contexts", type=int, default=6)
+    parser.add_argument("--queries", type=int, default=8, help="queries per context")
+    parser.add_argument("--min-context", type=int, default=512)
+    parser.add_argument("--max-context", type=int, default=1536)
+    parser.add_argument("--loads", default="0.7,0.9",
+                        help="full-hit offered loads as fractions of the baseline's capacity")
+    parser.add_argument("--mixed-loads", default="0.9",
+                        help="mixed-hit offered loads (each point costs ~2x a full-hit one)")
+    parser.add_argument("--scenarios", default="full-hit,mixed-hit")
+    parser.add_argument("--host-slots", type=int, default=32, help="L2 capacity in chunks")
+    parser.add_argument("--device-slots", type=int, default=64, help="L1 capacity in chunks")
+    parser.add_argument("--pool-capacity", default="2GiB")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.scenarios, args.loads, args.contexts, args.queries = "full-hit", "0.9", 4, 4
+    loads = {"full-hit": [float(x) for x in args.loads.split(",")],
+             "mixed-hit": [float(x) for x in args.mixed_loads.split(",")]}
+    scenarios = [s.strip() for s in args.scenarios.split(",")]
+    out = pathlib.Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    secret = secrets.token_hex(16)
+    proc, address = start_pool(args, secret)
+    rows = []
+    try:
+        engine = Engine(args, secret, address)
+        tokenizer = engine.model.tokenizer
+        tokenize = lambda text: np.asarray(tokenizer.encode(text, add_special_tokens=False),
+                                           np.int32)
+        rng = np.random.default_rng(args.seed)
+        base = {s: WorkloadConfig(qps=1.0, num_contexts=args.contexts,
+                                  queries_per_context=args.queries,
+                                  min_context_tokens=args.min_context,
+                                  max_context_tokens=args.max_context,
+                                  chunk_tokens=args.chunk_tokens, hit_ratios=SCENARIOS[s],
+                                  seed=args.seed) for s in scenarios}
+        t = time.perf_counter()
+        contexts = {}
+        for config in base.values():
+            for w in build_workload(config, tokenize):
+                contexts[w.context.tobytes()] = w.context
+        for context in contexts.values():
+            engine.cache_context(context, len(context))
+        print(f"cached {len(contexts)} contexts ({sum(map(len, contexts.values()))} tokens, "
+              f"{engine.pool.server_stats().bytes_used / 2**20:.0f} MiB) in "
+              f"{time.perf_counter() - t:.1f} s; chunk {args.chunk_tokens} tokens = "
+              f"{engine.chunk_bytes / 2**20:.2f} MiB; pool link paced at {args.link}")
+        t = time.perf_counter()
+        cost_model = profile(engine, list(contexts.values())[:4], rng)
+        cost_model.save(out / "calvo_cost_model.json")
+        print(f"profiling + compiling took {time.perf_counter() - t:.1f} s")
+
+        for scenario in scenarios:
+            workload = build_workload(base[scenario], tokenize)
+            requests, _ = build_requests(engine, workload, cost_model)
+            capacity = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
+                                                            r.info.compute_tokens)
+                                            for r in requests]))
+            print(f"\n== {scenario}: {len(requests)} requests per point; baseline capacity "
+                  f"(1 / mean modelled service time) {capacity:.2f} QPS ==")
+            print(f"{'load':>5} {'QPS':>6} " + " ".join(f"{p:>21}" for p in POLICIES))
+            for load in loads[scenario]:
+                qps = load * capacity
+                workload = build_workload(dataclasses.replace(base[scenario], qps=qps), tokenize)
+                requests, slo = build_requests(engine, workload, cost_model)
+                warm_up(engine, requests)
+                first = None
+                cells = []
+                for policy in POLICIES:
+                    res = run_realtime(engine, requests, policy, cost_model)
+                    ids = [r.request_id for r in requests]
+                    tokens = [res[i][1] for i in ids]
+                    if first is None:
+                        first = tokens
+                    mismatched = sum(a != b for a, b in zip(tokens, first))
+                    summary = summarize([res[i][0] for i in ids], [slo[i] for i in ids])
+                    rows.append(dict(scenario=scenario, load=load, qps=qps, policy=policy,
+                                     link=args.link, token_mismatches=mismatched,
+                                     **summary.as_row()))
+                    cells.append(f"{summary.mean_s:>9.3f}s / {100 * summary.slo_attainment:>5.1f}%  ")
+                    if mismatched:
+                        print(f"WARNING: {policy} produced {mismatched} first tokens different "
+                              "from the baseline's")
+                print(f"{load:>5.2f} {qps:>6.2f} " + " ".join(cells), flush=True)
+    finally:
+        if "engine" in locals():
+            engine.pool.close()
+        proc.stdin.close()
+        proc.wait(timeout=30)
+
+    with open(out / "calvo.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(rows, out / "calvo.png")
+
+    def get(scenario, load, policy):
+        return next(r for r in rows if r["scenario"] == scenario and r["load"] == load
+                    and r["policy"] == policy)
+
+    print("\n== at the highest swept load (the baseline sustains loads < 1) ==")
+    for scenario in scenarios:
+        top = max(load for load in loads[scenario] if load < 1.0)
+        b, s = get(scenario, top, "serialized-fifo"), get(scenario, top, "sjf")
+        e, l = get(scenario, top, "edf"), get(scenario, top, "lstf")
+        pt, f = get(scenario, top, "sjf-pt"), get(scenario, top, "fifo")
+        print(f"{scenario} @ load {top} ({b['qps']:.2f} QPS): pipelined SJF mean TTFT "
+              f"{100 * (1 - s['mean_s'] / b['mean_s']):.1f}% lower than serialized FIFO "
+              f"({s['mean_s']:.3f} s vs {b['mean_s']:.3f} s); pipelined FIFO "
+              f"{100 * (1 - f['mean_s'] / b['mean_s']):.1f}% lower; SLO attainment LSTF "
+              f"{100 * l['slo_attainment']:.1f}% / EDF {100 * e['slo_attainment']:.1f}% / "
+              f"baseline {100 * b['slo_attainment']:.1f}%; SJF-PT / SJF mean TTFT "
+              f"{pt['mean_s'] / s['mean_s']:.2f}x")
+    print(f"first-token mismatches vs the baseline: {sum(r['token_mismatches'] for r in rows)}")
+    print(f"\nwrote {out / 'calvo.csv'}, {out / 'calvo.png'} in "
+          f"{time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
