@@ -207,7 +207,8 @@ def _delegate(module: str):
 COMMANDS = {"generate": (add_generate, run_generate), "compare": (add_compare, run_compare),
             "eval": _delegate(".eval.cli"), "train-hata": _delegate(".selection.hata_train"),
             "demo": (add_demo, run_demo), "models": (add_models, run_models), "serve": (add_serve, run_serve),
-            "prefill-worker": (add_prefill_worker, run_prefill_worker), "profile": (add_profile, run_profile)}
+            "prefill-worker": (add_prefill_worker, run_prefill_worker), "profile": (add_profile, run_profile),
+            "compress-profile": _delegate(".compression.cli")}
 
 
 def build_parser() -> argparse.ArgumentParser:

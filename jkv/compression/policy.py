@@ -82,9 +82,10 @@ class Choice:
 
 
 def wire_profiles(profile: ProfileFile) -> list[Profile]:
-    """Controller lines for float32 pools sending fp16 containers: cr_wire = cr * 4 / 2."""
+    """Controller lines for float32 pools sending fp16 containers. Profile files count fp16 bytes;
+    V is float32 bytes here, so both cr and s_p (bytes per second of codec time) scale by 4 / 2."""
     scale = POOL_ITEMSIZE / WIRE_ITEMSIZE
-    return [Profile(p.spec_id, p.cr * scale, p.throughput_Bps, p.accuracy) for p in profile.points]
+    return [Profile(p.spec_id, p.cr * scale, p.throughput_Bps * scale, p.accuracy) for p in profile.points]
 
 
 class CompressionPolicy:
