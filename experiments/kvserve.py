@@ -16,7 +16,7 @@ uncompressed cache over a teacher-forced continuation, and the relative task sco
 decompressed KV / on the original; continuation: exp(-NLL increase)).
 
 Part 2 (JCT vs bandwidth). One prefill worker (in process, real TCP on loopback, paced link) and
-the decode worker, mode "full". DESIGN.md "Emulating the papers' testbed": measure Tp of the
+the decode worker, mode "full", dense decode (no selector metadata shares the link). DESIGN.md "Emulating the papers' testbed": measure Tp of the
 request here, then pace the link so that Tt / Tp = 6.5 x 25 / b (SmartGen's 6.5x stall at
 25 Gbit/s) for b = 5 ... 100 Gbit/s "equivalents". Side by side per b: uncompressed vs the online
 controller (`compression="auto"` with the continuation profile from part 1). JCT = time to the
@@ -30,17 +30,20 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jkv.compression.cli import head_scores, mixed_tables, strategy_space
-from jkv.compression.policy import CompressionConfig, CompressionPolicy
-from jkv.compression.profiling import SearchConfig, bayesian_search, build_profile, nominal_cr, save_profile
-from jkv.compression.spec import CodecSpec, PipelineSpec, QuantizerSpec, TransformSpec
-from jkv.compression.workloads import WORKLOADS, ModelObjective, workload_samples
+import numpy as np  # noqa: E402
+
+from jkv.compression.cli import head_scores, mixed_tables, strategy_space  # noqa: E402
+from jkv.compression.policy import CompressionConfig, CompressionPolicy  # noqa: E402
+from jkv.compression.profiling import SearchConfig, bayesian_search, build_profile, nominal_cr, save_profile  # noqa: E402,E501
+from jkv.compression.spec import CodecSpec, PipelineSpec, QuantizerSpec, TransformSpec  # noqa: E402
+from jkv.compression.workloads import WORKLOADS, ModelObjective, workload_samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
@@ -125,7 +128,7 @@ def jct_sweep(model, args, say):
     from jkv.sampling import SamplingParams
     from jkv.transfer.plan import TransferConfig
 
-    selector = build_selector(model, "oracle")
+    selector = build_selector(model, "dense")  # no selector metadata on the link: KV only
     worker = PrefillWorker(model, selector, "prefill-0", secret=SECRET, bandwidth="100gbit",
                            codec=KVCodec(min_chunk_tokens=args.chunk_tokens))
     address = worker.listen()
@@ -223,11 +226,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 sample x 256 tokens, 16-spec space, small BO")
     ap.add_argument("--samples", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--threshold", type=float, default=0.9, help="BO accuracy floor (top-1 agreement)")
-    ap.add_argument("--limit", type=int, default=10, help="BO evaluations per search")
+    ap.add_argument("--limit", type=int, default=8, help="BO evaluations per search")
     ap.add_argument("--chunk-tokens", type=int, default=128)
-    ap.add_argument("--jct-tokens", type=int, default=512)
+    ap.add_argument("--jct-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=4)
     ap.add_argument("--skip-jct", action="store_true")
     args = ap.parse_args()

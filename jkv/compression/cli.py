@@ -47,6 +47,8 @@ def mixed_tables(scores: np.ndarray) -> dict[str, tuple[tuple[int, ...], ...]]:
     tables = {
         "mixhq4s2": np.where(retrieval, 4, 2),  # MixHQ: retrieval heads 4-bit, streaming heads 2-bit
         "mixhq8s2": np.where(retrieval, 8, 2),
+        "mixhq4s1": np.where(retrieval, 4, 1),  # ~2 bits/value: the >= 8x region
+        "mixhq8s1": np.where(retrieval, 8, 1),
         "first2x8": np.where(np.arange(L)[:, None] < 2, 8, 2) * np.ones((1, H), int),  # sensitive early layers
         "first2x4+mixhq": np.maximum(np.where(np.arange(L)[:, None] < 2, 4, 2), np.where(retrieval, 4, 2)),
     }
@@ -62,7 +64,8 @@ def strategy_space(scores: np.ndarray, quick: bool) -> list[PipelineSpec]:
         quantizers.append(QuantizerSpec("tok", 4, 32))
     quantizers += [QuantizerSpec("mixed", 16, g, table=t) for t in mixed_tables(scores).values()
                    for g in ((128,) if quick else groups)]
-    return [PipelineSpec(t, q, c) for t in transforms for q in quantizers for c in codecs]
+    specs = [PipelineSpec(t, q, c) for t in transforms for q in quantizers for c in codecs]
+    return list({s.id: s for s in specs}.values())  # two tables may coincide (e.g. all early heads retrieval)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

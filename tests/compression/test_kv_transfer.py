@@ -22,6 +22,8 @@ from jkv.sampling import SamplingParams
 from jkv.transfer.plan import TransferConfig
 from models import tiny_model
 
+pytestmark = pytest.mark.timeout(240)  # a hung transfer fails the test (with every thread's stack)
+
 SECRET = "kvserve-test-secret"
 SPEC = "hadamard+kivi2g32+zstd3"  # lossy enough to change a tiny model's greedy tokens
 PROMPT_LENS = (70, 200, 45)
