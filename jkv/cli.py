@@ -1,5 +1,5 @@
-"""`jkv` command line: generate, compare, demo, models, eval, train-hata, pool, serve, profile,
-prefill-worker, decode-worker.
+"""`jkv` command line: generate, compare, demo, models, eval, train-hata, pool, compress-profile, serve,
+profile, prefill-worker, decode-worker.
 
 Each subcommand is `add_<name>(subparsers)` + `run_<name>(args)`; `main()` dispatches. Errors a
 user can fix (bad model name, over-long prompt, invalid sampling value) print one line and exit 2.
@@ -210,7 +210,8 @@ COMMANDS = {"generate": (add_generate, run_generate), "compare": (add_compare, r
             "pool": _delegate(".kvpool.server"),
             "demo": (add_demo, run_demo), "models": (add_models, run_models), "serve": (add_serve, run_serve),
             "prefill-worker": (add_prefill_worker, run_prefill_worker), "profile": (add_profile, run_profile),
-            "decode-worker": (add_decode_worker, run_decode_worker)}
+            "decode-worker": (add_decode_worker, run_decode_worker),
+            "compress-profile": _delegate(".compression.cli")}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -109,7 +109,7 @@ class DisaggregatedEngine:
         self.workers = None
         self.decode = DecodeWorker(model, self.selector, transfer, secret=secret, backend=config.transport,
                                    profile=profile, oracle_profile=oracle_profile, on_failure=config.on_failure,
-                                   timeout=config.timeout_s)
+                                   timeout=config.timeout_s, compression=config.compression_policy())
         try:
             addresses = list(config.addresses)
             if not addresses:

@@ -19,7 +19,9 @@ class Disaggregation:
     kr_fraction: force Kr as a fraction of all blocks (else Eq. 2 from profile Tp and bandwidth);
     on_failure: "fail" the requests of a dead prefill worker, or "recompute" their KV locally;
     lease_s: a prefill worker frees a request's KV after this long without decode activity;
-    model_spec: how workers load the model when LLM was given a Model object."""
+    model_spec: how workers load the model when LLM was given a Model object;
+    compression: "off" | "auto" | a pipeline id (KVServe, jkv.compression.policy), with
+    compression_options {"profiles": [files], "workload", "q_min", "t_slo_s"}."""
 
     mode: str = "smartgen"
     selector: str = "infinigen"
@@ -38,6 +40,8 @@ class Disaggregation:
     model_spec: str | None = None
     addresses: tuple[str, ...] = ()
     secret: str | None = None
+    compression: str = "off"
+    compression_options: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.transport not in ("tcp", "shm", "rdma"):
@@ -50,11 +54,23 @@ class Disaggregation:
             raise ValueError(f"lease_s={self.lease_s!r} must be > 0 seconds")
         if self.bandwidth is not None:
             parse_bandwidth(self.bandwidth)  # raises naming the value
+        self.compression_config()  # validates compression and its options
         self.transfer_config()  # validates mode, strategy, spec_ratio, max_blocks, kr_fraction
 
     @property
     def bandwidth_bps(self) -> float | None:
         return None if self.bandwidth is None else parse_bandwidth(self.bandwidth)
+
+    def compression_config(self):
+        from jkv.compression.policy import CompressionConfig
+        return CompressionConfig.from_options(self.compression, self.compression_options)
+
+    def compression_policy(self):
+        """The decode worker's per-request chooser (None when off); B starts at the paced rate."""
+        if self.compression == "off":
+            return None
+        from jkv.compression.policy import CompressionPolicy
+        return CompressionPolicy(self.compression_config(), bandwidth_bps=self.bandwidth_bps)
 
     def transfer_config(self, **overrides) -> TransferConfig:
         kw = dict(mode=self.mode, strategy=self.strategy, spec_ratio=self.spec_ratio, max_blocks=self.max_blocks,

@@ -91,6 +91,8 @@ class _Live:
     bytes: dict = dataclasses.field(default_factory=dict)
     fetch_bytes: int = 0
     fetched: np.ndarray | None = None  # bool[L, H_kv, N_cap]: rows already fetched on demand (KV reuse)
+    compression: object = None  # compression.policy.Choice, fixed for the request's KV movement (KVServe §6)
+    t_hand_in: float = 0.0
 
     @property
     def active(self) -> bool:
@@ -100,7 +102,7 @@ class _Live:
 class DecodeWorker:
     def __init__(self, model, selector, transfer: TransferConfig, *, secret: str, backend: str = "tcp",
                  profile=None, oracle_profile=None, on_failure: str = "fail", timeout: float = 5.0,
-                 name: str = "decode-0"):
+                 name: str = "decode-0", compression=None):
         if on_failure not in ("fail", "recompute"):
             raise ValueError(f"{on_failure=} must be 'fail' or 'recompute'")
         self.model, self.selector, self.transfer = model, selector, transfer
@@ -115,6 +117,8 @@ class DecodeWorker:
         self.endpoint.on_notify("meta", self._on_meta)
         self.endpoint.on_notify("handoff", self._on_handoff)
         self.endpoint.on_notify("failed", self._on_failed)
+        self.compression = compression  # jkv.compression.policy.CompressionPolicy or None ("off")
+        self.endpoint.on_notify("ckv", self._on_compressed)
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}
         self.owners: list[str] = []
@@ -160,6 +164,23 @@ class DecodeWorker:
         if lv is not None:
             lv.first_token, lv.t_first, lv.prefill_s = header["first_token"], header["t_first"], header["prefill_s"]
             lv.bytes["proactive"] = header["bytes"]["proactive"]
+            if "link" in header and self.compression is not None:
+                self.compression.observe_link(header["link"]["bytes"], header["link"]["busy_s"])
+                self.compression.observe(lv.compression, time.time() - lv.t_hand_in)
+            lv.handoff.set()
+
+    def _on_compressed(self, note):
+        """Compressed KV chunks: decode into the pool, then flip their mask bytes (kv_transfer)."""
+        from jkv.compression.kv_transfer import apply_frame
+
+        header, payload = proto.unpack(note.payload)
+        lv = self._get(header["rid"])
+        if lv is None or lv.error is not None:
+            return
+        try:
+            apply_frame(header, payload, lv.kv.kv, lv.kv.mask)
+        except ValueError as e:
+            lv.error = f"request {lv.req.request_id}: bad compressed KV from {note.peer!r}: {e}"
             lv.handoff.set()
 
     def _on_failed(self, note):
@@ -186,11 +207,12 @@ class DecodeWorker:
         request_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * n * cfg.head_dim * 4
         tp = self.profile.prefill_time(n) if self.profile is not None else None
         kr = min(len(order), self.transfer.kr(geometry, tp, request_bytes))
+        choice = self.compression.choose(request_bytes, tp or 0.0) if self.compression is not None else None
         kv = self.pool.allocate(rid, n, capacity)
         self.endpoint.register(proto.kv_region(rid), kv.kv)
         self.endpoint.register(proto.mask_region(rid), kv.mask)
         return _Live(req, rid, kv, geometry, owner, order, kr,
-                     fetched=np.zeros((cfg.num_layers, cfg.num_kv_heads, capacity), bool))
+                     fetched=np.zeros((cfg.num_layers, cfg.num_kv_heads, capacity), bool), compression=choice)
 
     # ---------------------------------------------------------------- generate
     def generate(self, requests: list[Request], t0: float | None = None, on_token=None,
@@ -244,6 +266,9 @@ class DecodeWorker:
                 spec_cap=max(1, int(np.ceil(spec_fraction * lv.geometry.num_blocks))),
                 sampling=dict(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                               seed=p.seed if p.seed is not None else int(np.random.randint(0, 2**31)))))
+            if lv.compression is not None:
+                by_owner[lv.owner][-1]["compression"] = lv.compression.spec_id
+                lv.t_hand_in = time.time()
         for owner, batch in by_owner.items():
             try:
                 self.endpoint.peer(owner).notify("prefill", proto.pack(dict(requests=batch))).wait()
@@ -432,7 +457,8 @@ class DecodeWorker:
             lv.geometry.num_tokens, times, on_demand_ratio=lv.remote / lv.selected if lv.selected else 0.0,
             step_on_demand_ratio=[r / s if s else 0.0 for r, s in zip(lv.step_remote, lv.step_selected)],
             bytes=bytes_, kr=lv.kr, blocks=int(len(lv.order)), prefill_s=lv.prefill_s, owner=lv.owner,
-            recomputed=lv.recomputed, mode=self.transfer.mode)
+            recomputed=lv.recomputed, mode=self.transfer.mode,
+            **({} if lv.compression is None else dict(compression=lv.compression.spec_id)))
         return RequestOutput(lv.req.request_id, lv.req.prompt, list(lv.req.prompt_token_ids), text, ids, reason, m)
 
     # ---------------------------------------------------------------- lanes

@@ -100,13 +100,15 @@ class _Held:
     lease_until: float
     inflight: list = dataclasses.field(default_factory=list)
     spec_busy: object = None
+    codec: object = None  # kv_transfer.RequestCodec: this request's KV moves compressed (KVServe)
     bytes: dict = dataclasses.field(default_factory=lambda: dict(proactive=0, speculative=0, on_demand=0, metadata=0))
 
 
 class PrefillWorker:
     def __init__(self, model, selector, name: str = "prefill-0", *, secret: str, backend: str = "tcp",
-                 bandwidth=None, lease_s: float = 300.0, timeout: float = 5.0):
+                 bandwidth=None, lease_s: float = 300.0, timeout: float = 5.0, codec=None):
         self.model, self.selector = model, selector
+        self.codec = codec  # jkv.compression.KVCodec; made on first use by a request that asks for compression
         cfg = model.cfg
         self.pool = HostKVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
         self.lease_s = lease_s
@@ -195,8 +197,11 @@ class PrefillWorker:
                       int(r["capacity"]), np.asarray(r["order"], np.int64), np.zeros(geometry.num_blocks, bool),
                       int(r["kr"]), int(r["spec_cap"]), now + self.lease_s)
             held.append(h)
+            if "compression" in r:
+                h.codec = self._kv_codec().start(r["compression"], geometry)
             with self._lock:
                 self._held[h.rid] = h
+        link0 = self._link_counters() if any("compression" in r for r in requests) else None
         proactive = [per_layer(h.geometry, h.order[:h.spec_cursor]) for h in held]
         ship_meta = needs_metadata(self.selector)
         dense_below = cfg.num_layers if self.selector.is_dense else self.selector.config.dense_layers
@@ -214,6 +219,8 @@ class PrefillWorker:
                 n = h.geometry.num_tokens
                 h.kv.kv[0, layer] = Kn[b, :, :n]
                 h.kv.kv[1, layer] = Vn[b, :, :n]
+                if h.codec is not None:  # every later row read (push, fetch) sees decode(encode(KV))
+                    h.codec.absorb(layer, h.kv.kv[:, layer])
                 if leaves is not None:  # selector metadata goes before the layer's blocks
                     mine = [x[b:b + 1] for x in leaves]
                     payload = proto.pack_leaves(dict(rid=h.rid, layer=layer), mine)
@@ -227,9 +234,35 @@ class PrefillWorker:
         prefill_s = time.time() - t_start
         first = self._first_tokens(logits, requests)
         t_first = time.time()
+        link = self._link_sample(link0, held) if link0 is not None else None
         for b, h in enumerate(held):
+            extra = {} if link is None else dict(link=link, compression=h.codec.spec_id if h.codec else None)
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
-                                                    prefill_s=prefill_s, bytes=dict(h.bytes)))
+                                                    prefill_s=prefill_s, bytes=dict(h.bytes), **extra))
+
+    # ---------------------------------------------------------------- compression (KVServe)
+    def _kv_codec(self):
+        if self.codec is None:
+            from jkv.compression.kv_transfer import KVCodec
+            self.codec = KVCodec()
+        return self.codec
+
+    def _link_counters(self) -> tuple[int, float]:
+        tx = self.bulk.metrics.snapshot()["tx"]
+        return sum(tx[k]["bytes"] for k in ("write", "notify")), sum(tx[k]["busy_s"] for k in ("write", "notify"))
+
+    def _link_sample(self, before, held) -> dict:
+        """Busy-time goodput of this batch's bulk traffic (KVServe §3.1: B is measured goodput), for
+        the decode side's bandwidth estimator; waits for the batch's pushes to be acknowledged (the
+        hand-off queues behind them on the same connection anyway)."""
+        for h in held:
+            for t in list(h.inflight):
+                try:
+                    t.wait(timeout=60.0)
+                except TransportError:
+                    pass
+        nbytes, busy = self._link_counters()
+        return dict(bytes=nbytes - before[0], busy_s=busy - before[1])
 
     @staticmethod
     def _first_tokens(logits, requests):
@@ -245,6 +278,8 @@ class PrefillWorker:
     def _push(self, peer, h: _Held, layer: int, blocks, path: str):
         """One write_many of `blocks` (indices m of `layer`): per contiguous run, K rows of every
         head, V rows of every head, then the run's mask bytes (ordered after the rows)."""
+        if h.codec is not None:
+            return self._push_compressed(peer, h, layer, blocks, path)
         items, nbytes = [], 0
         H = h.kv.kv.shape[2]
         region, mregion = proto.kv_region(h.rid), proto.mask_region(h.rid)
@@ -265,6 +300,20 @@ class PrefillWorker:
             return None
         t = peer.write_many(items)
         h.bytes[path] += nbytes
+        h.inflight.append(t)
+        return t
+
+    def _push_compressed(self, peer, h: _Held, layer: int, blocks, path: str):
+        """The chunks covering `blocks` as one "ckv" notification (see jkv.compression.kv_transfer);
+        every block of those chunks becomes sent (the receiver flips their mask after decoding)."""
+        from jkv.compression.kv_transfer import KIND
+
+        chunks, covered = h.codec.cover(blocks)
+        for m in covered:
+            h.sent[layer * h.geometry.blocks_per_layer + m] = True
+        payload = h.codec.frame(h.rid, layer, chunks)
+        t = peer.notify(KIND, payload)
+        h.bytes[path] += len(payload)
         h.inflight.append(t)
         return t
 

@@ -1,0 +1,188 @@
+"""Compressed KV on the SmartGen block path (KVServe §4 "integration"; DESIGN.md "Later layers").
+
+One compression choice per request, fixed for all of its KV movement. With a lossy pipeline the
+transfer-mode invariant (DESIGN.md "Invariant") still holds because the prefill side replaces its
+own copy of the request's KV by decode(encode(KV)) once, as each layer lands (`absorb`): proactive,
+speculative and on-demand rows then all carry exactly those values, so full / partial / smartgen
+generate identical tokens for the same pipeline.
+
+Granularity. Transfer blocks are `ceil(N / M)` tokens (1 token for N <= M) and a container header
+is ~300 B, so a layer is encoded once in *chunks*: runs of whole blocks of >= `min_chunk_tokens`
+tokens, aligned to block ids. A push of some blocks of a layer sends the containers of every chunk
+that covers one of them (K and V separately, KIVI quantizes them along different axes); the
+receiver decodes each chunk into its pool, THEN flips the chunk's mask bytes to LOCAL — mask
+semantics are unchanged (a block is local once decoded). The chunk's other blocks become local too
+and are marked sent on the prefill side.
+
+Wire dtype. The pool is float32; encoded blocks are float16 (as in the papers), so a profile's CR
+(measured on fp16 KV) is half the ratio against the float32 bytes the uncompressed path moves
+(`WIRE_ITEMSIZE` / pool itemsize); the controller works with the wire ratio.
+
+Frame (notify kind `KIND` on the bulk connection, FIFO with metadata, writes and the hand-off):
+
+    proto.pack({"rid", "layer", "chunks": [[start, stop, k_len, v_len], ...]}) | K container | V container | ...
+
+Concurrency: `KVCodec` keeps a lock-guarded cache of `Pipeline`s (encode/decode are thread-safe);
+`RequestCodec` is used by the prefill worker's prefill thread (`absorb`) and, after the layer has
+been absorbed, by its notify thread (`frame`); `apply_frame` runs on the decode worker's notify thread.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from jkv.compression.pipeline import Calibration, Pipeline, decode_block
+from jkv.compression.spec import UNCOMPRESSED, PipelineSpec
+
+log = logging.getLogger(__name__)
+
+KIND = "ckv"
+WIRE_DTYPE = np.float16
+WIRE_ITEMSIZE = 2
+LOCAL = 1  # jkv.kvcache.geometry.LOCAL (not imported: this package does not depend on kvcache)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Chunks of one layer: `chunk_blocks` consecutive blocks of `block_tokens` tokens each.
+
+    blocks_per_layer: M_eff; block_tokens: ceil(N / M_eff); num_tokens: N.
+    """
+
+    num_tokens: int
+    blocks_per_layer: int
+    block_tokens: int
+    chunk_blocks: int
+
+    @classmethod
+    def for_geometry(cls, num_tokens: int, blocks_per_layer: int, block_tokens: int,
+                     min_chunk_tokens: int) -> "ChunkPlan":
+        return cls(num_tokens, blocks_per_layer, block_tokens, max(1, -(-min_chunk_tokens // block_tokens)))
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.blocks_per_layer // self.chunk_blocks)
+
+    def chunk_of(self, m: int) -> int:
+        return int(m) // self.chunk_blocks
+
+    def blocks(self, c: int) -> range:
+        return range(c * self.chunk_blocks, min((c + 1) * self.chunk_blocks, self.blocks_per_layer))
+
+    def tokens(self, c: int) -> tuple[int, int]:
+        """[start, stop) tokens of chunk c (start == stop only for a chunk of empty trailing blocks)."""
+        start = min(c * self.chunk_blocks * self.block_tokens, self.num_tokens)
+        return start, min((c + 1) * self.chunk_blocks * self.block_tokens, self.num_tokens)
+
+
+class RequestCodec:
+    """Prefill-side state of one request's compressed KV: the containers of every absorbed chunk."""
+
+    def __init__(self, pipeline: Pipeline, chunks: ChunkPlan):
+        self.pipeline, self.chunks = pipeline, chunks
+        self._containers: dict[tuple[int, int], tuple[bytes, bytes]] = {}
+        self.raw_bytes = 0  # fp16 bytes encoded (the CR baseline of the papers)
+        self.encoded_bytes = 0
+
+    @property
+    def spec_id(self) -> str:
+        return self.pipeline.id
+
+    def absorb(self, layer: int, kv_layer: np.ndarray) -> None:
+        """kv_layer: f32[2, H_kv, N, D] (K, V of one layer, this worker's copy), overwritten in place
+        by decode(encode(.)) chunk by chunk; the containers are kept for every later push."""
+        for c in range(self.chunks.num_chunks):
+            start, stop = self.chunks.tokens(c)
+            if start == stop:
+                continue
+            parts = []
+            for kind, i in (("k", 0), ("v", 1)):
+                data = self.pipeline.encode_block(kv_layer[i, :, start:stop].astype(WIRE_DTYPE), layer=layer,
+                                                  kind=kind)
+                kv_layer[i, :, start:stop] = np.asarray(decode_block(data), np.float32)
+                parts.append(data)
+                self.encoded_bytes += len(data)
+            self.raw_bytes += 2 * kv_layer[0, :, start:stop].size * WIRE_ITEMSIZE
+            self._containers[(layer, c)] = (parts[0], parts[1])
+
+    def cover(self, blocks) -> tuple[list[int], list[int]]:
+        """Block indices m of one layer -> (chunks covering them, every block of those chunks)."""
+        chunks = sorted({self.chunks.chunk_of(m) for m in blocks})
+        return chunks, [m for c in chunks for m in self.chunks.blocks(c)]
+
+    def frame(self, rid: str, layer: int, chunks) -> bytes:
+        """The "ckv" notification payload carrying `chunks` of `layer` (absorbed before)."""
+        from jkv.disagg import protocol as proto
+
+        meta, payload = [], []
+        for c in chunks:
+            start, stop = self.chunks.tokens(c)
+            if start == stop:
+                continue
+            kb, vb = self._containers[(layer, c)]
+            meta.append([start, stop, len(kb), len(vb)])
+            payload += [kb, vb]
+        return proto.pack(dict(rid=rid, layer=layer, chunks=meta)) + b"".join(payload)
+
+    @property
+    def cr(self) -> float:
+        """fp16 bytes / container bytes over everything absorbed so far."""
+        return self.raw_bytes / self.encoded_bytes if self.encoded_bytes else 1.0
+
+
+class KVCodec:
+    """Builds per-request compressed state from a pipeline id (the send side's codec object).
+
+    calibration: state some stages need on the encode side (affine, MixHQ); a "mixed-..." spec
+    names every head's bits explicitly and needs none. min_chunk_tokens: smallest container.
+    """
+
+    def __init__(self, calibration: Calibration | None = None, min_chunk_tokens: int = 128):
+        if min_chunk_tokens < 1:
+            raise ValueError(f"{min_chunk_tokens=} must be >= 1 token")
+        self.calibration = calibration
+        self.min_chunk_tokens = min_chunk_tokens
+        self._pipelines: dict[str, Pipeline] = {}
+        self._lock = threading.Lock()
+
+    def pipeline(self, spec_id: str) -> Pipeline:
+        with self._lock:
+            if spec_id not in self._pipelines:
+                self._pipelines[spec_id] = Pipeline(PipelineSpec.parse(spec_id), self.calibration)
+            return self._pipelines[spec_id]
+
+    def start(self, spec_id: str | None, geometry) -> RequestCodec | None:
+        """State for one request (None: uncompressed, the plain block writes). geometry: BlockGeometry."""
+        if spec_id is None or spec_id == UNCOMPRESSED.id:
+            return None
+        chunks = ChunkPlan.for_geometry(geometry.num_tokens, geometry.blocks_per_layer, geometry.block_tokens,
+                                        self.min_chunk_tokens)
+        return RequestCodec(self.pipeline(spec_id), chunks)
+
+
+def apply_frame(header: dict, payload, kv: np.ndarray, mask: np.ndarray) -> int:
+    """Receive side of a "ckv" frame: decode each chunk into kv f32[2, L, H_kv, N_cap, D], then set
+    its mask bytes i8[L, N_cap] to LOCAL (after the rows, so a LOCAL byte is always safe).
+    Returns the frame's payload bytes. Raises ValueError on a frame that does not fit the pool."""
+    layer = int(header["layer"])
+    _, L, H, cap, D = kv.shape
+    if not 0 <= layer < L:
+        raise ValueError(f"compressed KV frame for layer {layer} outside [0, {L})")
+    mv, pos = memoryview(payload), 0
+    for start, stop, k_len, v_len in header["chunks"]:
+        if not 0 <= start < stop <= cap or k_len < 0 or v_len < 0 or pos + k_len + v_len > len(mv):
+            raise ValueError(f"compressed KV chunk [{start}, {stop}) of {k_len}+{v_len} bytes does not fit "
+                             f"the pool (capacity {cap}) or the frame ({len(mv)} bytes)")
+        for i, n in ((0, k_len), (1, v_len)):
+            x = np.asarray(decode_block(bytes(mv[pos:pos + n])), np.float32)
+            if x.shape != (H, stop - start, D):
+                raise ValueError(f"compressed KV chunk decodes to {x.shape}, expected {(H, stop - start, D)}")
+            kv[i, layer, :, start:stop] = x
+            pos += n
+        mask[layer, start:stop] = LOCAL
+    if pos != len(mv):
+        raise ValueError(f"compressed KV frame has {len(mv) - pos} trailing bytes")
+    return len(mv)

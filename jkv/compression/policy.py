@@ -1,0 +1,134 @@
+"""Per-request compression choice on the decode side: `compression="off" | "auto" | <pipeline id>`.
+
+    policy = CompressionPolicy(CompressionConfig("auto", profiles=("code.json",)), bandwidth_bps=1e9)
+    choice = policy.choose(kv_bytes=V, t_model_s=tp)      # once per request (KVServe §6)
+    ...                                                    # the request's KV moves with choice.spec_id
+    policy.observe_link(nbytes, busy_s)                    # the prefill side's busy-time goodput
+    policy.observe(choice, seconds)                        # feedback for the residual bandit
+
+"off" never builds a choice (the request's messages are byte-identical to the uncompressed path);
+a pipeline id (a profile's `spec_id`) is used for every request; "auto" asks the `Controller`
+with the context (workload, B from the live estimator, T_SLO, q_min) and the request's volume V
+(float32 bytes). Profile files hold CR against fp16 KV; the wire carries fp16 containers instead
+of float32 rows, so the controller's lines use cr_wire = cr * 4 / 2 (`kv_transfer.WIRE_ITEMSIZE`).
+
+Concurrency: `choose` runs on the decode worker's generate thread, `observe_link` on its notify
+thread; the estimator and the controller lock their own state. No threads are started here.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+
+from jkv.compression.bandwidth import BandwidthEstimator
+from jkv.compression.controller import BASELINE, Context, Controller, ControllerConfig, Decision, Profile
+from jkv.compression.kv_transfer import WIRE_ITEMSIZE
+from jkv.compression.profiling import ProfileFile, load_profile
+from jkv.compression.spec import PipelineSpec
+
+log = logging.getLogger(__name__)
+
+POOL_ITEMSIZE = 4  # the host pools hold float32 KV
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """mode: "off" | "auto" | a pipeline id; profiles: profile files (`jkv compress-profile`) for
+    "auto"; workload: which file's Pareto set (default: the first); q_min: quality the request
+    needs; t_slo_s: its KV-movement SLO (guardrail); min_sample_bytes: link samples smaller than this
+    are ignored (a paced link's token bucket lets a burst of >= 64 KiB pass at memory speed, so a
+    small transfer says nothing about the link rate)."""
+
+    mode: str = "off"
+    profiles: tuple[str, ...] = ()
+    workload: str | None = None
+    q_min: float = 0.97
+    t_slo_s: float = math.inf
+    min_sample_bytes: int = 128 << 10
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+
+    def __post_init__(self):
+        if self.mode not in ("off", "auto"):
+            try:
+                PipelineSpec.parse(self.mode)
+            except ValueError as e:
+                raise ValueError(f"compression={self.mode!r} must be 'off', 'auto' or a pipeline id such as "
+                                 f"'hadamard+kivi4g32+zstd3' ({e})") from None
+        if self.mode == "auto" and not self.profiles:
+            raise ValueError("compression='auto' needs profile files: compression_options={'profiles': [path]} "
+                             "(make one with `jkv compress-profile`)")
+        if not 0 < self.q_min <= 1 or not self.t_slo_s > 0:
+            raise ValueError(f"need 0 < {self.q_min=} <= 1 and {self.t_slo_s=} > 0")
+
+    @classmethod
+    def from_options(cls, mode: str, options: dict) -> "CompressionConfig":
+        known = {"profiles", "workload", "q_min", "t_slo_s", "min_sample_bytes"}
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"unknown compression options {sorted(unknown)}; known: {sorted(known)}")
+        opts = dict(options)
+        if "profiles" in opts:
+            p = opts["profiles"]
+            opts["profiles"] = (p,) if isinstance(p, str) else tuple(p)
+        return cls(mode, **opts)
+
+
+@dataclass(frozen=True)
+class Choice:
+    spec_id: str  # BASELINE ("identity+none+none") = uncompressed block writes
+    decision: Decision | None = None  # the controller's, in "auto"
+    t_model_known: bool = False  # T_model was given: an observed JCT is comparable with the prediction
+
+
+def wire_profiles(profile: ProfileFile) -> list[Profile]:
+    """Controller lines for float32 pools sending fp16 containers. Profile files count fp16 bytes;
+    V is float32 bytes here, so both cr and s_p (bytes per second of codec time) scale by 4 / 2."""
+    scale = POOL_ITEMSIZE / WIRE_ITEMSIZE
+    return [Profile(p.spec_id, p.cr * scale, p.throughput_Bps * scale, p.accuracy) for p in profile.points]
+
+
+class CompressionPolicy:
+    def __init__(self, config: CompressionConfig, *, bandwidth_bps: float | None = None,
+                 profiles: list[ProfileFile] | None = None):
+        self.config = config
+        self.estimator = BandwidthEstimator(initial_Bps=bandwidth_bps / 8 if bandwidth_bps else None)
+        self.controller = None
+        self.workload = config.workload
+        if config.mode == "auto":
+            files = profiles if profiles is not None else [load_profile(p) for p in config.profiles]
+            self.workload = config.workload or files[0].workload
+            self.controller = Controller({f.workload: wire_profiles(f) for f in files}, config.controller,
+                                         self.estimator)
+            self.controller.envelope(self.workload, config.q_min)  # raises naming an unknown workload
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.mode != "off"
+
+    def choose(self, kv_bytes: int, t_model_s: float = 0.0) -> Choice | None:
+        """One choice per request (None when off). kv_bytes: the request's float32 KV bytes."""
+        mode = self.config.mode
+        if mode == "off":
+            return None
+        if mode != "auto":
+            return Choice(PipelineSpec.parse(mode).id)
+        if self.estimator.estimate() is None:
+            log.warning("compression='auto': no bandwidth estimate yet (unpaced link, no transfer observed); "
+                        "this request moves uncompressed")
+            return Choice(BASELINE)
+        d = self.controller.decide(Context(self.workload, self.config.t_slo_s, self.config.q_min, int(kv_bytes),
+                                           float(t_model_s)))
+        return Choice(d.profile.name, d, t_model_s > 0)
+
+    def observe_link(self, nbytes: int, busy_s: float) -> None:
+        """A busy-time goodput sample of the link (bytes the prefill worker sent, seconds busy)."""
+        if nbytes >= max(1, self.config.min_sample_bytes) and busy_s > 0:
+            self.estimator.observe(nbytes, busy_s)
+
+    def observe(self, choice: Choice | None, seconds: float) -> None:
+        """Observed JCT of a request (Eq. 7 residual). Ignored without a T_model in its prediction:
+        the residual of the arm that was tried would absorb the model time and bias the bandit
+        against it (the untried arms keep residual 0)."""
+        if choice is not None and choice.decision is not None and choice.t_model_known and self.controller:
+            self.controller.observe(choice.decision, seconds)

