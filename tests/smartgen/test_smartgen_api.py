@@ -46,3 +46,17 @@ def test_prefill_worker_cli_needs_the_shared_secret(monkeypatch, capsys):
     monkeypatch.delenv("JKV_SECRET", raising=False)
     assert main(["prefill-worker", "--model", MODEL_SPEC, "--selector-file", "unused.pkl"]) == 2
     assert "JKV_SECRET" in capsys.readouterr().err
+
+
+def test_llm_disaggregated_passes_the_compression_choice_to_its_workers(model, prompts):
+    """Disaggregation(compression=<pipeline>) reaches the decode worker and the worker process:
+    each request reports the pipeline and the proactive bytes shrink below the float32 rows."""
+    spec = "hadamard+kivi4g32+none"
+    dis = Disaggregation(mode="full", selector="oracle", transport="tcp", prefill_workers=1, max_blocks=16,
+                         model_spec=MODEL_SPEC, compression=spec)
+    with LLM(model, disaggregation=dis) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
+    cfg = model.cfg
+    raw = sum(2 * cfg.num_layers * cfg.num_kv_heads * len(p) * cfg.head_dim * 4 for p in prompts)
+    assert all(o.metrics.extra["compression"] == spec and o.finish_reason == "length" for o in outs)
+    assert 0 < sum(o.metrics.extra["bytes"]["proactive"] for o in outs) < raw / 4
