@@ -36,6 +36,7 @@ class EvalConfig:
     selectors: tuple[str, ...] = ("oracle", "infinigen", "quest", "hata", "streamingllm")
     ratios: tuple[float, ...] = (0.2,)
     limit: int = 5  # samples per (task, length)
+    first: int = 0  # index of the first sample (samples first .. first + limit - 1)
     fidelity_tokens: int = 32  # teacher-forced continuation length
     seed: int = 0
     hata_weights: str | None = None  # trained weights dir; None trains on the calibration data
@@ -58,6 +59,8 @@ class EvalConfig:
             raise ValueError(f"lengths={self.lengths} must each be >= 64 tokens")
         if self.limit < 1 or self.fidelity_tokens < 2:
             raise ValueError(f"limit={self.limit} must be >= 1 and fidelity_tokens={self.fidelity_tokens} >= 2")
+        if self.first < 0:
+            raise ValueError(f"first={self.first} must be >= 0 (index of the first sample)")
 
 
 def build_selectors(model, config: EvalConfig) -> dict[tuple[str, float], object]:
@@ -109,7 +112,8 @@ def evaluate(model, config: EvalConfig, selectors=None, progress: bool = True) -
     tokenizer = model.tokenizer
     eos = getattr(tokenizer, "eos_id", None)
     rows = []
-    jobs = [(task, length, i) for task in config.tasks for length in config.lengths for i in range(config.limit)]
+    samples = range(config.first, config.first + config.limit)
+    jobs = [(task, length, i) for task in config.tasks for length in config.lengths for i in samples]
     for task, length, index in tqdm(jobs, desc="eval", disable=not progress):
         if task == "fidelity":
             prompt, targets = fidelity_sample(tokenizer, length, config.fidelity_tokens, index)
@@ -121,13 +125,14 @@ def evaluate(model, config: EvalConfig, selectors=None, progress: bool = True) -
         runs = [("dense", 1.0, Dense())] + [(n, r, s) for (n, r), s in selectors.items()]
         dense_logits = None
         for name, ratio, selector in runs:
-            if index == 0:  # compile this shape outside the timed run
+            if index == config.first:  # compile this shape outside the timed run
                 decode(model, host, selector, 2, forced_tokens=forced)
             result = decode(model, host, selector, max_tokens, forced_tokens=forced, keep_logits=forced is not None)
             if task == "fidelity":
                 if dense_logits is None:
                     dense_logits = result.logits[0]
-                metrics = fidelity_metrics(dense_logits, result.logits[0], targets)
+                # Position 0 is the shared prefill's prediction: compare the decoded ones only.
+                metrics = fidelity_metrics(dense_logits[1:], result.logits[0][1:], targets[1:])
                 rows.append(_row(task, length, len(prompt), index, name, ratio, metrics["top1"], result,
                                  kl=metrics["kl"], ppl_ratio=metrics["ppl_ratio"]))
             else:
@@ -138,17 +143,19 @@ def evaluate(model, config: EvalConfig, selectors=None, progress: bool = True) -
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Mean per (task, length, selector, max_ratio), with relative_score = score / dense score."""
+    """Mean per (task, length, selector, max_ratio), with relative_score = score / dense score,
+    the dense mean taken over the same samples as the group (groups may cover different ones)."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         groups.setdefault((row["task"], row["length"], row["selector"], row["max_ratio"]), []).append(row)
-    dense = {(t, n): np.mean([r["score"] for r in g]) for (t, n, s, _), g in groups.items() if s == "dense"}
+    dense = {(r["task"], r["length"], r["index"]): r["score"] for r in rows if r["selector"] == "dense"}
     summary = []
     for (task, length, name, ratio), group in groups.items():
         mean = {k: float(np.mean([r[k] for r in group])) for k in
                 ("score", "kv_fraction", "sparse_kv_fraction", "select_ms", "step_ms", "kl", "ppl_ratio")
                 if k in group[0]}
-        reference = dense.get((task, length))
+        paired = [dense[(task, length, r["index"])] for r in group if (task, length, r["index"]) in dense]
+        reference = float(np.mean(paired)) if len(paired) == len(group) else None
         mean["relative_score"] = mean["score"] / reference if reference else float("nan")
         summary.append({"task": task, "length": length, "selector": name, "max_ratio": ratio,
                         "samples": len(group), "dense_score": reference, **mean})

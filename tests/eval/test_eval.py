@@ -115,6 +115,25 @@ def test_low_ratio_on_tiny_model_reports_less_kv(tokenizer, tmp_path):
     assert (tmp_path / "rows.csv").read_text().startswith("task,length")
 
 
+def test_first_offsets_the_samples_and_relative_scores_pair_the_dense_samples(tokenizer):
+    model = with_tokenizer(tokenizer)
+    selectors = {("streamingllm", 0.2): get_selector("streamingllm", max_ratio=0.2)}
+    config = EvalConfig(tasks=("fidelity",), lengths=(256,), limit=1, first=3, fidelity_tokens=3,
+                        selectors=("streamingllm",))
+    rows = evaluate(model, config, selectors, progress=False)
+    assert {r["index"] for r in rows} == {3}
+    # Hand-made rows: the 0.1 group covers sample 0 only, so its reference is dense sample 0.
+    def row(selector, ratio, index, score):
+        return {"task": "passkey", "length": 256, "selector": selector, "max_ratio": ratio, "index": index,
+                "score": score, "kv_fraction": 1.0, "sparse_kv_fraction": 1.0, "select_ms": 0.0, "step_ms": 1.0}
+    summary = summarize([row("dense", 1.0, 0, 0.5), row("dense", 1.0, 1, 1.0), row("oracle", 0.2, 0, 0.5),
+                         row("oracle", 0.2, 1, 0.5), row("oracle", 0.1, 0, 0.25)])
+    by = {(s["selector"], s["max_ratio"]): s for s in summary}
+    assert by[("oracle", 0.2)]["relative_score"] == pytest.approx(0.5 / 0.75)
+    assert by[("oracle", 0.1)]["relative_score"] == pytest.approx(0.5) and by[("oracle", 0.1)]["dense_score"] == 0.5
+    assert by[("dense", 1.0)]["relative_score"] == pytest.approx(1.0)
+
+
 def test_eval_config_and_cli_errors():
     with pytest.raises(ValueError, match="unknown task.*valid: passkey"):
         EvalConfig(tasks=("summarize",))
@@ -122,6 +141,8 @@ def test_eval_config_and_cli_errors():
         EvalConfig(selectors=("h2o",))
     with pytest.raises(ValueError, match=r"ratios=\(1.5,\)"):
         EvalConfig(ratios=(1.5,))
+    with pytest.raises(ValueError, match="first=-1"):
+        EvalConfig(first=-1)
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["eval", "--tasks", "passkey,fidelity", "--lengths", "512,1024", "--ratios", "0.1,0.2",

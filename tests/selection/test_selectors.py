@@ -125,16 +125,47 @@ def test_quest_page_bound_dominates_every_key():
 def test_quest_selects_the_page_of_the_planted_token_and_skips_padding():
     n_cap = 64
     K = random_kv(n_cap, seed=1) * 0.1
-    K[:, :, 37, 0] = 6.0
+    K[:, :, 21, 0] = 6.0
     q = np.zeros((B, H, D), np.float32)
     q[:, :, 0] = 1.0
-    lengths = jnp.asarray([64, 40])
-    sel = get_selector("quest", max_ratio=0.2, page_size=16)
+    lengths = jnp.asarray([64, 56])
+    sel = get_selector("quest", max_ratio=0.4, page_size=16)
     index = sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths)
     assert_prefix_valid(index)
     sets = rows_as_sets(index)
-    assert sets[0] == set(range(32, 48))  # budget 13 tokens -> one page, the one holding 37
-    assert sets[2] == set(range(32, 40))  # request 2 has 40 tokens: page 2 holds 32..39 only
+    # Budget 26 (resp. 23) tokens -> two pages: the one holding 21 and the last page, which
+    # request 1 fills only up to 55 (padding 56..63 is not selected).
+    assert sets[0] == set(range(16, 32)) | set(range(48, 64))
+    assert sets[2] == set(range(16, 32)) | set(range(48, 56))
+    # Without the last-page rule the second page is the next-best bound instead.
+    ranked = get_selector("quest", max_ratio=0.4, page_size=16, keep_last_page=False)
+    sets = rows_as_sets(ranked.select(LAYER, jnp.asarray(q), ranked.prepare(LAYER, K, lengths), lengths))
+    assert set(range(16, 32)) <= sets[0] and len(sets[0]) == 32
+
+
+def test_quest_always_keeps_the_newest_page():
+    # Quest's implementation ranks the full pages and always attends the last one: a query
+    # that bounds the last page lowest (its keys point away) must still get it, and with a
+    # one-page budget it gets only that page.
+    n_cap = 64
+    K = random_kv(n_cap, seed=2) * 0.1
+    K[:, :, 5, 0] = 6.0
+    K[:, :, 32:49, 0] = -6.0
+    q = np.zeros((B, H, D), np.float32)
+    q[:, :, 0] = 1.0
+    lengths = jnp.asarray([48, 37])
+    one_page = get_selector("quest", max_ratio=0.2, page_size=16)
+    sets = rows_as_sets(one_page.select(LAYER, jnp.asarray(q), one_page.prepare(LAYER, K, lengths), lengths))
+    assert sets[0] == set(range(32, 48)) and sets[2] == set(range(32, 37))
+    two_pages = get_selector("quest", max_ratio=0.5, page_size=16)
+    meta = two_pages.prepare(LAYER, K, lengths)
+    sets = rows_as_sets(two_pages.select(LAYER, jnp.asarray(q), meta, lengths))
+    assert sets[0] == set(range(0, 16)) | set(range(32, 48))
+    # The rule follows the sequence end: request 0's next token opens page 3 (token 48 alone).
+    meta = two_pages.append(LAYER, meta, jnp.asarray(K[:, :, 48]), jnp.asarray([48, 37]))
+    sets = rows_as_sets(two_pages.select(LAYER, jnp.asarray(q), meta, jnp.asarray([49, 38])))
+    assert sets[0] == set(range(0, 16)) | {48}
+    assert sets[2] == set(range(0, 16)) | set(range(32, 38))
 
 
 def test_hata_identical_vectors_have_hamming_distance_zero():
