@@ -55,8 +55,8 @@ PREFILL_BUCKET = 64
 
 class _YieldToOnDemand:
     """The bulk lane's pacer: the worker's shared token bucket, but bulk chunks wait while an
-    on-demand reply is draining (its bytes at the link rate), so speculative and proactive
-    writes use only the bandwidth on-demand fetches leave idle (SmartGen §4.3: speculation
+    on-demand reply is draining (its bytes at the link rate) and take only banked credit (never
+    debt), so speculative and proactive writes use only the bandwidth on-demand fetches leave idle (SmartGen §4.3: speculation
     fills idle bandwidth; on-demand rows are on the decode step's critical path)."""
 
     MAX_YIELD_S = 1.0
@@ -81,7 +81,8 @@ class _YieldToOnDemand:
             with self._lock:
                 wait = self._busy_until - time.monotonic()
             if wait <= 0 or slept >= self.MAX_YIELD_S:  # bounded, so the bulk lane never looks dead
-                return slept + self.shared.consume(nbytes)
+                # credit only: a reply starting meanwhile never waits behind this chunk's debt
+                return slept + self.shared.consume_credit(nbytes)
             time.sleep(min(wait, 0.05))
             slept += min(wait, 0.05)
 
