@@ -229,6 +229,7 @@ class PrefillWorker:
         first = self._first_tokens(logits, requests)
         t_first = time.time()
         for b, h in enumerate(held):
+            h.lease_until = time.monotonic() + self.lease_s  # the lease runs from the hand-off
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
                                                     prefill_s=prefill_s, bytes=dict(h.bytes)))
 
@@ -354,6 +355,9 @@ class PrefillWorker:
         while not self._closed.wait(0.2):
             now = time.monotonic()
             with self._lock:
+                for h in self._held.values():  # a write still draining over the link is activity:
+                    if any(not t.done() for t in h.inflight):  # a full push may outlast the lease
+                        h.lease_until = max(h.lease_until, now + self.lease_s)
                 expired = [rid for rid, h in self._held.items()
                            if h.lease_until < now or h.peer not in self.endpoint.peers]
             for rid in expired:
