@@ -42,6 +42,51 @@ def tbt_window(outs, first: int, last: int) -> float:
     return float(np.mean(gaps)) if gaps else float("nan")
 
 
+def phase_table(outs, windows=((1, 1), (2, 10), (11, 64))) -> dict:
+    """Mean per-step phase seconds and counters of one run (DecodeWorker step_phases) per
+    window of decode steps (step 1 produces token 2)."""
+    steps = outs[0].metrics.extra["step_phases"]
+    out = {}
+    for lo, hi in windows:
+        chunk = steps[lo - 1:hi]
+        if chunk:
+            keys = sorted({k for st in chunk for k in st})
+            out[f"{lo}-{hi}"] = {k: float(np.mean([st.get(k, 0) for st in chunk])) for k in keys}
+    return out
+
+
+def link_bounds(runs, bw_bps: float, workers: int, max_tokens: int) -> dict:
+    """What the paced link alone allows (every byte of the emulated link is booked in one token
+    bucket per prefill worker; the requests split evenly over the workers):
+      TTST(mode) >= (metadata + proactive + step-1 on-demand bytes) / link,
+      TTST(full) ~= (metadata + all KV) / link, so the ratio is at most their quotient;
+      smartgen's TBT >= its per-step on-demand bytes / link."""
+    rate = workers * bw_bps / 8  # bytes/s over all workers
+    full, smart = runs[("mode", "full")], runs[("mode", "smartgen")]
+
+    def tot(outs, key):
+        return sum(o.metrics.extra["bytes"][key] for o in outs)
+
+    step1 = smart[0].metrics.extra["step_phases"][0].get("od_bytes_n", 0)
+    kv_all = tot(full, "proactive")
+    meta = tot(full, "metadata")
+    ttst_full_link = (meta + kv_all) / rate
+    ttst_smart_link = (tot(smart, "metadata") + tot(smart, "proactive") + step1) / rate
+    later = [st.get("od_bytes_n", 0) for st in smart[0].metrics.extra["step_phases"][10:max_tokens]]
+    tbt_full = tbt_window(full, 11, max_tokens)
+    od_later = float(np.mean(later)) if later else 0.0
+    return dict(link_MBps=rate / 1e6, kv_MB=kv_all / 1e6, metadata_MB=meta / 1e6,
+                smartgen_proactive_MB=tot(smart, "proactive") / 1e6, smartgen_step1_on_demand_MB=step1 / 1e6,
+                ttst_full_link_s=ttst_full_link, ttst_smartgen_link_s=ttst_smart_link,
+                ttst_ratio_link_bound=ttst_full_link / ttst_smart_link,
+                smartgen_on_demand_MB_per_step_11_64=od_later / 1e6,
+                tbt_smartgen_link_floor_s=od_later / rate,
+                tbt_ratio_link_floor=(od_later / rate) / tbt_full if tbt_full else float("nan"),
+                link_share_of_kv_per_full_step=rate * tbt_full / kv_all if kv_all else float("nan"),
+                steps_to_move_rest_at_full_tbt=(kv_all - tot(smart, "proactive") - step1) / rate / tbt_full
+                if tbt_full else float("nan"))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="SmartGen TTST/TBT benchmark")
     p.add_argument("--quick", action="store_true", help="4 x 512-token prompts, 24 new tokens")
@@ -52,6 +97,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=None)
     p.add_argument("--ratio", type=float, default=6.5)
     p.add_argument("--max-blocks", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2, help="prefill worker processes")
     p.add_argument("--skip", default="", help="comma list of parts to skip: spec,strategy")
     args = p.parse_args(argv)
     prompt_len = args.prompt_len or (512 if args.quick else 2048)
@@ -60,7 +106,7 @@ def main(argv=None) -> int:
     os.makedirs(RESULTS, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.perf_counter()
-    h = Harness(args.model, args.selector, 2, max_blocks=args.max_blocks)
+    h = Harness(args.model, args.selector, args.workers, max_blocks=args.max_blocks)
     runs = {}
     try:
         prompts = h.eval_prompts(args.requests, prompt_len)
@@ -93,6 +139,7 @@ def main(argv=None) -> int:
         tbt_smartgen_over_full_11_64=tbt_window(smart, 11, hi) / tbt_window(full, 11, hi),
         tbt_partial_3_10=tbt_window(partial, 3, 10), tbt_smartgen_3_10=tbt_window(smart, 3, 10),
         tp_s=tp, bandwidth_mbit=bw / 1e6, identical_tokens=same)
+    figures.update(link_bounds(runs, bw, args.workers, max_tokens))
 
     with open(os.path.join(RESULTS, f"{tag}_modes.csv"), "w", newline="") as f:
         w = csv.writer(f)
@@ -120,6 +167,13 @@ def main(argv=None) -> int:
                 w.writerow([f"{kind}:{name}:ttst", s["ttst"]])
                 w.writerow([f"{kind}:{name}:mean_tbt", s["mean_tbt"]])
                 w.writerow([f"{kind}:{name}:on_demand_ratio", s["on_demand_ratio"]])
+    with open(os.path.join(RESULTS, f"{tag}_phases.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["mode", "steps", "phase", "mean_per_step"])
+        for mode in MODES:
+            for window, phases in phase_table(runs[("mode", mode)]).items():
+                for k, v in phases.items():
+                    w.writerow([mode, window, k, v])
     plot(runs, summary, tag, max_tokens)
 
     print(f"\nTp={tp:.2f}s, paced {bw / 1e6:.1f} Mbit/s per prefill worker, {args.requests} x {prompt_len} tokens")
@@ -131,11 +185,32 @@ def main(argv=None) -> int:
     print(f"mean TBT smartgen/full over tokens 11-{hi} = {figures['tbt_smartgen_over_full_11_64']:.2f}")
     print(f"TBT over tokens 3-10: partial {figures['tbt_partial_3_10'] * 1e3:.1f} ms, smartgen "
           f"{figures['tbt_smartgen_3_10'] * 1e3:.1f} ms")
+    print("\nper decode step, seconds (counters: on-demand MB, remote/selected entries):")
+    for mode in MODES:
+        for window, ph in phase_table(runs[("mode", mode)]).items():
+            t = {k: v for k, v in ph.items() if not k.endswith("_n")}
+            print(f"  {mode:<10} steps {window:<6} total {sum(t.values()):6.2f}: " +
+                  " ".join(f"{k} {v:.3f}" for k, v in sorted(t.items(), key=lambda kv: -kv[1])[:5]) +
+                  f" | od {ph.get('od_bytes_n', 0) / 1e6:.2f} MB, remote/selected "
+                  f"{ph.get('remote_n', 0) / max(ph.get('selected_n', 1), 1):.3f}")
+    print(f"link bound: full TTST >= {figures['ttst_full_link_s']:.1f}s, smartgen TTST >= "
+          f"{figures['ttst_smartgen_link_s']:.1f}s (metadata {figures['metadata_MB']:.1f} MB + proactive "
+          f"{figures['smartgen_proactive_MB']:.1f} MB + step-1 on-demand {figures['smartgen_step1_on_demand_MB']:.1f} MB"
+          f" at {figures['link_MBps']:.2f} MB/s): ratio <= {figures['ttst_ratio_link_bound']:.2f}x")
+    print(f"link floor of smartgen TBT, steps 11-{hi}: {figures['smartgen_on_demand_MB_per_step_11_64']:.2f} MB "
+          f"on demand per step -> >= {figures['tbt_smartgen_link_floor_s'] * 1e3:.0f} ms = "
+          f"{figures['tbt_ratio_link_floor']:.2f}x full's TBT; one full-mode step moves "
+          f"{figures['link_share_of_kv_per_full_step']:.2%} of the KV, so the rest needs "
+          f"{figures['steps_to_move_rest_at_full_tbt']:.0f} such steps")
     for (kind, name), outs in runs.items():
         if kind == "strategy":
             print(f"on-demand ratio, proactive {name:<10}: {summarize(outs)['on_demand_ratio']:.3f}")
     print(f"identical tokens in every run: {same}; total {time.perf_counter() - t_start:.0f}s")
-    return 0 if same else 1
+    if not same:  # the mode invariant: any difference is a bug, whatever the timings say
+        bad = [f"{k[0]}:{k[1]}" for k, v in runs.items() if [o.token_ids for o in v] != [o.token_ids for o in full]]
+        print(f"ERROR: runs {bad} generated different tokens from full", file=sys.stderr)
+        return 1
+    return 0
 
 
 def plot(runs, summary, tag, max_tokens):

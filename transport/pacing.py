@@ -78,3 +78,22 @@ class TokenBucket:
         if wait > 0:
             time.sleep(wait)
         return wait
+
+    def consume_credit(self, nbytes: int) -> float:
+        """Book ``nbytes`` out of banked credit only: sleep until the bucket holds them (at most
+        ``burst``), never sending on debt. A low-priority sender uses this so that a sender
+        calling :meth:`consume` meanwhile never waits behind its chunk (strict priority, as a
+        link with priority queues and small packets). Returns seconds slept."""
+        need = min(int(nbytes), self.burst)
+        slept = 0.0
+        while True:
+            with self._lock:
+                now = time.monotonic()
+                self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate_Bps)
+                self._stamp = now
+                if self._tokens >= need:
+                    self._tokens -= nbytes
+                    return slept
+                wait = (need - self._tokens) / self.rate_Bps
+            time.sleep(wait)
+            slept += wait

@@ -56,8 +56,41 @@ log = logging.getLogger(__name__)
 CAPACITY_BUCKET = 256
 
 
+# Rows carry their own mask (token mask + rows this worker already fetched): one row per "batch".
+# One module-level jit, so every DecodeWorker (a benchmark makes one per run) shares its compiled
+# programs: a per-instance jit recompiled on each run's first step (0.6-1.2 s of its TTST).
+_split_rows = jax.jit(functools.partial(dispatch.split_reorder, heads_per_batch=1))
+
+
 class RequestFailed(RuntimeError):
     pass
+
+
+class _Phases:
+    """Per-step wall-clock split of the decode loop (seconds): where a step's time goes.
+    Phases: qkv, select, split, remote_issue, local, remote_wait, scatter, attend, spec, logits.
+    `remote_wait` is the time the step blocked on on-demand replies after the local lane.
+    Counters (ints, keys ending in "_n"): od_bytes_n (on-demand reply bytes), selected_n,
+    remote_n (selected entries, all requests), fetches_n (fetch RPCs)."""
+
+    def __init__(self):
+        self.steps: list[dict] = []
+        self._t = time.perf_counter()
+
+    def new_step(self) -> None:
+        self.steps.append({})
+        self._t = time.perf_counter()
+
+    def count(self, key: str, n: int) -> None:
+        if self.steps:
+            self.steps[-1][key] = self.steps[-1].get(key, 0) + int(n)
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self.steps:
+            cur = self.steps[-1]
+            cur[phase] = cur.get(phase, 0.0) + now - self._t
+        self._t = now
 
 
 class _OwnerDown(Exception):
@@ -122,8 +155,8 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}
         self.owners: list[str] = []
-        # Rows carry their own mask (token mask + rows this worker already fetched): one row per "batch".
-        self._split = jax.jit(functools.partial(dispatch.split_reorder, heads_per_batch=1))
+        self.phases = _Phases()
+        self._split = _split_rows
 
     # ---------------------------------------------------------------- wiring
     def connect(self, addresses) -> list[str]:
@@ -206,13 +239,26 @@ class DecodeWorker:
                                 self.transfer.seed)
         request_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * n * cfg.head_dim * 4
         tp = self.profile.prefill_time(n) if self.profile is not None else None
-        kr = min(len(order), self.transfer.kr(geometry, tp, request_bytes))
+        kr = min(len(order), self.transfer.kr(geometry, tp, request_bytes, self._metadata_bytes(n)))
         choice = self.compression.choose(request_bytes, tp or 0.0) if self.compression is not None else None
         kv = self.pool.allocate(rid, n, capacity)
         self.endpoint.register(proto.kv_region(rid), kv.kv)
         self.endpoint.register(proto.mask_region(rid), kv.mask)
         return _Live(req, rid, kv, geometry, owner, order, kr,
                      fetched=np.zeros((cfg.num_layers, cfg.num_kv_heads, capacity), bool), compression=choice)
+
+    def _metadata_bytes(self, n: int) -> int:
+        """Bytes of selector metadata the prefill worker ships for an n-token prompt (all layers)."""
+        sel, cfg = self.selector, self.model.cfg
+        if not needs_metadata(sel):
+            return 0
+        spec = jax.ShapeDtypeStruct((1, cfg.num_kv_heads, n, cfg.head_dim), jnp.float32)
+        lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+        total = 0
+        for layer in range(sel.config.dense_layers, cfg.num_layers):
+            out = jax.eval_shape(functools.partial(sel.prepare, layer), spec, lengths)
+            total += sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(out))
+        return total
 
     # ---------------------------------------------------------------- generate
     def generate(self, requests: list[Request], t0: float | None = None, on_token=None,
@@ -383,8 +429,9 @@ class DecodeWorker:
                 self._finish_request(lv)
         positions = np.asarray([lv.geometry.num_tokens for lv in lives], np.int32)
         steps = np.zeros(B, np.int32)
-        rows = np.arange(B)
+        clock = self.phases = _Phases()
         while not all(done):
+            clock.new_step()
             pos = jnp.asarray(positions)
             now_cached = positions + 1
             x = model.embed(jnp.asarray(current))
@@ -392,10 +439,14 @@ class DecodeWorker:
             step_remote = np.zeros(B, np.int64)
             step_selected = np.zeros(B, np.int64)
             for layer in range(L):
-                if self.transfer.speculative and (layer == 0 or self.transfer.spec_every_layer):
+                # Speculation starts after the first decode step: that step's on-demand rows are the
+                # stage-transition stall (TTST) and get the whole link (SmartGen §4.3 uses idle link).
+                if self.transfer.speculative and len(clock.steps) > 1 and (layer == 0 or self.transfer.spec_every_layer):
                     self._trigger_speculation(lives)
+                    clock.lap("spec")
                 q, k, v = model.qkv(layer, x, pos)
                 kn, vn = np.asarray(k, np.float32), np.asarray(v, np.float32)
+                clock.lap("qkv")
                 for b, lv in enumerate(lives):
                     lv.kv.kv[0, layer, :, positions[b]] = kn[b]
                     lv.kv.kv[1, layer, :, positions[b]] = vn[b]
@@ -408,18 +459,24 @@ class DecodeWorker:
                     x_in_prev = x_prev
                     query = sel.decode_query(layer, q, lambda: model.qkv(layer, x_in_prev, pos)[0])
                     kv_index = np.asarray(sel.select(layer, query, metadata[layer], jnp.asarray(now_cached)))
+                clock.lap("select")
                 K_sel, V_sel, remote_rows = self._gather(lives, layer, kv_index)
                 valid = (kv_index >= 0).sum(axis=1).reshape(B, H).astype(np.int32)
                 step_selected += valid.sum(axis=1)
                 step_remote += remote_rows.reshape(B, H).sum(axis=1)
+                clock.count("selected_n", valid.sum())
+                clock.count("remote_n", remote_rows.sum())
                 x_prev = x
                 x = model.attend_and_mlp(layer, x, q, jnp.asarray(K_sel), jnp.asarray(V_sel), jnp.asarray(valid))
+                x.block_until_ready()
+                clock.lap("attend")
             logits = model.logits(x)
             steps = steps + 1
             if any_sampled:
                 current = np.asarray(sample_tokens(logits, temperature, top_k, top_p, seeds, steps))
             else:
                 current = np.asarray(jnp.argmax(logits, -1), np.int32)
+            clock.lap("logits")
             now = time.time() - t0
             positions = np.minimum(positions + 1, capacity - 1)
             for b, lv in enumerate(lives):
@@ -457,7 +514,7 @@ class DecodeWorker:
             lv.geometry.num_tokens, times, on_demand_ratio=lv.remote / lv.selected if lv.selected else 0.0,
             step_on_demand_ratio=[r / s if s else 0.0 for r, s in zip(lv.step_remote, lv.step_selected)],
             bytes=bytes_, kr=lv.kr, blocks=int(len(lv.order)), prefill_s=lv.prefill_s, owner=lv.owner,
-            recomputed=lv.recomputed, mode=self.transfer.mode,
+            recomputed=lv.recomputed, mode=self.transfer.mode, step_phases=self.phases.steps,
             **({} if lv.compression is None else dict(compression=lv.compression.spec_id)))
         return RequestOutput(lv.req.request_id, lv.req.prompt, list(lv.req.prompt_token_ids), text, ids, reason, m)
 
@@ -486,6 +543,7 @@ class DecodeWorker:
                 rows[lv.fetched[layer] & (rows == REMOTE)] = LOCAL
         reordered, remote_count, _ = self._split(jnp.asarray(kv_index), jnp.asarray(mask))
         reordered, remote_count = np.asarray(reordered), np.asarray(remote_count)
+        self.phases.lap("split")
         safe = np.maximum(kv_index, 0)
         is_remote = (kv_index >= 0) & (np.take_along_axis(mask, safe, axis=1) == REMOTE)
         assert (is_remote.sum(1) == remote_count).all(), "split_reorder disagrees with the mask snapshot"
@@ -514,13 +572,16 @@ class DecodeWorker:
             pending = [(o, rows, self._call(o, p)) for o, rows, p in calls]
             for _, _, t in pending:
                 self._wait(t)
+        self.phases.lap("remote_issue")
         # Local lane: gather every selected slot from the pool (remote slots are overwritten below).
         heads = np.arange(H)[:, None]
         K_sel = np.stack([lv.kv.kv[0, layer][heads, safe[b * H:(b + 1) * H]] for b, lv in enumerate(lives)])
         V_sel = np.stack([lv.kv.kv[1, layer][heads, safe[b * H:(b + 1) * H]] for b, lv in enumerate(lives)])
         D = K_sel.shape[-1]
+        self.phases.lap("local")
         for owner, row_ids, t in pending:
             data = self._wait(t)
+            self.phases.lap("remote_wait")
             reply = np.frombuffer(data, np.float32)
             total = int(sum(remote_count[r] for r in row_ids))
             if reply.size != 2 * total * D:
@@ -540,6 +601,9 @@ class DecodeWorker:
                 lv.fetched[layer, h, positions] = True
                 lv.fetch_bytes += 2 * c * D * 4
                 pos += c
+            self.phases.count("od_bytes_n", reply.nbytes)
+            self.phases.count("fetches_n", 1)
+            self.phases.lap("scatter")
         return K_sel, V_sel, is_remote.sum(1)
 
     def _call(self, owner, payload):

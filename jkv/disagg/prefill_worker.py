@@ -55,8 +55,8 @@ PREFILL_BUCKET = 64
 
 class _YieldToOnDemand:
     """The bulk lane's pacer: the worker's shared token bucket, but bulk chunks wait while an
-    on-demand reply is draining (its bytes at the link rate), so speculative and proactive
-    writes use only the bandwidth on-demand fetches leave idle (SmartGen §4.3: speculation
+    on-demand reply is draining (its bytes at the link rate) and take only banked credit (never
+    debt), so speculative and proactive writes use only the bandwidth on-demand fetches leave idle (SmartGen §4.3: speculation
     fills idle bandwidth; on-demand rows are on the decode step's critical path)."""
 
     MAX_YIELD_S = 1.0
@@ -81,7 +81,8 @@ class _YieldToOnDemand:
             with self._lock:
                 wait = self._busy_until - time.monotonic()
             if wait <= 0 or slept >= self.MAX_YIELD_S:  # bounded, so the bulk lane never looks dead
-                return slept + self.shared.consume(nbytes)
+                # credit only: a reply starting meanwhile never waits behind this chunk's debt
+                return slept + self.shared.consume_credit(nbytes)
             time.sleep(min(wait, 0.05))
             slept += min(wait, 0.05)
 
@@ -236,6 +237,7 @@ class PrefillWorker:
         t_first = time.time()
         link = self._link_sample(link0, held) if link0 is not None else None
         for b, h in enumerate(held):
+            h.lease_until = time.monotonic() + self.lease_s  # the lease runs from the hand-off
             extra = {} if link is None else dict(link=link, compression=h.codec.spec_id if h.codec else None)
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
                                                     prefill_s=prefill_s, bytes=dict(h.bytes), **extra))
@@ -402,6 +404,9 @@ class PrefillWorker:
         while not self._closed.wait(0.2):
             now = time.monotonic()
             with self._lock:
+                for h in self._held.values():  # a write still draining over the link is activity:
+                    if any(not t.done() for t in h.inflight):  # a full push may outlast the lease
+                        h.lease_until = max(h.lease_until, now + self.lease_s)
                 expired = [rid for rid, h in self._held.items()
                            if h.lease_until < now or h.peer not in self.endpoint.peers]
             for rid in expired:

@@ -76,8 +76,13 @@ class TransferConfig:
     def needs_profile(self) -> bool:
         return self.mode not in ("full", "partial") and self.strategy in ("profile", "oracle")
 
-    def kr(self, geometry: BlockGeometry, prefill_s: float | None, request_bytes: int) -> int:
-        """Number of blocks pushed during prefill for one request."""
+    def kr(self, geometry: BlockGeometry, prefill_s: float | None, request_bytes: int,
+           metadata_bytes: int = 0) -> int:
+        """Number of blocks pushed during prefill for one request. The selector metadata that
+        goes first (InfiniGen partial keys: ~15 % of the KV bytes) takes its share of the
+        prefill window, so Eq. 2 gets Tp - Tm with Tm = metadata_bytes / bandwidth (SmartGen §4
+        "Integrating different KV selection algorithms": the metadata overhead is jointly
+        considered by the analytical model)."""
         full = geometry.num_blocks
         if self.mode == "full":
             return full
@@ -87,7 +92,8 @@ class TransferConfig:
             raise ValueError("Eq. 2 needs the prefill time (a profile) and a bandwidth estimate; "
                              "pass TransferConfig(bandwidth_bps=...) and a profile, or kr_fraction")
         transfer_s = request_bytes * 8 / self.bandwidth_bps
-        return compute_kr(geometry.blocks_per_layer, geometry.num_layers, prefill_s, transfer_s)
+        window_s = max(0.0, prefill_s - metadata_bytes * 8 / self.bandwidth_bps)
+        return compute_kr(geometry.blocks_per_layer, geometry.num_layers, window_s, transfer_s)
 
 
 def proactive_order(strategy: str, geometry: BlockGeometry, importance: np.ndarray | None = None,

@@ -25,3 +25,25 @@ def test_yield_is_bounded_so_the_bulk_lane_never_starves():
     t = time.monotonic()
     gate.consume(1)
     assert 0.15 < time.monotonic() - t < 0.8
+
+
+def _high_priority_wait(bulk_take) -> float:
+    """A bulk chunk of 0.5 s of link time is booked at t=0 on a thread; at t=0.05 an on-demand
+    chunk of 0.1 s arrives. Returns how long the on-demand chunk waited."""
+    import threading
+    bucket = TokenBucket("800kbit", burst=50_000)  # 100 KB/s, starts empty
+    bulk = threading.Thread(target=bulk_take, args=(bucket,))
+    bulk.start()
+    time.sleep(0.05)
+    t = time.monotonic()
+    bucket.consume(10_000)
+    waited = time.monotonic() - t
+    bulk.join()
+    return waited
+
+
+def test_credit_only_bulk_never_makes_on_demand_wait_behind_its_chunk():
+    debt = _high_priority_wait(lambda b: b.consume(50_000))  # books debt: on-demand queues behind it
+    credit = _high_priority_wait(lambda b: b.consume_credit(50_000))  # waits for banked credit instead
+    assert debt > 0.4  # ~0.55 s: the rest of the bulk chunk, then its own 0.1 s
+    assert credit < 0.3  # ~0.05 s: only its own bytes beyond the credit banked so far

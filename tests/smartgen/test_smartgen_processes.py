@@ -182,3 +182,21 @@ def test_lease_expiry_frees_kv_of_a_vanished_decode(model, selectors, prompts):
     finally:
         decode.close()
         workers.close()
+
+
+def test_a_transfer_longer_than_the_lease_keeps_its_kv(model, selectors, prompts, caplog):
+    """The lease covers silence, not a slow link: a push still draining renews it (a 4 x 2K full
+    transfer on the benchmark's paced link outlasted the 300 s lease)."""
+    sel = selectors["oracle"]
+    cfg = model.cfg
+    nbytes = 2 * cfg.num_layers * cfg.num_kv_heads * len(prompts[0]) * cfg.head_dim * 4
+    workers = InProcessWorkers(model, sel, 1, lease_s=0.3, bandwidth=nbytes * 8 / 1.2)  # full push ~1.2 s
+    try:
+        with caplog.at_level("WARNING", logger="jkv.disagg.prefill_worker"):
+            outs = generate(model, sel, [workers.addresses[0]], "full", prompts[:1], max_blocks=16)
+        assert outs[0].finish_reason != "error" and outs[0].metrics.ttst > 1.0
+        assert outs[0].metrics.extra["bytes"]["proactive"] == nbytes
+        assert not [r for r in caplog.records if "lease expired" in r.getMessage()]
+        assert workers.workers[0].held() == [] and workers.workers[0].pool.bytes_in_use == 0
+    finally:
+        workers.close()

@@ -62,6 +62,16 @@ def test_kr_from_config_falls_back_to_full_on_fast_link():
         TransferConfig(mode="partial").kr(g, 1.0, nbytes)
 
 
+def test_kr_leaves_the_metadata_its_share_of_the_prefill_window():
+    g = BlockGeometry(2048, 30, 64)  # M = 64 -> M (L - 1) = 1856
+    cfg = TransferConfig(mode="smartgen", bandwidth_bps=8e7)  # 10 MB/s: 10 MB of KV -> Tt = 1 s
+    assert cfg.kr(g, prefill_s=0.5, request_bytes=10_000_000) == 928  # 1856 * 0.5 / 1
+    # 1 MB of selector metadata takes 0.1 s of the 0.5 s window: 1856 * 0.4 = 742.4
+    assert cfg.kr(g, prefill_s=0.5, request_bytes=10_000_000, metadata_bytes=1_000_000) == 742
+    # metadata alone fills the window: only the two dense layers go (2M)
+    assert cfg.kr(g, prefill_s=0.5, request_bytes=10_000_000, metadata_bytes=6_000_000) == 128
+
+
 def test_config_validation_and_modes():
     assert TransferConfig(mode="+speculative").mode == "smartgen"
     assert TransferConfig(mode="partial", strategy="random").effective_strategy == "sequential"
@@ -123,3 +133,25 @@ def test_build_profile_counts_selections_by_hand(model):
     assert b.prompt_len == 40 and b.importance.shape == (3, 8) and b.prefill_s > 0
     assert np.isinf(b.importance[:2]).all()
     np.testing.assert_allclose(b.importance[2], [3.0, 2.4, 0, 0, 0, 0, 0, 0])
+
+
+def test_metadata_bytes_for_kr_match_what_prefill_ships(model, selectors):
+    """Eq. 2's metadata share is computed from shapes on the decode side; it must equal the
+    bytes of the selector metadata the prefill side prepares (layers past the dense ones)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jkv.disagg.decode_worker import DecodeWorker
+    from tests.smartgen.smartgen_cases import SECRET
+
+    cfg, n = model.cfg, 77
+    K = jnp.asarray(np.random.default_rng(0).normal(size=(1, cfg.num_kv_heads, n, cfg.head_dim)), jnp.float32)
+    for name, sel in selectors.items():
+        decode = DecodeWorker(model, sel, TransferConfig(mode="full"), secret=SECRET)
+        try:
+            got = decode._metadata_bytes(n)
+        finally:
+            decode.close()
+        shipped = sum(np.asarray(x).nbytes for layer in range(sel.config.dense_layers, cfg.num_layers)
+                      for x in jax.tree_util.tree_leaves(sel.prepare(layer, K, jnp.asarray([n], jnp.int32))))
+        assert got == shipped > 0, name
