@@ -184,6 +184,7 @@ class _Live:
     times: list = dataclasses.field(default_factory=list)
     step_phases: list = dataclasses.field(default_factory=list)  # the _Phases dicts of its steps
     completed: bool = False  # its output went to on_done; its KV is freed
+    free_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # release, then unregister
 
     @property
     def active(self) -> bool:
@@ -858,7 +859,16 @@ class DecodeWorker:
             self._release_remote(lv)
 
     def _release_remote(self, lv):
-        lv.released = True
+        """Tell the owner to drop the request's KV; idempotent. Holds lv.free_lock for the RPC, so a
+        concurrent `_finish_request` (cancel on another thread) unregisters the regions only after
+        the owner has stopped writing into them."""
+        with lv.free_lock:
+            if lv.released:
+                return
+            lv.released = True
+            self._free_on_owner(lv)
+
+    def _free_on_owner(self, lv):
         if lv.owner is None or not self._owner_alive(lv.owner):
             return
         try:
@@ -871,9 +881,13 @@ class DecodeWorker:
             log.warning("freeing request %s on %r failed: %s", lv.req.request_id, lv.owner, e)
 
     def _finish_request(self, lv, unregister: bool = False):
-        if not lv.released:
+        with lv.free_lock:
             self._release_remote(lv)
-        if unregister and self.pool.get(lv.rid) is not None:
+            if unregister:
+                self._unregister(lv)
+
+    def _unregister(self, lv):
+        if self.pool.get(lv.rid) is not None:
             for name in (proto.kv_region(lv.rid), proto.mask_region(lv.rid)):
                 try:
                     self.endpoint.unregister(name)
