@@ -140,3 +140,33 @@ def test_submit_rejects_a_request_longer_than_the_context(decode, model):
     with pytest.raises(ValueError):
         decode.submit(Request("long", [3] * n, [3] * n, SamplingParams(max_tokens=8)))
     assert decode.num_active == 0
+
+
+def test_cancel_on_two_threads_while_pushes_are_in_flight_keeps_the_link(model, sel, requests):
+    """A cancel racing another cancel (the server cancels from its control thread and from the
+    engine thread) must not unregister the regions while the owner still writes into them: a WRITE
+    to an unknown region closes the bulk connection and every later hand-off of that worker stalls."""
+    slow = InProcessWorkers(model, sel, 1, bandwidth="1mbit")  # pushes crawl: free waits for them
+    d = DecodeWorker(model, sel, TransferConfig(mode="smartgen", strategy="sequential", kr_fraction=0.3,
+                                                max_blocks=16), secret=SECRET)
+    try:
+        d.connect(slow.addresses)
+        rec = Recorder()
+        d.submit(requests[1], on_token=rec.on_token, on_done=rec.on_done)
+        d.step()  # planned and handed in; its proactive pushes start crawling
+        run_until(d, lambda: slow.workers[0].held() != [])
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=lambda: (barrier.wait(), d.cancel("B"))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        run_until(d, lambda: "B" in rec.outputs)
+        d.submit(requests[0], on_token=rec.on_token, on_done=rec.on_done)
+        run_until(d, lambda: "A" in rec.outputs)
+        assert rec.outputs["A"].finish_reason == "length"
+        assert d.endpoint.metrics.snapshot()["frames_rejected"] == 0
+        assert d.num_active == 0 and d.pool.live() == [] and slow.workers[0].held() == []
+    finally:
+        d.close()
+        slow.close()
