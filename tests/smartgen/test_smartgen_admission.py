@@ -170,3 +170,25 @@ def test_cancel_on_two_threads_while_pushes_are_in_flight_keeps_the_link(model, 
     finally:
         d.close()
         slow.close()
+
+
+def test_an_engine_error_fails_the_requests_in_flight_and_frees_them(decode, requests, monkeypatch):
+    rec = Recorder()
+    real_gather = DecodeWorker._gather
+
+    def broken(self, *a):
+        raise RuntimeError("lane exploded")
+
+    decode.submit(requests[0], on_token=rec.on_token, on_done=rec.on_done)
+    decode.submit(requests[1], on_token=rec.on_token, on_done=rec.on_done)
+    run_until(decode, lambda: len(decode._running) == 2)
+    monkeypatch.setattr(DecodeWorker, "_gather", broken)
+    decode.step()  # logged, not raised
+    assert {o.finish_reason for o in rec.outputs.values()} == {"error"} and len(rec.outputs) == 2
+    assert all("lane exploded" in o.metrics.extra["error"] for o in rec.outputs.values())
+    assert decode.num_active == 0 and decode.pool.live() == []
+    monkeypatch.setattr(DecodeWorker, "_gather", real_gather)
+    after = Recorder()  # the worker keeps serving
+    decode.submit(requests[0], on_token=after.on_token, on_done=after.on_done)
+    run_until(decode, lambda: "A" in after.outputs)
+    assert after.outputs["A"].finish_reason == "length" and len(after.outputs["A"].token_ids) == A_TOKENS
