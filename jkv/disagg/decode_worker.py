@@ -214,6 +214,8 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}
         self.owners: list[str] = []
+        self._main_of: dict[str, str] = {}  # owner -> its main transport address
+        self._bulk_of: dict[str, str] = {}  # owner -> the peer name of its bulk connection
         self.phases = _Phases()
         self._split = _split_rows
         # Continuous admission: submissions and cancels of queued ones cross threads via these;
@@ -230,22 +232,40 @@ class DecodeWorker:
     def connect(self, addresses) -> list[str]:
         """addresses: what each prefill worker's listen() returned ("main|bulk")."""
         for address in addresses:
-            main, _, bulk = str(address).partition("|")
-            self.owners.append(self.endpoint.connect(main).name)
-            if bulk:
-                self.endpoint.connect(bulk)
+            self.connect_one(address)
         return list(self.owners)
+
+    def connect_one(self, address: str, connect_timeout: float | None = None) -> str:
+        """Connect to one prefill worker ("main|bulk", or a restarted one: its lost connections
+        are replaced) and return its name. Raises TransportError when it cannot be reached."""
+        main, _, bulk = str(address).partition("|")
+        kw = {} if connect_timeout is None else dict(connect_timeout=connect_timeout)
+        peers = self.endpoint.peers
+        name = next((o for o in self.owners if self._main_of.get(o) == main and o in peers and peers[o].alive), None)
+        if name is None:
+            name = self.endpoint.connect(main, **kw).name
+            self._main_of[name] = main
+        if bulk and not (self._bulk_of.get(name) in peers and peers[self._bulk_of[name]].alive):
+            self._bulk_of[name] = self.endpoint.connect(bulk, **kw).name
+        if name not in self.owners:
+            self.owners.append(name)
+        return name
 
     def close(self) -> None:
         self.endpoint.close()
 
     def _alive_owners(self) -> list[str]:
-        peers = self.endpoint.peers
-        return [o for o in self.owners if o in peers and peers[o].alive]
+        return [o for o in self.owners if self._owner_alive(o)]
 
     def _owner_alive(self, owner) -> bool:
-        p = self.endpoint.peers.get(owner)
-        return p is not None and p.alive
+        """Both of its connections are up: its hand-offs, metadata and pushes travel on the bulk
+        one, so a worker whose bulk connection died can no longer complete a request's hand-off."""
+        peers = self.endpoint.peers
+        p = peers.get(owner)
+        if p is None or not p.alive:
+            return False
+        bulk = self._bulk_of.get(owner)
+        return bulk is None or (bulk in peers and peers[bulk].alive)
 
     # ---------------------------------------------------------------- notifications
     def _get(self, rid):
@@ -869,7 +889,8 @@ class DecodeWorker:
             self._free_on_owner(lv)
 
     def _free_on_owner(self, lv):
-        if lv.owner is None or not self._owner_alive(lv.owner):
+        main = self.endpoint.peers.get(lv.owner) if lv.owner is not None else None
+        if main is None or not main.alive:  # "free" is an RPC on the main connection
             return
         try:
             header, _ = proto.unpack(self.endpoint.peer(lv.owner).call("free", proto.pack(dict(rid=lv.rid)),

@@ -225,19 +225,15 @@ class DisaggBatcher:
         """The prefill worker named by a transport address; connects to a new or restarted one."""
         if not address:
             return None
-        main, _, bulk = address.partition("|")
+        main = address.partition("|")[0]
         name = self._owner_by_main.get(main)
         if name is not None and self.worker._owner_alive(name):
             return name
         try:
-            name = self.worker.endpoint.connect(main, connect_timeout=CONNECT_TIMEOUT_S).name
-            if bulk:
-                self.worker.endpoint.connect(bulk, connect_timeout=CONNECT_TIMEOUT_S)
+            name = self.worker.connect_one(address, connect_timeout=CONNECT_TIMEOUT_S)
         except Exception as e:  # a dead address: round robin over the live workers instead
             log.warning("cannot connect to prefill worker %s (%s); using another one", address, e)
             return None
-        if name not in self.worker.owners:
-            self.worker.owners.append(name)
         self._owner_by_main[main] = name
         log.info("decode: connected to prefill worker %s at %s", name, address)
         return name

@@ -192,3 +192,26 @@ def test_an_engine_error_fails_the_requests_in_flight_and_frees_them(decode, req
     decode.submit(requests[0], on_token=after.on_token, on_done=after.on_done)
     run_until(decode, lambda: "A" in after.outputs)
     assert after.outputs["A"].finish_reason == "length" and len(after.outputs["A"].token_ids) == A_TOKENS
+
+
+def test_a_lost_bulk_connection_fails_the_pending_request_instead_of_hanging(model, sel, requests):
+    """Hand-offs travel on the bulk connection: when it dies before a request's hand-off, the
+    request fails (naming the worker) and is freed on the prefill side over the main connection."""
+    slow = InProcessWorkers(model, sel, 1, bandwidth="1mbit")
+    d = DecodeWorker(model, sel, TransferConfig(mode="smartgen", strategy="sequential", kr_fraction=0.3,
+                                                max_blocks=16), secret=SECRET)
+    try:
+        (owner,) = d.connect(slow.addresses)
+        rec = Recorder()
+        d.submit(requests[1], on_token=rec.on_token, on_done=rec.on_done)
+        d.step()
+        run_until(d, lambda: slow.workers[0].held() != [])
+        d.endpoint.peers[d._bulk_of[owner]].close()
+        run_until(d, lambda: "B" in rec.outputs)
+        out = rec.outputs["B"]
+        assert out.finish_reason == "error" and "prefill worker 'prefill-0' failed" in out.metrics.extra["error"]
+        assert d.num_active == 0 and d.pool.live() == [] and slow.workers[0].held() == []
+        assert d.connect_one(slow.addresses[0]) == owner and d._owner_alive(owner)  # reconnects the bulk lane
+    finally:
+        d.close()
+        slow.close()
