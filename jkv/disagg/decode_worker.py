@@ -472,8 +472,8 @@ class DecodeWorker:
                 owner = s.owner if s.owner in owners else owners[self._next_owner % len(owners)] if owners else None
                 self._next_owner += 1
                 try:
-                    lv = self._plan(s.req, self._rid(s.req), _bucket(len(s.req.prompt_token_ids) + s.req.params.max_tokens),
-                                    owner)
+                    capacity = _bucket(len(s.req.prompt_token_ids) + s.req.params.max_tokens)
+                    lv = self._plan(s.req, self._rid(s.req), capacity, owner)
                 except Exception as e:  # noqa: BLE001 - a request that cannot be planned fails alone
                     error = f"request {rid}: {e}"
             if error is not None:

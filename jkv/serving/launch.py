@@ -45,7 +45,8 @@ def add_decode_worker(sub):
                                    "server whose engine is a SmartGen decode worker connected to the prefill "
                                    "workers given by --prefill-worker (their transport addresses). Requests "
                                    "are batched continuously: up to --max-slots in flight, a new one joins the "
-                                   "running decode batch as soon as its prefill hand-off arrives. Same options as `jkv serve` (--role is fixed to decode).")
+                                   "running decode batch as soon as its prefill hand-off arrives. Same "
+                                   "options as `jkv serve` (--role is fixed to decode).")
     add_serve_arguments(p)
 
 
