@@ -14,8 +14,8 @@ experiments/results/serve_load_<target>_r<rate>.json plus one summary CSV row pe
     python experiments/serve_load.py --model smollm2-135m-instruct --rates 0.5 1 --num-prompts 12
     python experiments/serve_load.py --targets all disagg --rates 0.25 0.5 1
 
-The disaggregated decode worker runs static batches (requests that arrive while a batch decodes
-wait for it), so at higher rates its TTFT includes that wait; `all` batches continuously.
+Both `all` and the disaggregated decode worker batch continuously (a request joins the running
+decode batch at a step boundary; disaggregated: once its prefill hand-off arrives).
 
 Absolute numbers on a shared CPU machine are only comparable side by side within one run.
 """
@@ -260,7 +260,7 @@ def main(argv=None):
         try:
             # warm every prompt-length bucket on every upstream outside the timed runs
             asyncio.run(run_load(url, "m", 100.0, 2 * len(PROMPTS), 2, seed=1))
-            if target == "disagg":  # static batches: compile the small batch sizes low rates produce
+            if target == "disagg":  # compile the small running-set sizes low rates produce
                 for b in range(1, 5):
                     asyncio.run(run_load(url, "m", 1000.0, b, 3, seed=b))
             for rate in args.rates:

@@ -4,35 +4,57 @@
     worker.connect(["127.0.0.1:PORT", ...])            # one or more prefill workers
     outputs = worker.generate(requests)                  # static batch, like DenseEngine
 
-Per batch (SmartGen §4; DESIGN.md "SmartGen transfer"):
+    worker.submit(request, on_token=..., on_done=...)    # continuous admission (a server):
+    while serving: worker.step(wait=0.5)                 # the engine thread drives the batch
 
-  1. plan: per request a host pool `f32[2, L, H_kv, N_cap, D]` plus its KV mask `i8[L, N_cap]`
-     (REMOTE over the prompt, PAD after) registered as regions "kv/<rid>", "mask/<rid>"; the
-     block order of the proactive strategy and Kr (Eq. 2 from the profile's Tp and the link
-     estimate); an owner prefill worker (round robin over live workers). "prefill" goes out.
-  2. wait for every "handoff" (first token). Prefill writes land in the pool and flip mask
-     bytes to LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
-  3. decode steps; per layer: q, k, v → the new k, v go into the pool (LOCAL) → select →
-     `split_reorder` against a snapshot of the mask → the remote lane (one "fetch" RPC per
-     owner with the remote-first prefix of each row) and the local lane (numpy gather of the
-     pool) run concurrently (serially in `partial`/`+profile`) → remote rows are scattered
-     into their canonical slots → attention over the selected entries in selection order, so
-     the output never depends on which lane supplied a row (the mode invariant). With
-     speculation a "spec" trigger goes to every owner at the start of each layer.
-  4. when a request's mask is all LOCAL (or it finishes / fails) decode calls "free" on its
-     owner; at the end of the batch its regions are unregistered and its pool freed.
+Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
+
+  1. plan: a host pool `f32[2, L, H_kv, N_cap, D]` plus its KV mask `i8[L, N_cap]` (REMOTE over
+     the prompt, PAD after) registered as regions "kv/<rid>", "mask/<rid>"; the block order of
+     the proactive strategy and Kr (Eq. 2 from the profile's Tp and the link estimate); an owner
+     prefill worker (round robin over live workers). "prefill" goes out (one notify per owner
+     for the requests planned together).
+  2. its "handoff" (first token) arrives. Prefill writes land in the pool and flip mask bytes to
+     LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
+  3. at the next step boundary it joins the running set; every decode step, per layer: q, k, v →
+     the new k, v go into the pool (LOCAL) → select → `split_reorder` against a snapshot of the
+     mask → the remote lane (one "fetch" RPC per owner with the remote-first prefix of each row)
+     and the local lane (numpy gather of the pool) run concurrently (serially in
+     `partial`/`+profile`) → remote rows are scattered into their canonical slots → attention over
+     the selected entries in selection order, so the output never depends on which lane supplied
+     a row (the mode invariant). With speculation a "spec" trigger goes to every owner at the
+     start of each layer, for requests past their first step.
+  4. when its mask is all LOCAL, decode calls "free" on its owner; when it finishes (or fails, or
+     is cancelled) it leaves the running set at the step boundary, its regions are unregistered
+     and its pool freed.
+
+The running set: requests keep their own pool (N_cap = prompt + max_tokens rounded up to
+CAPACITY_BUCKET); the batch's N_cap is the largest member's. The selector metadata of the
+running set is one batched pytree per layer (leading axis B, updated by `append` each step); when
+membership changes each staying member's rows go back to its `_Live.meta` and the batch is
+re-stacked (`_restack`). `generate()` is a static batch on the same step code: one shared N_cap,
+every hand-off awaited, then `_decode_step` until its requests are done.
 
 A dead owner fails its requests with RequestFailed's message (or, with on_failure="recompute",
 their prompt KV is recomputed locally) and the other requests continue.
 
-Threads: `generate` runs on the caller's thread. The transport's notify thread runs the "meta",
-"handoff" and "failed" handlers, which only store into per-request state and set events.
+Threads. One engine thread drives the worker: `generate` or `step` (never both at once, never
+two threads); it runs planning, hand-in, admission, the decode steps and the `on_token` /
+`on_done` callbacks. `submit` (any thread) only puts the request on a `queue.SimpleQueue` that
+the engine thread drains at the start of each `step` (and between `generate`'s steps).
+`cancel` (any thread) frees a planned request's KV at once (an RPC to its owner, then the
+regions and pool here; the engine thread keeps its own references to the buffers, so a step in
+flight reads valid memory) and flags it, so the engine thread stops fetching for it and retires
+it at the next step boundary; a queued one is dropped when drained. `_live`, `_queued` and
+`_cancelled` are guarded by `_lock`. The transport's notify thread runs the "meta", "handoff",
+"ckv" and "failed" handlers, which only store into per-request state and set events.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
+import queue
 import threading
 import time
 
@@ -43,7 +65,7 @@ import numpy as np
 from jkv.disagg import protocol as proto
 from jkv.disagg.selectors import needs_metadata
 from jkv.engine import Request, _StopChecker, check_context
-from jkv.kvcache.geometry import LOCAL, REMOTE, BlockGeometry
+from jkv.kvcache.geometry import LOCAL, PAD, REMOTE, BlockGeometry
 from jkv.kvcache.pool import HostKVPool
 from jkv.outputs import RequestMetrics, RequestOutput
 from jkv.sampling import sample_tokens
@@ -54,6 +76,16 @@ from transport import Endpoint, TransportError
 log = logging.getLogger(__name__)
 
 CAPACITY_BUCKET = 256
+
+
+def _bucket(tokens: int) -> int:
+    """A pool capacity N_cap for `tokens` tokens: a CAPACITY_BUCKET multiple (bounds the recompiles)."""
+    return -(-tokens // CAPACITY_BUCKET) * CAPACITY_BUCKET
+
+
+def _error_output(req: Request, error: str) -> RequestOutput:
+    m = RequestMetrics(prompt_tokens=len(req.prompt_token_ids), extra=dict(error=error))
+    return RequestOutput(req.request_id, req.prompt, list(req.prompt_token_ids), "", [], "error", m)
 
 
 # Rows carry their own mask (token mask + rows this worker already fetched): one row per "batch".
@@ -77,7 +109,11 @@ class _Phases:
         self.steps: list[dict] = []
         self._t = time.perf_counter()
 
+    MAX_STEPS = 8192  # a server's running set may never empty: keep the latest steps only
+
     def new_step(self) -> None:
+        if len(self.steps) >= self.MAX_STEPS:
+            del self.steps[:self.MAX_STEPS // 2]
         self.steps.append({})
         self._t = time.perf_counter()
 
@@ -99,7 +135,16 @@ class _OwnerDown(Exception):
         self.owner, self.error = owner, error
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class _Submission:
+    req: Request
+    on_token: object  # (request_id, token_id) -> None, or None
+    on_done: object  # (RequestOutput) -> None, or None
+    owner: str | None
+    t0: float
+
+
+@dataclasses.dataclass(eq=False)
 class _Live:
     req: Request
     rid: str
@@ -126,6 +171,20 @@ class _Live:
     fetched: np.ndarray | None = None  # bool[L, H_kv, N_cap]: rows already fetched on demand (KV reuse)
     compression: object = None  # compression.policy.Choice, fixed for the request's KV movement (KVServe §6)
     t_hand_in: float = 0.0
+    cancelled: bool = False
+    # Decode state (engine thread): set when the request joins the running set.
+    t0: float = 0.0
+    on_token: object = None
+    on_done: object = None
+    checker: object = None  # engine._StopChecker
+    current: int = 0  # the last sampled token (the next step's input)
+    position: int = 0  # the slot the next token's KV is written to
+    steps: int = 0  # decode steps run (the sampler's per-request step counter)
+    gen: list = dataclasses.field(default_factory=list)
+    times: list = dataclasses.field(default_factory=list)
+    step_phases: list = dataclasses.field(default_factory=list)  # the _Phases dicts of its steps
+    completed: bool = False  # its output went to on_done; its KV is freed
+    free_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # release, then unregister
 
     @property
     def active(self) -> bool:
@@ -155,29 +214,58 @@ class DecodeWorker:
         self._lock = threading.Lock()
         self._live: dict[str, _Live] = {}
         self.owners: list[str] = []
+        self._main_of: dict[str, str] = {}  # owner -> its main transport address
+        self._bulk_of: dict[str, str] = {}  # owner -> the peer name of its bulk connection
         self.phases = _Phases()
         self._split = _split_rows
+        # Continuous admission: submissions and cancels of queued ones cross threads via these;
+        # everything below them is engine-thread state.
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued: dict[str, int] = {}  # request_id -> submissions not yet drained (under _lock)
+        self._cancelled: set[str] = set()  # queued request ids cancelled before planning (under _lock)
+        self._pending: list[_Live] = []  # handed in, hand-off not yet admitted
+        self._running: list[_Live] = []  # the decode batch, in metadata row order
+        self._batch_meta: list | None = None  # per layer: selector metadata of _running, [B, ...]
+        self._next_owner = 0
 
     # ---------------------------------------------------------------- wiring
     def connect(self, addresses) -> list[str]:
         """addresses: what each prefill worker's listen() returned ("main|bulk")."""
         for address in addresses:
-            main, _, bulk = str(address).partition("|")
-            self.owners.append(self.endpoint.connect(main).name)
-            if bulk:
-                self.endpoint.connect(bulk)
+            self.connect_one(address)
         return list(self.owners)
+
+    def connect_one(self, address: str, connect_timeout: float | None = None) -> str:
+        """Connect to one prefill worker ("main|bulk", or a restarted one: its lost connections
+        are replaced) and return its name. Raises TransportError when it cannot be reached."""
+        main, _, bulk = str(address).partition("|")
+        kw = {} if connect_timeout is None else dict(connect_timeout=connect_timeout)
+        peers = self.endpoint.peers
+        name = next((o for o in self.owners if self._main_of.get(o) == main and o in peers and peers[o].alive), None)
+        if name is None:
+            name = self.endpoint.connect(main, **kw).name
+            self._main_of[name] = main
+        if bulk and not (self._bulk_of.get(name) in peers and peers[self._bulk_of[name]].alive):
+            self._bulk_of[name] = self.endpoint.connect(bulk, **kw).name
+        if name not in self.owners:
+            self.owners.append(name)
+        return name
 
     def close(self) -> None:
         self.endpoint.close()
 
     def _alive_owners(self) -> list[str]:
-        peers = self.endpoint.peers
-        return [o for o in self.owners if o in peers and peers[o].alive]
+        return [o for o in self.owners if self._owner_alive(o)]
 
     def _owner_alive(self, owner) -> bool:
-        p = self.endpoint.peers.get(owner)
-        return p is not None and p.alive
+        """Both of its connections are up: its hand-offs, metadata and pushes travel on the bulk
+        one, so a worker whose bulk connection died can no longer complete a request's hand-off."""
+        peers = self.endpoint.peers
+        p = peers.get(owner)
+        if p is None or not p.alive:
+            return False
+        bulk = self._bulk_of.get(owner)
+        return bulk is None or (bulk in peers and peers[bulk].alive)
 
     # ---------------------------------------------------------------- notifications
     def _get(self, rid):
@@ -260,11 +348,15 @@ class DecodeWorker:
             total += sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(out))
         return total
 
-    # ---------------------------------------------------------------- generate
+    # ---------------------------------------------------------------- static batch
     def generate(self, requests: list[Request], t0: float | None = None, on_token=None,
                  owner_of=None) -> list[RequestOutput]:
         """Decode a static batch; returns one output per request (finish_reason "error" with
         metrics.extra["error"] for a request whose prefill worker failed).
+
+        Every request is planned with one shared capacity and handed in at once, and decoding
+        starts when every hand-off has arrived; the steps are the ones `step()` runs. Requests
+        `submit`ted meanwhile join the running set and may outlive this call (drive them with `step`).
 
         Serving hooks: `on_token(request_id, token_id)` is called on this thread for every
         generated token as it is sampled (streaming); `owner_of(request)` may name the live
@@ -272,32 +364,187 @@ class DecodeWorker:
         t0 = time.time() if t0 is None else t0
         for r in requests:
             check_context(self.model, r)
-        cfg = self.model.cfg
-        B, H = len(requests), cfg.num_kv_heads
-        capacity = -(-max(len(r.prompt_token_ids) + r.params.max_tokens for r in requests)
-                     // CAPACITY_BUCKET) * CAPACITY_BUCKET
+        capacity = _bucket(max(len(r.prompt_token_ids) + r.params.max_tokens for r in requests))
         owners = self._alive_owners()
         if not owners and self.on_failure != "recompute":
             raise RequestFailed("no live prefill worker is connected; start `jkv prefill-worker` processes "
                                 "or use on_failure='recompute'")
+        outputs: dict[int, RequestOutput] = {}
         lives = []
         try:
             for b, r in enumerate(requests):
                 want = owner_of(r) if owner_of is not None else None
-                lv = self._plan(r, f"{r.request_id}.{id(self)}.{time.monotonic_ns()}", capacity,
+                lv = self._plan(r, self._rid(r), capacity,
                                 want if want in owners else owners[b % len(owners)] if owners else None)
+                lv.t0, lv.on_token, lv.on_done = t0, on_token, functools.partial(outputs.__setitem__, b)
                 with self._lock:
                     self._live[lv.rid] = lv
                 lives.append(lv)
+            self._pending.extend(lives)
             self._hand_in(lives)
             self._await_handoffs(lives)
-            return self._decode(lives, capacity, t0, on_token)
+            self._admit(lives)
+            while len(outputs) < len(lives):
+                assert self._running, "requests of this batch left the running set without an output"
+                self._decode_step()
+                self._drain(0.0)
+            return [outputs[b] for b in range(len(lives))]
         finally:
             for lv in lives:
-                self._finish_request(lv, unregister=True)
+                if not lv.completed:
+                    self._finish_request(lv, unregister=True)
+                    self._forget(lv)
+
+    # ---------------------------------------------------------------- continuous admission
+    def submit(self, request: Request, *, on_token=None, on_done=None, owner: str | None = None,
+               t0: float | None = None) -> None:
+        """Queue a request for the running set (any thread). The engine thread plans it and hands
+        it to a prefill worker at its next `step`, and it joins the decode batch at the first step
+        boundary after its hand-off. `on_token(request_id, token_id)` and `on_done(RequestOutput)`
+        run on the engine thread; `on_done` is called exactly once (also for errors and cancels).
+        `owner` names the prefill worker that should own its KV (unknown or dead: round robin).
+        Raises PromptTooLongError (a ValueError) at once when the request does not fit the model's context."""
+        check_context(self.model, request)
+        with self._lock:
+            self._queued[request.request_id] = self._queued.get(request.request_id, 0) + 1
+        self._inbox.put(_Submission(request, on_token, on_done, owner, time.time() if t0 is None else t0))
+
+    @property
+    def num_active(self) -> int:
+        """Requests submitted and not yet done (queued, awaiting their hand-off, or decoding)."""
+        with self._lock:
+            return sum(self._queued.values()) + len(self._live)
+
+    def step(self, wait: float = 0.0) -> bool:
+        """Engine thread: admit what arrived, then run one decode step of the running set.
+
+        Idle (nothing pending or running), it blocks up to `wait` seconds for a submission.
+        Returns whether requests remain in flight. An engine error fails every request in flight
+        (their `on_done` gets finish_reason "error") and is logged, not raised."""
+        try:
+            self._drain(0.0 if self._pending or self._running else wait)
+            self._poll_handoffs()
+            arrived = [lv for lv in self._pending if lv.handoff.is_set()]
+            if arrived:
+                self._admit(arrived)
+            if self._running:
+                self._decode_step()
+            elif self._pending:
+                self._pending[0].handoff.wait(0.01)
+        except Exception as e:  # noqa: BLE001 - every request in flight is failed with the reason
+            log.exception("decode step failed; failing %d requests", len(self._running) + len(self._pending))
+            for lv in self._running + self._pending:
+                lv.error = lv.error or f"request {lv.req.request_id}: engine error: {e}"
+                self._complete(lv, ("error", [], ""))
+            self._running, self._pending, self._batch_meta = [], [], None
+        return bool(self._running or self._pending or not self._inbox.empty())
+
+    def _rid(self, r: Request) -> str:
+        return f"{r.request_id}.{id(self)}.{time.monotonic_ns()}"
+
+    def _drain(self, wait: float) -> None:
+        """Plan and hand in the queued submissions; a queued one cancelled meanwhile is dropped."""
+        subs = []
+        try:
+            item = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
+            while True:
+                subs.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        if not subs:
+            return
+        owners = self._alive_owners()
+        lives = []
+        for s in subs:
+            rid = s.req.request_id
             with self._lock:
-                for lv in lives:
-                    self._live.pop(lv.rid, None)
+                self._queued[rid] -= 1
+                if not self._queued[rid]:
+                    del self._queued[rid]
+                cancelled = rid in self._cancelled
+                self._cancelled.discard(rid)
+            error = f"request {rid}: cancelled" if cancelled else None
+            if error is None and not owners and self.on_failure != "recompute":
+                error = (f"request {rid}: no live prefill worker is connected; start `jkv prefill-worker` "
+                         "processes or use on_failure='recompute'")
+            if error is None:
+                owner = s.owner if s.owner in owners else owners[self._next_owner % len(owners)] if owners else None
+                self._next_owner += 1
+                try:
+                    capacity = _bucket(len(s.req.prompt_token_ids) + s.req.params.max_tokens)
+                    lv = self._plan(s.req, self._rid(s.req), capacity, owner)
+                except Exception as e:  # noqa: BLE001 - a request that cannot be planned fails alone
+                    error = f"request {rid}: {e}"
+            if error is not None:
+                if s.on_done is not None:
+                    s.on_done(_error_output(s.req, error))
+                continue
+            lv.t0, lv.on_token, lv.on_done = s.t0, s.on_token, s.on_done
+            with self._lock:
+                self._live[lv.rid] = lv
+            lives.append(lv)
+        self._pending.extend(lives)
+        self._hand_in(lives)
+
+    def _poll_handoffs(self) -> None:
+        """Non-blocking `_await_handoffs`: a request whose owner died before its hand-off fails or
+        is recomputed (on_failure)."""
+        for lv in list(self._pending):
+            if not lv.handoff.is_set() and (lv.owner is None or not self._owner_alive(lv.owner)):
+                self._owner_failed(lv.owner, TransportError("connection lost before the hand-off"), self._pending)
+                lv.handoff.set()  # an owner of None (recompute) is handled by `_admit`
+
+    def _admit(self, arrived) -> None:
+        """Step boundary: requests whose hand-off arrived join the running set (their first token
+        is the one prefill sampled); failed ones complete with an error."""
+        joined = []
+        for lv in arrived:
+            self._pending.remove(lv)
+            if not lv.cancelled and not lv.recomputed and (
+                    lv.owner is None or (lv.error is not None and self.on_failure == "recompute")):
+                self._recompute(lv, before_handoff=True)
+            if lv.error is not None:
+                self._complete(lv, ("error", [], ""))
+                continue
+            lv.checker = _StopChecker(self.model.tokenizer, lv.req.params, self.model.cfg.eos_token_ids)
+            lv.current, lv.position = lv.first_token, lv.geometry.num_tokens
+            lv.gen, lv.times = [lv.first_token], [(lv.t_first or time.time()) - lv.t0]
+            joined.append(lv)
+        if not joined:
+            return
+        if not self._running:
+            self.phases = _Phases()
+        self._restack(self._running + joined)
+        for lv in joined:
+            self._maybe_release(lv)
+        for lv in joined:
+            if lv.on_token is not None:
+                lv.on_token(lv.req.request_id, lv.gen[0])
+            reason, ids, text = lv.checker.finish(lv.gen)
+            if reason:
+                self._complete(lv, (reason, ids, text))
+        self._leave()
+
+    def _leave(self) -> None:
+        """Step boundary: completed requests leave the running set (metadata is re-stacked)."""
+        if any(lv.completed for lv in self._running):
+            self._restack([lv for lv in self._running if not lv.completed])
+
+    def _complete(self, lv, done) -> None:
+        """A request is done: free its KV on both sides and hand its output to `on_done`."""
+        lv.finished = done[0] != "error"
+        lv.completed = True
+        self._finish_request(lv, unregister=True)
+        self._forget(lv)
+        if lv.on_done is not None:
+            lv.on_done(self._output(lv, done))
+
+    def _forget(self, lv) -> None:
+        with self._lock:
+            self._live.pop(lv.rid, None)
+        if lv in self._pending:
+            self._pending.remove(lv)
 
     def _hand_in(self, lives):
         by_owner: dict[str, list] = {}
@@ -327,9 +574,6 @@ class DecodeWorker:
                 if lv.owner is None or not self._owner_alive(lv.owner):
                     self._owner_failed(lv.owner, TransportError("connection lost before the hand-off"), lives)
                     break
-        for lv in lives:
-            if lv.owner is None or (lv.error is not None and self.on_failure == "recompute"):
-                self._recompute(lv, before_handoff=True)
 
     def _owner_failed(self, owner, error, lives):
         for lv in lives:
@@ -397,146 +641,145 @@ class DecodeWorker:
             out.append(jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in leaves]))
         return out
 
-    # ---------------------------------------------------------------- the decode loop
-    def _decode(self, lives, capacity, t0, on_token=None):
+    # ---------------------------------------------------------------- the decode step
+    def _restack(self, members) -> None:
+        """Membership change at a step boundary: each current member's rows of the batched selector
+        metadata go back into its `lv.meta`, then the batch is rebuilt for `members` with
+        N_cap = the largest member capacity (each a CAPACITY_BUCKET multiple)."""
+        if self._batch_meta is not None and needs_metadata(self.selector):
+            keep = {id(lv) for lv in members}
+            for b, lv in enumerate(self._running):
+                if id(lv) not in keep:
+                    continue
+                for layer, meta in enumerate(self._batch_meta):
+                    if meta is not None:
+                        lv.meta[layer] = [np.asarray(x[b:b + 1]) for x in jax.tree_util.tree_leaves(meta)]
+        self._running = list(members)
+        self._batch_meta = self._metadata(self._running, max(lv.kv.capacity for lv in members)) if members else None
+
+    def _decode_step(self) -> None:
+        """One decode step of the running set (one token per request), then the step boundary:
+        finished requests complete and leave."""
         model, cfg, sel = self.model, self.model.cfg, self.selector
+        lives, metadata = self._running, self._batch_meta
         B, H, L = len(lives), cfg.num_kv_heads, cfg.num_layers
+        capacity = max(lv.kv.capacity for lv in lives)
         dense_below = L if sel.is_dense else sel.config.dense_layers
-        metadata = self._metadata(lives, capacity)
-        for lv in lives:
-            self._maybe_release(lv)
         params = [lv.req.params for lv in lives]
         temperature = np.asarray([p.temperature for p in params], np.float32)
-        any_sampled = bool((temperature > 0).any())
-        top_k = np.asarray([p.top_k for p in params], np.int32)
-        top_p = np.asarray([p.top_p for p in params], np.float32)
-        seeds = np.asarray([p.seed if p.seed is not None else 0 for p in params], np.uint32)
-        checkers = [_StopChecker(model.tokenizer, p, cfg.eos_token_ids) for p in params]
-        current = np.asarray([lv.first_token if lv.first_token is not None else 0 for lv in lives], np.int32)
-        gen = [[int(current[b])] for b in range(B)]
-        times = [[(lv.t_first or time.time()) - t0] for lv in lives]
-        done = [None] * B
-        for b, lv in enumerate(lives):
-            if lv.error is not None:
-                done[b] = ("error", [], "")
-                continue
-            if on_token is not None:
-                on_token(lv.req.request_id, gen[b][0])
-            reason, ids, text = checkers[b].finish(gen[b])
-            if reason:
-                done[b] = (reason, ids, text)
-                lv.finished = True
-                self._finish_request(lv)
-        positions = np.asarray([lv.geometry.num_tokens for lv in lives], np.int32)
-        steps = np.zeros(B, np.int32)
-        clock = self.phases = _Phases()
-        while not all(done):
-            clock.new_step()
-            pos = jnp.asarray(positions)
-            now_cached = positions + 1
-            x = model.embed(jnp.asarray(current))
-            x_prev = x
-            step_remote = np.zeros(B, np.int64)
-            step_selected = np.zeros(B, np.int64)
-            for layer in range(L):
-                # Speculation starts after the first decode step: that step's on-demand rows are the
-                # stage-transition stall (TTST) and get the whole link (SmartGen §4.3 uses idle link).
-                if self.transfer.speculative and len(clock.steps) > 1 and (layer == 0 or self.transfer.spec_every_layer):
-                    self._trigger_speculation(lives)
-                    clock.lap("spec")
-                q, k, v = model.qkv(layer, x, pos)
-                kn, vn = np.asarray(k, np.float32), np.asarray(v, np.float32)
-                clock.lap("qkv")
-                for b, lv in enumerate(lives):
-                    lv.kv.kv[0, layer, :, positions[b]] = kn[b]
-                    lv.kv.kv[1, layer, :, positions[b]] = vn[b]
-                    lv.kv.mask[layer, positions[b]] = LOCAL
-                if layer < dense_below:
-                    grid = np.arange(capacity, dtype=np.int32)[None, :]
-                    kv_index = np.where(grid < np.repeat(now_cached, H)[:, None], grid, -1).astype(np.int32)
-                else:
-                    metadata[layer] = sel.append(layer, metadata[layer], k, pos)
-                    x_in_prev = x_prev
-                    query = sel.decode_query(layer, q, lambda: model.qkv(layer, x_in_prev, pos)[0])
-                    kv_index = np.asarray(sel.select(layer, query, metadata[layer], jnp.asarray(now_cached)))
-                clock.lap("select")
-                K_sel, V_sel, remote_rows = self._gather(lives, layer, kv_index)
-                valid = (kv_index >= 0).sum(axis=1).reshape(B, H).astype(np.int32)
-                step_selected += valid.sum(axis=1)
-                step_remote += remote_rows.reshape(B, H).sum(axis=1)
-                clock.count("selected_n", valid.sum())
-                clock.count("remote_n", remote_rows.sum())
-                x_prev = x
-                x = model.attend_and_mlp(layer, x, q, jnp.asarray(K_sel), jnp.asarray(V_sel), jnp.asarray(valid))
-                x.block_until_ready()
-                clock.lap("attend")
-            logits = model.logits(x)
-            steps = steps + 1
-            if any_sampled:
-                current = np.asarray(sample_tokens(logits, temperature, top_k, top_p, seeds, steps))
-            else:
-                current = np.asarray(jnp.argmax(logits, -1), np.int32)
-            clock.lap("logits")
-            now = time.time() - t0
-            positions = np.minimum(positions + 1, capacity - 1)
+        positions = np.asarray([lv.position for lv in lives], np.int32)
+        clock = self.phases
+        clock.new_step()
+        for lv in lives:
+            lv.step_phases.append(clock.steps[-1])
+        # Speculation starts after a request's first decode step: that step's on-demand rows are the
+        # stage-transition stall (TTST) and get the whole link (SmartGen §4.3 uses idle link).
+        speculating = [lv for lv in lives if lv.steps > 0] if self.transfer.speculative else []
+        pos = jnp.asarray(positions)
+        now_cached = positions + 1
+        x = model.embed(jnp.asarray([lv.current for lv in lives], jnp.int32))
+        x_prev = x
+        step_remote = np.zeros(B, np.int64)
+        step_selected = np.zeros(B, np.int64)
+        for layer in range(L):
+            if speculating and (layer == 0 or self.transfer.spec_every_layer):
+                self._trigger_speculation(speculating)
+                clock.lap("spec")
+            q, k, v = model.qkv(layer, x, pos)
+            kn, vn = np.asarray(k, np.float32), np.asarray(v, np.float32)
+            clock.lap("qkv")
             for b, lv in enumerate(lives):
-                if done[b]:
-                    continue
-                lv.selected += int(step_selected[b])
-                lv.remote += int(step_remote[b])
-                lv.step_selected.append(int(step_selected[b]))
-                lv.step_remote.append(int(step_remote[b]))
-                if lv.error is not None:
-                    done[b] = ("error", [], "")
-                    continue
-                gen[b].append(int(current[b]))
-                times[b].append(now)
-                if on_token is not None:
-                    on_token(lv.req.request_id, gen[b][-1])
-                reason, ids, text = checkers[b].finish(gen[b])
-                if reason:
-                    done[b] = (reason, ids, text)
-                    lv.finished = True
-                    self._finish_request(lv)
-                else:
-                    self._maybe_release(lv)
-        return [self._output(lv, done[b], times[b]) for b, lv in enumerate(lives)]
+                lv.kv.kv[0, layer, :, positions[b]] = kn[b]
+                lv.kv.kv[1, layer, :, positions[b]] = vn[b]
+                lv.kv.mask[layer, positions[b]] = LOCAL
+            if layer < dense_below:
+                grid = np.arange(capacity, dtype=np.int32)[None, :]
+                kv_index = np.where(grid < np.repeat(now_cached, H)[:, None], grid, -1).astype(np.int32)
+            else:
+                metadata[layer] = sel.append(layer, metadata[layer], k, pos)
+                x_in_prev = x_prev
+                query = sel.decode_query(layer, q, lambda: model.qkv(layer, x_in_prev, pos)[0])
+                kv_index = np.asarray(sel.select(layer, query, metadata[layer], jnp.asarray(now_cached)))
+            clock.lap("select")
+            K_sel, V_sel, remote_rows = self._gather(lives, layer, kv_index, capacity)
+            valid = (kv_index >= 0).sum(axis=1).reshape(B, H).astype(np.int32)
+            step_selected += valid.sum(axis=1)
+            step_remote += remote_rows.reshape(B, H).sum(axis=1)
+            clock.count("selected_n", valid.sum())
+            clock.count("remote_n", remote_rows.sum())
+            x_prev = x
+            x = model.attend_and_mlp(layer, x, q, jnp.asarray(K_sel), jnp.asarray(V_sel), jnp.asarray(valid))
+            x.block_until_ready()
+            clock.lap("attend")
+        logits = model.logits(x)
+        steps = np.asarray([lv.steps + 1 for lv in lives], np.int32)
+        if bool((temperature > 0).any()):
+            current = np.asarray(sample_tokens(
+                logits, temperature, np.asarray([p.top_k for p in params], np.int32),
+                np.asarray([p.top_p for p in params], np.float32),
+                np.asarray([p.seed if p.seed is not None else 0 for p in params], np.uint32), steps))
+        else:
+            current = np.asarray(jnp.argmax(logits, -1), np.int32)
+        clock.lap("logits")
+        for b, lv in enumerate(lives):
+            lv.steps, lv.current = int(steps[b]), int(current[b])
+            lv.position = min(lv.position + 1, lv.kv.capacity - 1)
+            lv.selected += int(step_selected[b])
+            lv.remote += int(step_remote[b])
+            lv.step_selected.append(int(step_selected[b]))
+            lv.step_remote.append(int(step_remote[b]))
+            if lv.error is not None:
+                self._complete(lv, ("error", [], ""))
+                continue
+            lv.gen.append(lv.current)
+            lv.times.append(time.time() - lv.t0)
+            if lv.on_token is not None:
+                lv.on_token(lv.req.request_id, lv.current)
+            reason, ids, text = lv.checker.finish(lv.gen)
+            if reason:
+                self._complete(lv, (reason, ids, text))
+            else:
+                self._maybe_release(lv)
+        self._leave()
 
-    def _output(self, lv, done, times):
+    def _output(self, lv, done):
         reason, ids, text = done
         if reason == "error":
-            m = RequestMetrics(prompt_tokens=lv.geometry.num_tokens, extra=dict(error=lv.error))
-            return RequestOutput(lv.req.request_id, lv.req.prompt, list(lv.req.prompt_token_ids), "", [], "error", m)
+            return _error_output(lv.req, lv.error)
         bytes_ = dict(proactive=0, speculative=0, on_demand=0, metadata=0)
         bytes_.update({k: v for k, v in lv.bytes.items() if k in bytes_})
         bytes_["on_demand"] = max(bytes_["on_demand"], lv.fetch_bytes)
         m = RequestMetrics.from_token_times(
-            lv.geometry.num_tokens, times, on_demand_ratio=lv.remote / lv.selected if lv.selected else 0.0,
+            lv.geometry.num_tokens, lv.times, on_demand_ratio=lv.remote / lv.selected if lv.selected else 0.0,
             step_on_demand_ratio=[r / s if s else 0.0 for r, s in zip(lv.step_remote, lv.step_selected)],
             bytes=bytes_, kr=lv.kr, blocks=int(len(lv.order)), prefill_s=lv.prefill_s, owner=lv.owner,
-            recomputed=lv.recomputed, mode=self.transfer.mode, step_phases=self.phases.steps,
+            recomputed=lv.recomputed, mode=self.transfer.mode, step_phases=lv.step_phases,
             **({} if lv.compression is None else dict(compression=lv.compression.spec_id)))
         return RequestOutput(lv.req.request_id, lv.req.prompt, list(lv.req.prompt_token_ids), text, ids, reason, m)
 
     # ---------------------------------------------------------------- lanes
-    def _gather(self, lives, layer, kv_index):
-        """kv_index: i32[B*H, k] -> K_sel, V_sel: f32[B, H, k, D] in selection order, remote: i32[B*H]."""
-        B, H = len(lives), self.model.cfg.num_kv_heads
+    def _gather(self, lives, layer, kv_index, capacity):
+        """kv_index: i32[B*H, k] -> K_sel, V_sel: f32[B, H, k, D] in selection order, remote: i32[B*H].
+        capacity: the batch N_cap (>= every member's own pool capacity)."""
         while True:
             try:
-                return self._gather_once(lives, layer, kv_index)
+                return self._gather_once(lives, layer, kv_index, capacity)
             except _OwnerDown as e:
-                self._owner_failed(e.owner, e.error, lives)
+                self._owner_failed(e.owner, e.error, lives + self._pending)
 
-    def _gather_once(self, lives, layer, kv_index):
+    def _gather_once(self, lives, layer, kv_index, capacity):
         B, H = len(lives), self.model.cfg.num_kv_heads
         k = kv_index.shape[1]
         # One snapshot of the mask per row (request, KV head): [B*H_kv, N_cap]. Rows fetched on
         # demand earlier are kept in the pool (KV reuse, DESIGN.md) and count as local here; the
         # shared token mask itself still only turns 1 when a block lands.
-        mask = np.repeat(np.stack([lv.kv.mask[layer] for lv in lives]), H, axis=0)
+        # Members with a smaller pool than the batch N_cap are padded with PAD (never selected).
+        token_mask = np.full((len(lives), capacity), PAD, np.int8)
         for b, lv in enumerate(lives):
-            rows = mask[b * H:(b + 1) * H]
+            token_mask[b, :lv.kv.capacity] = lv.kv.mask[layer]
+        mask = np.repeat(token_mask, H, axis=0)
+        for b, lv in enumerate(lives):
+            rows = mask[b * H:(b + 1) * H, :lv.kv.capacity]
             if not lv.active or lv.released:  # nothing remote to fetch (inactive rows are ignored)
                 rows[rows == REMOTE] = LOCAL
             else:
@@ -636,8 +879,18 @@ class DecodeWorker:
             self._release_remote(lv)
 
     def _release_remote(self, lv):
-        lv.released = True
-        if lv.owner is None or not self._owner_alive(lv.owner):
+        """Tell the owner to drop the request's KV; idempotent. Holds lv.free_lock for the RPC, so a
+        concurrent `_finish_request` (cancel on another thread) unregisters the regions only after
+        the owner has stopped writing into them."""
+        with lv.free_lock:
+            if lv.released:
+                return
+            lv.released = True
+            self._free_on_owner(lv)
+
+    def _free_on_owner(self, lv):
+        main = self.endpoint.peers.get(lv.owner) if lv.owner is not None else None
+        if main is None or not main.alive:  # "free" is an RPC on the main connection
             return
         try:
             header, _ = proto.unpack(self.endpoint.peer(lv.owner).call("free", proto.pack(dict(rid=lv.rid)),
@@ -649,9 +902,13 @@ class DecodeWorker:
             log.warning("freeing request %s on %r failed: %s", lv.req.request_id, lv.owner, e)
 
     def _finish_request(self, lv, unregister: bool = False):
-        if not lv.released:
+        with lv.free_lock:
             self._release_remote(lv)
-        if unregister and self.pool.get(lv.rid) is not None:
+            if unregister:
+                self._unregister(lv)
+
+    def _unregister(self, lv):
+        if self.pool.get(lv.rid) is not None:
             for name in (proto.kv_region(lv.rid), proto.mask_region(lv.rid)):
                 try:
                     self.endpoint.unregister(name)
@@ -660,12 +917,21 @@ class DecodeWorker:
             self.pool.free(lv.rid)
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a running request: its prefill worker frees its KV; decode stops fetching for it."""
+        """Cancel a queued or running request (any thread); False if none is in flight.
+
+        A planned request's KV is freed before this returns: its prefill worker drops it (an RPC),
+        then its regions here are unregistered and its pool freed; decode stops fetching for it at
+        once and it leaves the running set at the next step boundary, completing with finish_reason
+        "error" ("cancelled"). A queued one is dropped when the engine thread drains the queue."""
         with self._lock:
-            lives = [lv for lv in self._live.values() if lv.req.request_id == request_id]
+            lives = [lv for lv in self._live.values() if lv.req.request_id == request_id and not lv.completed]
+            queued = request_id in self._queued
+            if queued:
+                self._cancelled.add(request_id)
         for lv in lives:
+            lv.cancelled = True
             lv.error = f"request {request_id}: cancelled"
             lv.handoff.set()
             self._release_remote(lv)
             self._finish_request(lv, unregister=True)  # prefill has dropped it: no more writes land
-        return bool(lives)
+        return bool(lives) or queued

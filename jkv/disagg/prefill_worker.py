@@ -100,6 +100,11 @@ class _Held:
     spec_cap: int
     lease_until: float
     inflight: list = dataclasses.field(default_factory=list)
+    # Guards `released` against a push in progress: once `_release` has set it, no write is issued
+    # into the decode side's region (which decode unregisters when "free" returns; a WRITE to an
+    # unknown region is a protocol error that closes the whole connection).
+    push_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    released: bool = False
     spec_busy: object = None
     codec: object = None  # kv_transfer.RequestCodec: this request's KV moves compressed (KVServe)
     bytes: dict = dataclasses.field(default_factory=lambda: dict(proactive=0, speculative=0, on_demand=0, metadata=0))
@@ -279,7 +284,14 @@ class PrefillWorker:
     # ---------------------------------------------------------------- pushes
     def _push(self, peer, h: _Held, layer: int, blocks, path: str):
         """One write_many of `blocks` (indices m of `layer`): per contiguous run, K rows of every
-        head, V rows of every head, then the run's mask bytes (ordered after the rows)."""
+        head, V rows of every head, then the run's mask bytes (ordered after the rows). Nothing
+        once the request is released (decode freed it)."""
+        with h.push_lock:
+            if h.released:
+                return None
+            return self._push_locked(peer, h, layer, blocks, path)
+
+    def _push_locked(self, peer, h: _Held, layer: int, blocks, path: str):
         if h.codec is not None:
             return self._push_compressed(peer, h, layer, blocks, path)
         items, nbytes = [], 0
@@ -392,6 +404,8 @@ class PrefillWorker:
             h = self._held.pop(rid, None)
         if h is None:
             return None
+        with h.push_lock:  # waits for a push in progress; none starts after this
+            h.released = True
         for t in h.inflight:
             try:
                 t.wait(timeout=60.0 if self.endpoint.peers else 1.0)

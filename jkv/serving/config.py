@@ -156,8 +156,9 @@ _HELP = {
     "graceful_timeout": (float, "on SIGTERM/SIGINT, seconds to let in-flight requests finish before exit"),
     "log_level": (str, "debug, info, warning or error"),
     "disaggregation": (str, "role all/decode: SmartGen transfer mode full, partial, +profile, +parallel or "
-                            "smartgen (role decode default: smartgen). The disaggregated engine is a static "
-                            "batch: requests that arrive while a batch decodes wait for the next batch"),
+                            "smartgen (role decode default: smartgen). The disaggregated engine batches "
+                            "continuously: a request joins the running decode batch once its prefill hand-off "
+                            "arrives"),
     "num_prefill_workers": (int, "role all --disaggregation: local prefill worker processes to start"),
     "prefill_worker": (str, "role decode: transport address (main|bulk) of a prefill worker, as a "
                             "`--role prefill` server logs it and reports on /health (repeatable)"),

@@ -4,32 +4,33 @@
     engine = DisaggBatcher(model, decode_worker, BatcherConfig(max_slots, max_model_len), metrics)
     engine.start(); engine.submit(EngineRequest(...)); engine.cancel(request_id); engine.stop()
 
-`server.create_app` drives it exactly like the colocated batcher. The difference is admission:
-`DecodeWorker.generate` decodes a *static batch* (plan, hand-in to the prefill workers, wait for
-every hand-off, decode until all finish), so requests are admitted at batch boundaries — up to
-`max_slots` waiting requests form the next batch, and a request arriving while a batch decodes
-waits for it to finish (its wait is part of its TTFT). Tokens stream out as they are sampled
-through the worker's `on_token` hook; each request's `TextStream` turns them into deltas with
-the same stop rules the worker applies, so the streamed text equals its final output.
+`server.create_app` drives it exactly like the colocated batcher. Admission is continuous: while
+fewer than `max_slots` requests are in flight, a waiting request is submitted to the worker at
+once (planned and handed to a prefill worker without pausing the running batch) and joins the
+decode batch at the first step boundary after its hand-off; a finished one leaves at the step
+boundary where it ends. Tokens stream out as they are sampled through the worker's `on_token`
+hook; each request's `TextStream` turns them into deltas with the same stop rules the worker
+applies, so the streamed text equals its final output.
 
 KV owner: an `EngineRequest.kv_owner` (the router's `X-JKV-Prefill-Worker` header, a prefill
 worker's transport address) makes that prefill worker own the request's KV; an address this
-worker is not connected to yet is connected at the next batch boundary; a dead or unknown one
+worker is not connected to yet is connected when the request is admitted; a dead or unknown one
 falls back to round robin over the live prefill workers.
 
-Threads. The engine thread owns the DecodeWorker (`generate` runs there, and `on_token` is
-called there). `submit` / `cancel` come from the event loop: a submit goes through a
-`queue.SimpleQueue`; a cancel of a waiting request is finished at once, a cancel of a running
-one ends its stream at once and is passed to a control thread that calls
-`DecodeWorker.cancel` (an RPC that frees the KV on the prefill worker, then on this side;
-the worker is built for cancel from another thread while `generate` runs). Per-request state
-is guarded by `self._lock`; a request's events go out in order and nothing follows its final
-event (`_Run.closed`). `stop()` fails waiting requests, cancels running ones and joins both
-threads.
+Threads. The engine thread owns the DecodeWorker: it admits waiting requests, calls
+`DecodeWorker.step` in a loop, and runs the worker's `on_token` / `on_done` callbacks.
+`submit` / `cancel` come from the event loop: a submit goes through a `queue.SimpleQueue`; a
+cancel of a waiting request is finished at once, a cancel of a running one ends its stream at
+once and is passed to a control thread that calls `DecodeWorker.cancel` (an RPC that frees the
+KV on the prefill worker, then on this side; the request leaves the decode batch at the next
+step boundary). Per-request state is guarded by `self._lock`; a request's events go out in
+order and nothing follows its final event (`_Run.closed`). `stop()` fails waiting requests,
+cancels running ones (the engine thread retires them from the worker) and joins both threads.
 """
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import queue
 import threading
@@ -96,7 +97,7 @@ class DisaggBatcher:
         """Cancel a waiting or running request (thread-safe); its KV is freed on both roles."""
         with self._lock:
             run = self._running.get(request_id)
-            if run is None:  # waiting (or unknown): dropped when its batch forms
+            if run is None:  # waiting (or unknown): dropped when it would be admitted
                 self._cancelled_waiting.add(request_id)
                 return
             run.cancelled = True
@@ -122,11 +123,11 @@ class DisaggBatcher:
     def stop(self, timeout: float = 30.0):
         self._stop.set()
         self._inbox.put(None)
-        self._cancels.put(None)
         with self._lock:
             running = list(self._running)
         for rid in running:
             self.cancel(rid)
+        self._cancels.put(None)
         for t in self._threads:
             t.join(timeout)
             if t.is_alive():
@@ -161,8 +162,9 @@ class DisaggBatcher:
 
     def _loop(self):
         while not self._stop.is_set():
+            busy = bool(self._waiting or self.worker.num_active)
             try:
-                item = self._inbox.get(timeout=0.5) if not self._waiting else self._inbox.get_nowait()
+                item = self._inbox.get_nowait() if busy else self._inbox.get(timeout=0.5)
             except queue.Empty:
                 item = None
             while item is not None:
@@ -171,14 +173,16 @@ class DisaggBatcher:
                     item = self._inbox.get_nowait()
                 except queue.Empty:
                     item = None
-            batch = self._take_batch()
-            if batch:
-                self._run_batch(batch)
+            self._admit()
+            if self.worker.num_active:
+                self.worker.step()
         self._fail_waiting("the server is shutting down")
+        self._retire_worker()
 
-    def _take_batch(self) -> list[_Run]:
-        batch = []
-        while self._waiting and len(batch) < self.config.max_slots:
+    def _admit(self):
+        """Waiting requests go to the worker while fewer than max_slots are in flight."""
+        admitted = 0
+        while self._waiting and len(self._running) < self.config.max_slots:
             req = self._waiting.popleft()
             with self._lock:
                 self._n_waiting -= 1
@@ -189,68 +193,66 @@ class DisaggBatcher:
                     self._running[req.request_id] = run
             if cancelled:
                 self._finish(run, "cancelled")
-            else:
-                batch.append(run)
+                continue
+            if self.metrics is not None:
+                self.metrics.observe_prefill(len(req.prompt_token_ids))
+            try:
+                self.worker.submit(Request(req.request_id, req.prompt_token_ids, req.prompt_token_ids, req.params),
+                                   on_token=lambda _rid, token, run=run: self._on_token(run, token),
+                                   on_done=functools.partial(self._on_done, run), owner=self._owner(req.kv_owner))
+            except Exception as e:  # noqa: BLE001 - the request fails alone, with the reason
+                log.exception("submitting request %s to the decode worker failed", req.request_id)
+                self._on_done(run, None, error=f"engine error: {e}")
+                continue
+            admitted += 1
+        if admitted and self.metrics is not None and self.metrics.kv is not None:
+            self.metrics.kv.batches.inc()
         self._set_gauges()
-        return batch
+
+    def _retire_worker(self, max_steps: int = 1000):
+        """Shutdown: cancel what the worker still holds and step until it has retired it all."""
+        with self._lock:
+            running = list(self._running)
+        for rid in running:
+            self.worker.cancel(rid)
+        for _ in range(max_steps):
+            if not self.worker.num_active:
+                return
+            self.worker.step()
+        log.error("the decode worker still holds %d requests at shutdown", self.worker.num_active)
 
     def _owner(self, address: str | None) -> str | None:
         """The prefill worker named by a transport address; connects to a new or restarted one."""
         if not address:
             return None
-        main, _, bulk = address.partition("|")
+        main = address.partition("|")[0]
         name = self._owner_by_main.get(main)
         if name is not None and self.worker._owner_alive(name):
             return name
         try:
-            name = self.worker.endpoint.connect(main, connect_timeout=CONNECT_TIMEOUT_S).name
-            if bulk:
-                self.worker.endpoint.connect(bulk, connect_timeout=CONNECT_TIMEOUT_S)
+            name = self.worker.connect_one(address, connect_timeout=CONNECT_TIMEOUT_S)
         except Exception as e:  # a dead address: round robin over the live workers instead
             log.warning("cannot connect to prefill worker %s (%s); using another one", address, e)
             return None
-        if name not in self.worker.owners:
-            self.worker.owners.append(name)
         self._owner_by_main[main] = name
         log.info("decode: connected to prefill worker %s at %s", name, address)
         return name
 
-    def _run_batch(self, batch: list[_Run]):
-        runs = {r.req.request_id: r for r in batch}
-        by_address = {a: self._owner(a) for a in {r.req.kv_owner for r in batch}}  # one connect try per address
-        owners = {rid: by_address[r.req.kv_owner] for rid, r in runs.items()}
-        requests = [Request(r.req.request_id, r.req.prompt_token_ids, r.req.prompt_token_ids, r.req.params)
-                    for r in batch]
-        if self.metrics is not None:
-            for r in batch:
-                self.metrics.observe_prefill(len(r.req.prompt_token_ids))
-            if self.metrics.kv is not None:
-                self.metrics.kv.batches.inc()
-        try:
-            outs = self.worker.generate(requests, on_token=lambda rid, tok: self._on_token(runs[rid], tok),
-                                        owner_of=lambda req: owners.get(req.request_id))
-        except Exception as e:
-            log.exception("decode batch of %d requests failed", len(batch))
-            if self.metrics is not None and self.metrics.kv is not None:
-                self.metrics.kv.failed(len(batch))
-            for r in batch:
-                self._finish(r, "error", error=f"engine error: {e}")
-            outs = []
-        for o in outs:
-            r = runs[o.request_id]
-            if self.metrics is not None and self.metrics.kv is not None:
-                self.metrics.kv.observe_output(o.metrics.extra)
-            if o.finish_reason == "error":
-                if not r.cancelled:
-                    if self.metrics is not None and self.metrics.kv is not None:
-                        self.metrics.kv.failed()
-                    self._finish(r, "error", error=o.metrics.extra.get("error") or "decode failed")
-            elif not r.closed:  # the worker stopped it where the stream did not (should not happen)
-                self._finish(r, o.finish_reason, final_text=o.text)
+    def _on_done(self, run: _Run, out, error: str | None = None):
+        """The worker's `on_done` (engine thread): a request left the decode batch."""
         with self._lock:
-            for rid in runs:
-                self._running.pop(rid, None)
-                self._cancelled_waiting.discard(rid)
+            self._running.pop(run.req.request_id, None)
+            self._cancelled_waiting.discard(run.req.request_id)
+        kv = self.metrics.kv if self.metrics is not None else None
+        if kv is not None and out is not None:
+            kv.observe_output(out.metrics.extra)
+        if out is None or out.finish_reason == "error":
+            if not run.cancelled:
+                if kv is not None:
+                    kv.failed()
+                self._finish(run, "error", error=error or out.metrics.extra.get("error") or "decode failed")
+        elif not run.closed:  # the worker stopped it where the stream did not (should not happen)
+            self._finish(run, out.finish_reason, final_text=out.text)
         self._set_gauges()
 
     def _on_token(self, run: _Run, token_id: int):

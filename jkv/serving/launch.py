@@ -44,8 +44,9 @@ def add_decode_worker(sub):
                        description="Run the decode role of a disaggregated deployment: an OpenAI-compatible "
                                    "server whose engine is a SmartGen decode worker connected to the prefill "
                                    "workers given by --prefill-worker (their transport addresses). Requests "
-                                   "are decoded in static batches of up to --max-slots, admitted at batch "
-                                   "boundaries. Same options as `jkv serve` (--role is fixed to decode).")
+                                   "are batched continuously: up to --max-slots in flight, a new one joins the "
+                                   "running decode batch as soon as its prefill hand-off arrives. Same "
+                                   "options as `jkv serve` (--role is fixed to decode).")
     add_serve_arguments(p)
 
 
@@ -136,7 +137,7 @@ def build_disaggregated(cfg: ServeConfig):
         raise
     engine.start()
     log.info("engine: %r, mode disaggregated %s (selector %s, strategy %s, transport %s, link estimate %s), "
-             "static batches of up to %d requests admitted at batch boundaries, prefill workers %s",
+             "continuous batching of up to %d requests, prefill workers %s",
              model, cfg.mode, selector.name, cfg.strategy, cfg.transport, cfg.bandwidth or "unpaced", cfg.max_slots,
              dict(zip(cluster.decode.owners, addresses)))
 

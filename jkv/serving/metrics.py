@@ -125,7 +125,8 @@ class DecodeKVMetrics(KVTransferMetrics):
                                   "decode side after their prefill worker failed", registry=r)
         self.by_owner = Counter("jkv_decode_requests_by_prefill_worker", "finished requests by the prefill worker "
                                 "that owned their KV", ["owner"], registry=r)
-        self.batches = Counter("jkv_decode_batches", "static decode batches run", registry=r)
+        self.batches = Counter("jkv_decode_batches", "groups of requests admitted to the running decode batch",
+                               registry=r)
 
     def observe_output(self, extra: dict):
         self.add_bytes(extra.get("bytes"))

@@ -118,7 +118,7 @@ def client(url):
 def test_startup_logs_one_line_per_component(stack):
     decode_log = "".join(stack.decode.log)
     assert "mode disaggregated smartgen (selector streamingllm, strategy sequential, transport tcp" in decode_log
-    assert "admitted at batch boundaries" in decode_log and "prefill-a" in decode_log
+    assert "continuous batching of up to 8 requests" in decode_log and "prefill-a" in decode_log
     prefill_log = "".join(stack.prefills[0].log)
     assert "prefill-worker: prefill-a" in prefill_log and "transport tcp listening on 127.0.0.1:" in prefill_log
     assert "router: disaggregated pool" in "".join(stack.router.log)
@@ -209,6 +209,26 @@ def test_client_disconnect_mid_stream_cancels_and_frees_kv_on_both_roles(live):
              what="decode-side cancellation")
     live.assert_no_leak()
     assert metric(d, "jkv_generation_tokens_total") - tokens < 1000  # stopped early, not run to max_tokens
+
+
+def test_a_request_arriving_mid_decode_joins_the_running_batch(live, tiny_llm):
+    """Continuous admission: a short request sent while a long one streams completes (with the
+    colocated greedy text) before the long one ends — it was cancelled by our disconnect, not run
+    to max_tokens, which a static batch would have done before admitting the short one."""
+    d = live.decode.url
+    cancelled = metric(d, "jkv_engine_requests_finished_total", {"finish_reason": "cancelled"})
+    want = tiny_llm.generate("lazy dog", SamplingParams(max_tokens=6, ignore_eos=True))[0].text
+    body = {"model": "tiny", "prompt": "fox", "max_tokens": 1000, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", live.router.url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()  # kept: dropping the iterator would close the stream (a cancel)
+        assert next(line for line in lines if line.startswith("data:"))
+        short = client(live.router.url).completions.create(model="tiny", prompt="lazy dog", max_tokens=6,
+                                                           temperature=0, extra_body={"ignore_eos": True})
+        assert short.choices[0].text == want and short.choices[0].finish_reason == "length"
+        assert next(line for line in lines if line.startswith("data:")) != "data: [DONE]"  # still streaming
+    wait_for(lambda: metric(d, "jkv_engine_requests_finished_total", {"finish_reason": "cancelled"}) == cancelled + 1,
+             what="the long request cancelled by the disconnect (it was still decoding)")
+    live.assert_no_leak()
 
 
 def test_bad_input_and_unknown_model_errors_like_role_all(live):
