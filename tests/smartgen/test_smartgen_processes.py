@@ -200,3 +200,57 @@ def test_a_transfer_longer_than_the_lease_keeps_its_kv(model, selectors, prompts
         assert workers.workers[0].held() == [] and workers.workers[0].pool.bytes_in_use == 0
     finally:
         workers.close()
+
+
+class _PausingModel:
+    """The worker's model, with a pause after prefill layer 0 (to race a cancel against the
+    rest of the prefill); everything else delegates."""
+
+    def __init__(self, model, at_layer0, resume):
+        self._model, self._at_layer0, self._resume = model, at_layer0, resume
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def prefill(self, tokens, lengths, on_layer=None, **kw):
+        def hook(layer, K, V):
+            on_layer(layer, K, V)
+            if layer == 0:
+                self._at_layer0.set()
+                assert self._resume.wait(30)
+        return self._model.prefill(tokens, lengths, on_layer=hook, **kw)
+
+
+def test_cancel_during_prefill_stops_its_writes_and_keeps_the_link(model, selectors, prompts, reference):
+    """A request cancelled while its prefill is still running: the worker must not push its
+    later layers (the decode side has unregistered the regions — such a write would be rejected
+    and take the whole bulk connection down, failing every other request on that worker)."""
+    sel = selectors["infinigen"]
+    at_layer0, resume = threading.Event(), threading.Event()
+    workers = InProcessWorkers(model, sel, 1)
+    workers.workers[0].model = _PausingModel(model, at_layer0, resume)
+    decode = DecodeWorker(model, sel, TransferConfig(mode="full", max_blocks=16), secret=SECRET)
+    try:
+        decode.connect(workers.addresses)
+        box = {}
+
+        def cancel_mid_prefill():
+            assert at_layer0.wait(60)
+            box["cancelled"] = decode.cancel("r1")
+            resume.set()
+
+        t = threading.Thread(target=cancel_mid_prefill, daemon=True)
+        t.start()
+        outs = decode.generate(make_requests(prompts))
+        t.join()
+        assert box == dict(cancelled=True)
+        assert outs[1].finish_reason == "error" and "cancelled" in outs[1].metrics.extra["error"]
+        for i in (0, 2, 3):
+            assert outs[i].finish_reason == "length" and outs[i].token_ids == reference[i]
+        assert decode.endpoint.metrics.snapshot()["frames_rejected"] == 0
+        assert decode._alive_owners() == ["prefill-0"]
+        assert decode.pool.live() == [] and workers.workers[0].held() == []
+    finally:
+        resume.set()
+        decode.close()
+        workers.close()
