@@ -75,7 +75,8 @@ def main() -> int:
             cross[name].append(float((argmax[(name, "float16")] == argmax[(name, "float32")]).mean()))
     rows = []
     print(f"\nfidelity @{args.length}, ratio {args.ratio}, {args.limit} samples x {args.tokens - 1} decoded tokens")
-    print(f"{'selector':<10} {'metadata':<8} {'top1 vs dense':>13} {'KL':>8} {'f16 vs f32 top1':>15} {'B/token/layer':>13}")
+    print(f"{'selector':<10} {'metadata':<8} {'top1 vs dense':>13} {'KL':>8} "
+          f"{'f16 vs f32 top1':>15} {'B/token/layer':>13}")
     for (name, dtype), sel in selectors.items():
         row = dict(selector=name, metadata_dtype=dtype, top1=np.mean(per[(name, dtype)]["top1"]),
                    kl=np.mean(per[(name, dtype)]["kl"]), f16_vs_f32_top1=np.mean(cross[name]),

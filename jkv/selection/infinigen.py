@@ -13,8 +13,8 @@ Online: metadata is the partial key cache K A_p: [B, H_kv, N_cap, d_p], stored a
 `metadata_dtype` (float16 by default; scores are computed in float32 after the upcast). This is
 the metadata the prefill side ships (SmartGen §4.4: partial ratio 0.3 adds ~15% to the KV
 transfer, with metadata and KV at the model's 16-bit precision); float16 partial keys next to
-our float32 KV are ~7% (0.3 · D of 2 · D channels at half the bytes, over the sparse layers). The query is
-speculated from the previous layer's input (InfiniGen §4.3: layer l's query computed from
+our float32 KV are ~7% (0.3 · D of 2 · D channels at half the bytes, over the sparse layers).
+The query is speculated from the previous layer's input (InfiniGen §4.3: layer l's query computed from
 layer l-1's attention input). Each KV head counts the tokens whose partial score is within
 `alpha` (10 here, 5 in InfiniGen: see InfiniGenConfig) of the maximum (for some query head
 of its group); the request's fetch count is that count averaged over its KV heads (as
