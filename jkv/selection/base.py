@@ -105,6 +105,42 @@ def all_tokens_index(lengths: jax.Array, num_kv_heads: int, capacity: int) -> ja
     return jnp.where(positions < row_lengths[:, None], positions, -1)
 
 
+METADATA_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def check_metadata_dtype(value) -> None:
+    """Validates a selector's `metadata_dtype` config value (a string, so configs pickle/asdict)."""
+    if value not in METADATA_DTYPES:
+        raise ValueError(f"metadata_dtype={value!r} must be one of {METADATA_DTYPES}; float16 halves the "
+                         "metadata the prefill side ships (SmartGen §4.4), float32 keeps it exact")
+
+
+def to_metadata_dtype(x: jax.Array, dtype: str) -> jax.Array:
+    """Round-to-nearest cast for stored metadata; values beyond the dtype's range saturate to its
+    largest finite value (float16 overflows at 65504) instead of becoming inf."""
+    dt = jnp.dtype(dtype)
+    if dt == x.dtype:
+        return x
+    big = float(jnp.finfo(dt).max)
+    return jnp.clip(x, -big, big).astype(dt)
+
+
+def round_outward(x: jax.Array, dtype: str, direction: str) -> jax.Array:
+    """Cast x to dtype rounding toward -inf (direction "down") or +inf ("up"), so the stored
+    value still bounds x from below / above. ±inf stay ±inf; values past the dtype's range go
+    to the infinity on their side when that is the outward direction, else to the largest finite."""
+    dt = jnp.dtype(dtype)
+    if dt == x.dtype:
+        return x
+    x = x.astype(jnp.float32)
+    y = x.astype(dt)
+    if direction == "down":
+        return jnp.where(y.astype(jnp.float32) > x, jnp.nextafter(y, jnp.asarray(-jnp.inf, dt)), y)
+    if direction == "up":
+        return jnp.where(y.astype(jnp.float32) < x, jnp.nextafter(y, jnp.asarray(jnp.inf, dt)), y)
+    raise ValueError(f"direction={direction!r} must be 'down' or 'up'")
+
+
 def write_token(cache: jax.Array, value: jax.Array, positions: jax.Array) -> jax.Array:
     """cache: [B, H_kv, N_cap, X]; value: [B, H_kv, X]; writes value[b] at slot positions[b]."""
     def one(row, v, p):

@@ -10,7 +10,9 @@ last one (its page budget counts it), because a partly filled page has a loose-l
 small bound while holding the tokens local attention heads need most.
 
 Metadata: (kmin, kmax), each [B, H_kv, P, D] with P = ceil(N_cap / page_size); empty slots hold
-+inf / -inf so they never tighten a bound.
++inf / -inf so they never tighten a bound. They are stored as `metadata_dtype` (float16 by
+default, half the bytes the prefill side ships) with outward rounding: kmin rounded toward -inf,
+kmax toward +inf, so the stored box still contains every key and the page bound stays >= q·k.
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jkv.selection.base import Selector, SelectorConfig, group_queries, selection_budget, token_valid
+from jkv.selection.base import (Selector, SelectorConfig, check_metadata_dtype, group_queries, round_outward,
+                                selection_budget, token_valid)
 from jkv.selection._ops import topk_select
 
 
@@ -31,17 +34,21 @@ class QuestConfig(SelectorConfig):
     # SmolLM2-135M at 1K); 4-token pages give the budget 25-100 pages, as in Quest's setting.
     page_size: int = 4
     keep_last_page: bool = True  # Quest always attends the newest (partly filled) page
+    metadata_dtype: str = "float16"  # page min/max storage, rounded outward (see module docstring)
 
     def __post_init__(self):
         super().__post_init__()
+        check_metadata_dtype(self.metadata_dtype)
         if not (isinstance(self.page_size, int) and self.page_size >= 1):
             raise ValueError(f"page_size={self.page_size!r} must be an int >= 1")
         if not isinstance(self.keep_last_page, bool):
             raise ValueError(f"keep_last_page={self.keep_last_page!r} must be a bool")
 
 
-def page_bounds(K: jax.Array, lengths: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array]:
-    """K: [B, H_kv, N_cap, D] -> (kmin, kmax): [B, H_kv, P, D] over each page's real tokens."""
+def page_bounds(K: jax.Array, lengths: jax.Array, page_size: int,
+                dtype: str = "float32") -> tuple[jax.Array, jax.Array]:
+    """K: [B, H_kv, N_cap, D] -> (kmin, kmax): [B, H_kv, P, D] over each page's real tokens, as
+    `dtype` with kmin rounded down and kmax rounded up (the box still contains every key)."""
     batch, num_kv_heads, capacity, head_dim = K.shape
     num_pages = -(-capacity // page_size)
     pad = num_pages * page_size - capacity
@@ -50,18 +57,21 @@ def page_bounds(K: jax.Array, lengths: jax.Array, page_size: int) -> tuple[jax.A
     lo = jnp.pad(jnp.where(valid, K, jnp.inf), ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=jnp.inf)
     hi = jnp.pad(jnp.where(valid, K, -jnp.inf), ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=-jnp.inf)
     shape = (batch, num_kv_heads, num_pages, page_size, head_dim)
-    return lo.reshape(shape).min(axis=3), hi.reshape(shape).max(axis=3)
+    kmin, kmax = lo.reshape(shape).min(axis=3), hi.reshape(shape).max(axis=3)
+    return round_outward(kmin, dtype, "down"), round_outward(kmax, dtype, "up")
 
 
 def page_upper_bound(q: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
-    """q: [B, H_kv, G, D], kmin/kmax: [B, H_kv, P, D] -> f32[B, H_kv, G, P] (>= q·k in the page).
-    Empty pages (min=+inf) give -inf."""
+    """q: [B, H_kv, G, D], kmin/kmax: [B, H_kv, P, D] (any float dtype) -> f32[B, H_kv, G, P]
+    (>= q·k in the page). Empty pages (min=+inf) give -inf; a channel bound that saturated to
+    ±inf (a key beyond float16's range) gives +inf, never NaN."""
     q = q.astype(jnp.float32)[:, :, :, None, :]
-    lo, hi = kmin[:, :, None], kmax[:, :, None]
+    lo, hi = kmin.astype(jnp.float32)[:, :, None], kmax.astype(jnp.float32)[:, :, None]
     empty = jnp.isinf(lo[..., 0]) & (lo[..., 0] > 0)
-    # Guard the empty pages' infinities before the product (0 * inf would be NaN).
-    lo, hi = jnp.where(jnp.isfinite(lo), lo, 0.0), jnp.where(jnp.isfinite(hi), hi, 0.0)
-    bound = jnp.maximum(q * lo, q * hi).sum(axis=-1)
+    # Guard the empty pages' infinities before the product, and q_d = 0 against a saturated
+    # channel (0 * inf would be NaN).
+    lo, hi = jnp.where(empty[..., None], 0.0, lo), jnp.where(empty[..., None], 0.0, hi)
+    bound = jnp.where(q == 0, 0.0, jnp.maximum(q * lo, q * hi)).sum(axis=-1)
     return jnp.where(empty, -jnp.inf, bound)
 
 
@@ -69,19 +79,22 @@ class Quest(Selector):
     name = "quest"
 
     def _prepare(self, state, K, lengths):
-        kmin, kmax = page_bounds(K, lengths, self.config.page_size)
+        kmin, kmax = page_bounds(K, lengths, self.config.page_size, self.config.metadata_dtype)
         return {"kmin": kmin, "kmax": kmax, "capacity": jnp.zeros((K.shape[2],), jnp.int8)}
 
     def _append(self, state, metadata, k_new, positions):
         page = positions // self.config.page_size
-        k_new = k_new.astype(jnp.float32)
+        # Rounding is monotone, so min(round_down(a), round_down(b)) = round_down(min(a, b)):
+        # appending keeps the metadata identical to preparing the longer sequence.
+        k_lo = round_outward(k_new.astype(jnp.float32), self.config.metadata_dtype, "down")
+        k_hi = round_outward(k_new.astype(jnp.float32), self.config.metadata_dtype, "up")
 
         def update(bounds, value, p, op):
             current = jax.lax.dynamic_slice_in_dim(bounds, p, 1, axis=1)[:, 0]
             return jax.lax.dynamic_update_slice_in_dim(bounds, op(current, value)[:, None], p, axis=1)
 
-        kmin = jax.vmap(lambda b, v, p: update(b, v, p, jnp.minimum))(metadata["kmin"], k_new, page)
-        kmax = jax.vmap(lambda b, v, p: update(b, v, p, jnp.maximum))(metadata["kmax"], k_new, page)
+        kmin = jax.vmap(lambda b, v, p: update(b, v, p, jnp.minimum))(metadata["kmin"], k_lo, page)
+        kmax = jax.vmap(lambda b, v, p: update(b, v, p, jnp.maximum))(metadata["kmax"], k_hi, page)
         return {**metadata, "kmin": kmin, "kmax": kmax}
 
     def kv_geometry(self, metadata):

@@ -107,19 +107,79 @@ def test_sequential_and_random():
     assert not np.array_equal(picks[0], picks[2])
 
 
-def test_quest_page_bound_dominates_every_key():
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_quest_page_bound_dominates_every_key(dtype):
     rng = np.random.default_rng(3)
-    K = jnp.asarray(rng.normal(size=(1, H_KV, 37, D)).astype(np.float32))
+    # Scales from tiny to past float16's range (65504): rounding and saturation must stay outward.
+    scale = np.float32(10.0) ** rng.integers(-3, 6, size=(1, H_KV, 37, D))
+    K = jnp.asarray((rng.normal(size=(1, H_KV, 37, D)) * scale).astype(np.float32))
     lengths = jnp.asarray([37])
-    kmin, kmax = page_bounds(K, lengths, 16)
-    assert kmin.shape == (1, H_KV, 3, D)
-    for _ in range(5):
-        q = jnp.asarray(rng.normal(size=(1, H_KV, 2, D)).astype(np.float32))
-        bound = np.asarray(page_upper_bound(q, kmin, kmax))  # [1, H_kv, 2, P]
-        exact = np.einsum("bhgd,bhnd->bhgn", np.asarray(q), np.asarray(K))
+    kmin, kmax = page_bounds(K, lengths, 16, dtype)
+    assert kmin.shape == (1, H_KV, 3, D) and kmin.dtype == kmax.dtype == jnp.dtype(dtype)
+    # The stored box contains every real key: min rounded down, max rounded up.
+    k64 = np.asarray(K, np.float64)
+    lo, hi = np.asarray(kmin, np.float64), np.asarray(kmax, np.float64)
+    for page in range(3):
+        keys = k64[:, :, page * 16:min(37, page * 16 + 16)]
+        assert np.all(lo[:, :, page] <= keys.min(2)) and np.all(hi[:, :, page] >= keys.max(2))
+    for trial in range(6):
+        q = rng.normal(size=(1, H_KV, 2, D)).astype(np.float32)
+        q[..., trial % D] = 0.0  # a zero channel against a saturated bound must not give NaN
+        bound = np.asarray(page_upper_bound(jnp.asarray(q), kmin, kmax))  # [1, H_kv, 2, P]
+        assert not np.isnan(bound).any()
+        exact = np.einsum("bhgd,bhnd->bhgn", q.astype(np.float64), k64)
         for page in range(3):
             true_max = exact[..., page * 16:min(37, page * 16 + 16)].max(-1)
-            assert np.all(bound[..., page] >= true_max - 1e-5)
+            assert np.all(bound[..., page] >= true_max - 1e-5 * np.abs(true_max).clip(1))
+
+
+def test_quest_float16_bound_matches_float32_and_halves_the_bytes():
+    rng = np.random.default_rng(5)
+    K = jnp.asarray(rng.normal(size=(B, H_KV, 64, D)).astype(np.float32))
+    lengths = jnp.asarray([64, 50])
+    wide = get_selector("quest", metadata_dtype="float32")
+    half = get_selector("quest")  # float16 by default
+    m32, m16 = wide.prepare(LAYER, K, lengths), half.prepare(LAYER, K, lengths)
+    assert m16["kmin"].dtype == m16["kmax"].dtype == jnp.float16
+    assert m16["kmin"].nbytes * 2 == m32["kmin"].nbytes
+    # Outward rounding loosens each channel by at most one float16 ulp (2^-10 relative).
+    for name, sign in (("kmin", -1), ("kmax", 1)):
+        a, b = np.asarray(m32[name]), np.asarray(m16[name], np.float32)
+        real = np.isfinite(a)
+        np.testing.assert_array_equal(np.isfinite(b), real)
+        assert np.all(sign * (b[real] - a[real]) >= 0)
+        np.testing.assert_allclose(b[real], a[real], rtol=2 ** -10, atol=2 ** -24)
+    q = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
+    for length in (jnp.asarray([64, 50]), jnp.asarray([30, 7])):
+        agree = [len(a & b) / len(a) for a, b in zip(rows_as_sets(wide.select(LAYER, q, m32, length)),
+                                                      rows_as_sets(half.select(LAYER, q, m16, length)))]
+        assert np.mean(agree) >= 0.9, agree
+
+
+def test_infinigen_float16_partial_keys_select_like_float32():
+    rng = np.random.default_rng(6)
+    queries = rng.normal(size=(64, H, D)).astype(np.float32)
+    keys = rng.normal(size=(100, H_KV, D)).astype(np.float32)
+    skew = np.stack([fit_skew(queries, keys, 0.5)] * 8)
+    K = rng.normal(size=(B, H_KV, 80, D)).astype(np.float32)
+    lengths = jnp.asarray([80, 61])
+    wide = get_selector("infinigen", skew=skew, speculate=False, metadata_dtype="float32")
+    half = get_selector("infinigen", skew=skew, speculate=False)  # float16 by default
+    m32, m16 = wide.prepare(LAYER, K, lengths), half.prepare(LAYER, K, lengths)
+    assert m16.dtype == jnp.float16 and m16.nbytes * 2 == m32.nbytes
+    # Round to nearest: half an ulp (2^-11 relative).
+    np.testing.assert_allclose(np.asarray(m16, np.float32), np.asarray(m32), rtol=2 ** -11, atol=2 ** -25)
+    huge = K.copy()
+    huge[:, :, 3, :] *= 1e6  # beyond float16's range: saturates to 65504 instead of inf
+    saturated = np.asarray(half.prepare(LAYER, huge, lengths))
+    assert np.isfinite(saturated).all() and np.abs(saturated).max() == 65504
+    q = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
+    got, want = rows_as_sets(half.select(LAYER, q, m16, lengths)), rows_as_sets(wide.select(LAYER, q, m32, lengths))
+    assert np.mean([len(a & b) / max(1, len(b)) for a, b in zip(got, want)]) >= 0.9
+    with pytest.raises(ValueError, match="metadata_dtype='int8' must be one of"):
+        get_selector("infinigen", skew=skew, metadata_dtype="int8")
+    with pytest.raises(ValueError, match="metadata_dtype='float64' must be one of"):
+        get_selector("quest", metadata_dtype="float64")
 
 
 def test_quest_selects_the_page_of_the_planted_token_and_skips_padding():
