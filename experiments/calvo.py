@@ -195,6 +195,12 @@ def profile(engine: Engine, contexts: list[np.ndarray], rng) -> tuple[CostModel,
                              deployment=deployment + ", bucketed compute")
     ctx, query = np.array(ctx_s), np.array(query_s)
     total, comp = np.array(load_s) + np.array(comp_s), np.array(comp_s)
+    with open(pathlib.Path(engine.args.out_dir) / "calvo_profile.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["ctx_tokens", "query_tokens", "t_load_s", "t_comp_s", "plain_T_s",
+                         "bucketed_T_s"])
+        writer.writerows(zip(ctx_s, query_s, load_s, comp_s, plain.cost(ctx, query),
+                             bucketed.cost(ctx, query)))
     for name, model in (("plain", plain), ("bucketed", bucketed)):
         err_t = np.abs(model.cost(ctx, query) / total - 1)
         err_c = np.abs(model.t_comp(query, ctx) / comp - 1)
