@@ -21,7 +21,8 @@ are checked against the baseline's (the schedule must not change results).
 
     python experiments/calvo.py [--quick] [--link 2gbit]
 
-Writes experiments/results/calvo.csv, calvo.png and calvo_cost_model.json.
+Writes experiments/results/calvo.csv, calvo.png, calvo_cost_model.json (the bucketed fit),
+calvo_cost_model_plain.json (the paper's plain lines) and calvo_profile.csv (profiling samples).
 """
 from __future__ import annotations
 
