@@ -21,7 +21,8 @@ are checked against the baseline's (the schedule must not change results).
 
     python experiments/calvo.py [--quick] [--link 2gbit]
 
-Writes experiments/results/calvo.csv, calvo.png and calvo_cost_model.json.
+Writes experiments/results/calvo.csv, calvo.png, calvo_cost_model.json (the bucketed fit),
+calvo_cost_model_plain.json (the paper's plain lines) and calvo_profile.csv (profiling samples).
 """
 from __future__ import annotations
 
@@ -55,6 +56,8 @@ from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_sha
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
 
 POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf")
+# The same policies ordered by the paper's plain cost lines (A/B for the bucketed compute part).
+PLAIN_POLICIES = ("sjf-plain", "lstf-plain")
 SCENARIOS = {"full-hit": (1.0,), "mixed-hit": (0.75, 0.875, 1.0)}
 
 
@@ -119,9 +122,12 @@ def start_pool(args, secret: str) -> tuple[subprocess.Popen, str]:
 
 
 def run_realtime(engine: Engine, requests: list[PipelineRequest], policy_name: str,
-                 cost_model: CostModel) -> dict:
-    """Submit each request at its arrival time; return {request_id: (ttft_s, first token)}."""
+                 cost_model: CostModel, plain_model: CostModel | None = None) -> dict:
+    """Submit each request at its arrival time; return {request_id: (ttft_s, first token)}.
+    `<policy>-plain` runs <policy> ordered by plain_model."""
     out = {}
+    if policy_name.endswith("-plain"):
+        policy_name, cost_model = policy_name[:-len("-plain")], plain_model
     if policy_name == "serialized-fifo":
         inbox: queue.Queue = queue.Queue()
 
@@ -154,14 +160,20 @@ def run_realtime(engine: Engine, requests: list[PipelineRequest], policy_name: s
     return out
 
 
-def profile(engine: Engine, contexts: list[np.ndarray], rng) -> CostModel:
-    """Isolated requests on the pipelined engine -> per-stage times -> least-squares fit."""
+def profile(engine: Engine, contexts: list[np.ndarray], rng) -> tuple[CostModel, CostModel]:
+    """Isolated requests on the pipelined engine -> per-stage times (load: submit -> compute
+    start, compute: compute start -> first token) -> two least-squares fits on the same samples:
+    the paper's plain lines (§3.2: T_comp = c*query + d) and the bucketed compute part
+    (T_comp = c*q' + e*ctx'*q' + f*ctx' + d on the engine's padded suffix/prefix counts)."""
     ctx_s, query_s, load_s, comp_s = [], [], [], []
     samples = []
+    C = engine.C
     for context in contexts:
+        n = len(context)
         for q in (16, 64):
-            samples.append((context, len(context), q))
-        samples.append((context, len(context) * 3 // 4 // engine.C * engine.C, 32))  # 75% hit
+            samples.append((context, n, q))
+        samples.append((context, n * 3 // 4 // C * C, 32))      # 75% hit
+        samples.append((context, n * 7 // 8 // C * C, 48))      # 87.5% hit
     for i, (context, cached, q) in enumerate(samples * 2):     # 2 repeats; the first warms up
         prompt = np.concatenate([context, rng.integers(100, 20000, q).astype(np.int32)])
         request = engine.request(("profile", i), prompt, cached,
@@ -174,15 +186,31 @@ def profile(engine: Engine, contexts: list[np.ndarray], rng) -> CostModel:
         query_s.append(request.info.compute_tokens)
         load_s.append(result.compute_started_s - result.submitted_s)
         comp_s.append(result.finished_s - result.compute_started_s)
-    model = CostModel.fit(ctx_s, query_s, load_s, comp_s, relative=True,
-                          deployment=f"{engine.args.model} fp32, pool link {engine.args.link}, "
-                                     f"chunk {engine.C}, 2-core CPU")
-    pred = model.t_load(np.array(ctx_s)) + model.t_comp(np.array(query_s))
-    err = np.abs(pred - (np.array(load_s) + np.array(comp_s))) / (np.array(load_s) + np.array(comp_s))
-    print(f"profiled {len(ctx_s)} isolated requests: T_load = {model.a * 1e3:.4f} ms/token * ctx "
-          f"+ {model.b * 1e3:.1f} ms, T_comp = {model.c * 1e3:.3f} ms/token * query + "
-          f"{model.d * 1e3:.1f} ms; median |error| of T {100 * np.median(err):.1f}%")
-    return model
+    deployment = (f"{engine.args.model} fp32, pool link {engine.args.link}, chunk {engine.C}, "
+                  "2-core CPU")
+    plain = CostModel.fit(ctx_s, query_s, load_s, comp_s, relative=True,
+                          deployment=deployment + ", plain lines")
+    bucketed = CostModel.fit(ctx_s, query_s, load_s, comp_s, relative=True,
+                             query_buckets=engine.prefill.suffix_buckets,
+                             prefix_bucket=engine.prefill.prefix_bucket, context_terms=True,
+                             deployment=deployment + ", bucketed compute")
+    ctx, query = np.array(ctx_s), np.array(query_s)
+    total, comp = np.array(load_s) + np.array(comp_s), np.array(comp_s)
+    with open(pathlib.Path(engine.args.out_dir) / "calvo_profile.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["ctx_tokens", "query_tokens", "t_load_s", "t_comp_s", "plain_T_s",
+                         "bucketed_T_s"])
+        writer.writerows(zip(ctx_s, query_s, load_s, comp_s, plain.cost(ctx, query),
+                             bucketed.cost(ctx, query)))
+    for name, model in (("plain", plain), ("bucketed", bucketed)):
+        err_t = np.abs(model.cost(ctx, query) / total - 1)
+        err_c = np.abs(model.t_comp(query, ctx) / comp - 1)
+        print(f"{name:>8} fit on {len(ctx_s)} isolated requests: T_load = {model.a * 1e3:.4f} "
+              f"ms/token * ctx + {model.b * 1e3:.1f} ms; T_comp = {model.c * 1e3:.3f} ms * q' + "
+              f"{model.e * 1e6:.4f} us * ctx'q' + {model.f * 1e3:.4f} ms * ctx' + "
+              f"{model.d * 1e3:.1f} ms; median |error| of T {100 * np.median(err_t):.1f}% "
+              f"(max {100 * err_t.max():.0f}%), of T_comp {100 * np.median(err_c):.1f}%")
+    return plain, bucketed
 
 
 def warm_up(engine: Engine, requests: list[PipelineRequest]) -> None:
@@ -221,13 +249,13 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
     scenarios = sorted({r["scenario"] for r in rows}, key=list(SCENARIOS).index)
     fig, axes = plt.subplots(2, len(scenarios), figsize=(6 * len(scenarios), 8), squeeze=False)
     for col, scenario in enumerate(scenarios):
-        for policy in POLICIES:
+        for policy in POLICIES + PLAIN_POLICIES:
             pts = sorted((r["qps"], r["mean_s"], r["slo_attainment"]) for r in rows
                          if r["scenario"] == scenario and r["policy"] == policy)
             if not pts:
                 continue
             qps, mean, slo = zip(*pts)
-            style = "--" if policy == "serialized-fifo" else "-"
+            style = "--" if policy == "serialized-fifo" else ":" if "plain" in policy else "-"
             axes[0][col].plot(qps, mean, style, marker="o", label=policy)
             axes[1][col].plot(qps, [100 * s for s in slo], style, marker="o", label=policy)
         axes[0][col].set(title=f"SmolLM2, {scenario}: mean TTFT (Figs. 7/10)", xlabel="QPS",
@@ -258,6 +286,14 @@ def main(argv=None) -> None:
     parser.add_argument("--device-slots", type=int, default=64, help="L1 capacity in chunks")
     parser.add_argument("--pool-capacity", default="2GiB")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost-model", choices=("bucketed", "plain"), default="bucketed",
+                        help="which fit orders sjf/lstf and sets SLOs and QPS (the other one "
+                             "orders the *-plain A/B policies)")
+    parser.add_argument("--policies", default=",".join(POLICIES + PLAIN_POLICIES),
+                        help="comma-separated; serialized-fifo first (tokens are checked "
+                             "against the first policy's)")
+    parser.add_argument("--hit-ratios", default="0.75,0.875,1.0",
+                        help="mixed-hit scenario: cached share of each context, drawn per request")
     parser.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
     args = parser.parse_args(argv)
     if args.quick:
@@ -265,6 +301,8 @@ def main(argv=None) -> None:
     loads = {"full-hit": [float(x) for x in args.loads.split(",")],
              "mixed-hit": [float(x) for x in args.mixed_loads.split(",")]}
     scenarios = [s.strip() for s in args.scenarios.split(",")]
+    policies = [p.strip() for p in args.policies.split(",")]
+    SCENARIOS["mixed-hit"] = tuple(float(h) for h in args.hit_ratios.split(","))
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -295,8 +333,11 @@ def main(argv=None) -> None:
               f"{time.perf_counter() - t:.1f} s; chunk {args.chunk_tokens} tokens = "
               f"{engine.chunk_bytes / 2**20:.2f} MiB; pool link paced at {args.link}")
         t = time.perf_counter()
-        cost_model = profile(engine, list(contexts.values())[:4], rng)
+        plain_model, cost_model = profile(engine, list(contexts.values())[:4], rng)
         cost_model.save(out / "calvo_cost_model.json")
+        plain_model.save(out / "calvo_cost_model_plain.json")
+        if args.cost_model == "plain":
+            plain_model, cost_model = cost_model, plain_model
         print(f"profiling + compiling took {time.perf_counter() - t:.1f} s")
 
         for scenario in scenarios:
@@ -307,7 +348,7 @@ def main(argv=None) -> None:
                                             for r in requests]))
             print(f"\n== {scenario}: {len(requests)} requests per point; baseline capacity "
                   f"(1 / mean modelled service time) {capacity:.2f} QPS ==")
-            print(f"{'load':>5} {'QPS':>6} " + " ".join(f"{p:>21}" for p in POLICIES))
+            print(f"{'load':>5} {'QPS':>6} " + " ".join(f"{p:>21}" for p in policies))
             for load in loads[scenario]:
                 qps = load * capacity
                 workload = build_workload(dataclasses.replace(base[scenario], qps=qps), tokenize)
@@ -315,8 +356,8 @@ def main(argv=None) -> None:
                 warm_up(engine, requests)
                 first = None
                 cells = []
-                for policy in POLICIES:
-                    res = run_realtime(engine, requests, policy, cost_model)
+                for policy in policies:
+                    res = run_realtime(engine, requests, policy, cost_model, plain_model)
                     ids = [r.request_id for r in requests]
                     tokens = [res[i][1] for i in ids]
                     if first is None:
@@ -344,8 +385,11 @@ def main(argv=None) -> None:
     plot(rows, out / "calvo.png")
 
     def get(scenario, load, policy):
-        return next(r for r in rows if r["scenario"] == scenario and r["load"] == load
-                    and r["policy"] == policy)
+        return next((r for r in rows if r["scenario"] == scenario and r["load"] == load
+                     and r["policy"] == policy), None)
+
+    def ratio(num, den, fmt):
+        return fmt(num, den) if num and den else "n/a (policy not run)"
 
     print("\n== at the highest swept load (the baseline sustains loads < 1) ==")
     for scenario in scenarios:
@@ -353,13 +397,16 @@ def main(argv=None) -> None:
         b, s = get(scenario, top, "serialized-fifo"), get(scenario, top, "sjf")
         e, l = get(scenario, top, "edf"), get(scenario, top, "lstf")
         pt, f = get(scenario, top, "sjf-pt"), get(scenario, top, "fifo")
-        print(f"{scenario} @ load {top} ({b['qps']:.2f} QPS): pipelined SJF mean TTFT "
-              f"{100 * (1 - s['mean_s'] / b['mean_s']):.1f}% lower than serialized FIFO "
-              f"({s['mean_s']:.3f} s vs {b['mean_s']:.3f} s); pipelined FIFO "
-              f"{100 * (1 - f['mean_s'] / b['mean_s']):.1f}% lower; SLO attainment LSTF "
-              f"{100 * l['slo_attainment']:.1f}% / EDF {100 * e['slo_attainment']:.1f}% / "
-              f"baseline {100 * b['slo_attainment']:.1f}%; SJF-PT / SJF mean TTFT "
-              f"{pt['mean_s'] / s['mean_s']:.2f}x")
+        sp, lp = get(scenario, top, "sjf-plain"), get(scenario, top, "lstf-plain")
+        lower = lambda x, y: (f"{100 * (1 - x['mean_s'] / y['mean_s']):.1f}% lower "
+                              f"({x['mean_s']:.3f} s vs {y['mean_s']:.3f} s)")
+        times = lambda x, y: f"{x['mean_s'] / y['mean_s']:.2f}x"
+        slo = lambda x: f"{100 * x['slo_attainment']:.1f}%" if x else "n/a"
+        print(f"{scenario} @ load {top} ({next(r for r in rows if r['scenario'] == scenario and r['load'] == top)['qps']:.2f} QPS): "
+              f"pipelined SJF vs serialized FIFO: {ratio(s, b, lower)}; pipelined FIFO: "
+              f"{ratio(f, b, lower)}; SLO attainment LSTF {slo(l)} / EDF {slo(e)} / baseline "
+              f"{slo(b)} / LSTF (plain fit) {slo(lp)}; SJF-PT / SJF mean TTFT "
+              f"{ratio(pt, s, times)}; SJF (plain fit) / SJF {ratio(sp, s, times)}")
     print(f"first-token mismatches vs the baseline: {sum(r['token_mismatches'] for r in rows)}")
     print(f"\nwrote {out / 'calvo.csv'}, {out / 'calvo.png'} in "
           f"{time.perf_counter() - started:.1f} s")

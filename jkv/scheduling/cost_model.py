@@ -8,6 +8,18 @@
 tokens prefilled on the device (misses). A request with no cached chunk loads nothing, so its
 T_load is 0 (no round trip, no `b`). The intercepts b and d are only separately identifiable
 from per-stage timings (`fit`); from end-to-end timings alone (`fit_total`) their sum lands in b.
+
+Compute part on a bucketed engine (still linear in its features, fitted per stage):
+
+    T_comp = c * q' + e * ctx' * q' + f * ctx' + d
+
+    q'   = query_tokens rounded up to the engine's compute bucket (`query_buckets`; the
+           compute stage pads the suffix to a bucket, so padded rows cost like real ones)
+    ctx' = ctx_tokens rounded up to a multiple of `prefix_bucket` (the padded prefix the query
+           attends to); e: attention of each query row over the prefix, f: per-prefix-token
+           work independent of the query (gathering the prefix's L1 slots, K/V reads)
+
+With no buckets and e = f = 0 (the defaults) this is the paper's T_comp = c * query + d.
 """
 from __future__ import annotations
 
@@ -17,42 +29,76 @@ import pathlib
 
 import numpy as np
 
-_FORMAT = "calvo-binary-linear-v1"
+_FORMAT = "calvo-binary-linear-v2"
+_READABLE = ("calvo-binary-linear-v1", _FORMAT)   # v1 files have no e, f or buckets
 
 
 @dataclasses.dataclass(frozen=True)
 class CostModel:
     """Seconds per loaded token (a), load overhead (b), seconds per computed token (c), compute
-    overhead (d); `deployment` names what was profiled (model, dtype, link, device)."""
+    overhead (d); `deployment` names what was profiled (model, dtype, link, device).
+    Optional compute terms (module docstring): e seconds per (prefix token x query token), f
+    seconds per prefix token; `query_buckets` (ascending) and `prefix_bucket` the padding the
+    compute stage applies (empty / 1: none)."""
 
     a: float
     b: float
     c: float
     d: float
     deployment: str = ""
+    e: float = 0.0
+    f: float = 0.0
+    query_buckets: tuple[int, ...] = ()
+    prefix_bucket: int = 1
 
     def __post_init__(self):
-        for name in "abcd":
+        for name in "abcdef":
             value = getattr(self, name)
             if not np.isfinite(value):
                 raise ValueError(f"cost-model coefficient {name}={value} must be finite")
+        buckets = tuple(int(b) for b in self.query_buckets)
+        if any(b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+            raise ValueError(f"query_buckets={self.query_buckets} must be strictly ascending "
+                             "positive token counts (the compute stage's suffix buckets)")
+        object.__setattr__(self, "query_buckets", buckets)
+        if int(self.prefix_bucket) < 1:
+            raise ValueError(f"prefix_bucket={self.prefix_bucket} must be >= 1 (1: no padding)")
+
+    def padded_query(self, query_tokens) -> np.ndarray:
+        """q' = query tokens rounded up to the next compute bucket (beyond the last bucket:
+        unchanged, i.e. linear extrapolation)."""
+        q = np.asarray(query_tokens, dtype=np.float64)
+        if not self.query_buckets:
+            return q
+        buckets = np.asarray(self.query_buckets, dtype=np.float64)
+        idx = np.searchsorted(buckets, q, side="left")
+        return np.where(idx < len(buckets), buckets[np.minimum(idx, len(buckets) - 1)], q)
+
+    def padded_ctx(self, ctx_tokens) -> np.ndarray:
+        """ctx' = prefix tokens rounded up to a multiple of prefix_bucket."""
+        ctx = np.asarray(ctx_tokens, dtype=np.float64)
+        return np.ceil(ctx / self.prefix_bucket) * self.prefix_bucket
 
     def t_load(self, ctx_tokens: int | np.ndarray) -> float | np.ndarray:
         ctx = np.asarray(ctx_tokens, dtype=np.float64)
         out = np.where(ctx > 0, self.a * ctx + self.b, 0.0)
         return float(out) if out.ndim == 0 else out
 
-    def t_comp(self, query_tokens: int | np.ndarray) -> float | np.ndarray:
-        out = self.c * np.asarray(query_tokens, dtype=np.float64) + self.d
+    def t_comp(self, query_tokens: int | np.ndarray,
+               ctx_tokens: int | np.ndarray = 0) -> float | np.ndarray:
+        """Compute time of query_tokens prefilled on top of a ctx_tokens prefix."""
+        q, ctx = self.padded_query(query_tokens), self.padded_ctx(ctx_tokens)
+        out = self.c * q + self.e * ctx * q + self.f * ctx + self.d
         return float(out) if out.ndim == 0 else out
 
     def cost(self, ctx_tokens, query_tokens):
         """Modelled service time T = T_load + T_comp (seconds)."""
-        return self.t_load(ctx_tokens) + self.t_comp(query_tokens)
+        return self.t_load(ctx_tokens) + self.t_comp(query_tokens, ctx_tokens)
 
     @classmethod
     def fit(cls, ctx_tokens, query_tokens, t_load, t_comp, deployment: str = "",
-            relative: bool = False) -> "CostModel":
+            relative: bool = False, query_buckets: tuple[int, ...] = (), prefix_bucket: int = 1,
+            context_terms: bool = False) -> "CostModel":
         """Least-squares fit of both stage lines from per-request profiling samples.
 
         ctx_tokens, query_tokens: i[n]; t_load, t_comp: f[n] seconds. Samples with ctx_tokens == 0
@@ -60,6 +106,10 @@ class CostModel:
         relative: minimise relative instead of absolute errors (weights 1/t), so samples spanning
         orders of magnitude (a 16-token query and a 1K-token recompute) are all fitted well
         rather than the largest dominating and the small ones getting negative predictions.
+        query_buckets, prefix_bucket: the compute stage's padding; the compute line is fitted
+        on the padded counts q', ctx' (what the engine really computes).
+        context_terms: also fit e (ctx' x q') and f (ctx') of T_comp; needs samples whose
+        prefix lengths and query lengths vary independently.
         """
         ctx, query, load, comp = (np.asarray(x, dtype=np.float64).reshape(-1)
                                   for x in (ctx_tokens, query_tokens, t_load, t_comp))
@@ -68,8 +118,16 @@ class CostModel:
                              f"{len(load)=} {len(comp)=}")
         has_load = ctx > 0
         a, b = _line(ctx[has_load], load[has_load], "ctx_tokens", relative)
-        c, d = _line(query, comp, "query_tokens", relative)
-        return cls(a, b, c, d, deployment)
+        shape = cls(a, b, 0.0, 0.0, query_buckets=tuple(query_buckets),
+                    prefix_bucket=prefix_bucket)
+        q, pctx = shape.padded_query(query), shape.padded_ctx(ctx)
+        if not context_terms:
+            c, d = _line(q, comp, "query_tokens", relative)
+            return dataclasses.replace(shape, c=c, d=d, deployment=deployment)
+        design = np.stack([q, pctx * q, pctx, np.ones_like(q)], axis=1)
+        c, e, f, d = _solve(design, comp, "query_tokens and ctx_tokens (independently)",
+                            relative)
+        return dataclasses.replace(shape, c=c, d=d, e=e, f=f, deployment=deployment)
 
     @classmethod
     def fit_total(cls, ctx_tokens, query_tokens, ttft, deployment: str = "") -> "CostModel":
@@ -90,25 +148,32 @@ class CostModel:
 
     def save(self, path: str | pathlib.Path) -> None:
         fields = dataclasses.asdict(self)
+        fields["query_buckets"] = list(self.query_buckets)
         pathlib.Path(path).write_text(json.dumps({"format": _FORMAT, **fields}, indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | pathlib.Path) -> "CostModel":
         raw = json.loads(pathlib.Path(path).read_text())
-        if raw.pop("format", None) != _FORMAT:
+        if raw.pop("format", None) not in _READABLE:
             raise ValueError(f"{path} is not a {_FORMAT} cost model (re-run profiling)")
+        raw["query_buckets"] = tuple(raw.get("query_buckets", ()))
         return cls(**raw)
 
 
 def _line(x: np.ndarray, y: np.ndarray, what: str, relative: bool = False) -> tuple[float, float]:
-    design = np.stack([x, np.ones_like(x)], axis=1)
+    slope, intercept = _solve(np.stack([x, np.ones_like(x)], axis=1), y, what, relative)
+    return slope, intercept
+
+
+def _solve(design: np.ndarray, y: np.ndarray, what: str, relative: bool) -> tuple[float, ...]:
+    """Least squares design @ coef ~= y (relative: rows weighted by 1 / y)."""
     _check_rank(design, what)
     if relative:
         if (y <= 0).any():
             raise ValueError(f"a relative fit needs positive times; got min {y.min()} s for {what}")
         design, y = design / y[:, None], np.ones_like(y)
-    (slope, intercept), *_ = np.linalg.lstsq(design, y, rcond=None)
-    return float(slope), float(intercept)
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    return tuple(float(x) for x in coef)
 
 
 def _check_rank(design: np.ndarray, what: str) -> None:

@@ -88,7 +88,7 @@ def lstf(cost_model: CostModel) -> Policy:
     # request whose prefix is half in L1 has half its T_load left), evaluated at each dispatch.
     def slack(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
         remaining = (cost_model.t_load(remaining_load_tokens)
-                     + cost_model.t_comp(r.compute_tokens))
+                     + cost_model.t_comp(r.compute_tokens, r.cached_tokens))
         lst = r.deadline_s - now - remaining
         if lst < 0:                      # already hopeless: after every feasible request
             return (1, remaining, r.arrival_s)
