@@ -12,12 +12,16 @@ from __future__ import annotations
 import abc
 import dataclasses
 import json
+import logging
+import time
 from collections.abc import Sequence
 
 import crc32c
 import numpy as np
 
 from jkv.kvpool.hashing import ChunkKey, ChunkNamespace, chunk_keys
+
+log = logging.getLogger(__name__)
 
 Payload = bytes | bytearray | memoryview | np.ndarray
 
@@ -85,6 +89,49 @@ def make_meta(key: ChunkKey, payload: Payload, num_tokens: int | None = None) ->
     return ChunkMeta(key_name=key.name, nbytes=view.nbytes, crc32c=crc32c.crc32c(view),
                      dtype=dtype, shape=shape,
                      num_tokens=key.namespace.chunk_tokens if num_tokens is None else num_tokens)
+
+
+def checked_put(key: ChunkKey, payload: Payload, meta: ChunkMeta | None) -> tuple[memoryview, ChunkMeta]:
+    """(byte view, meta) for a put; ValueError when a caller's `meta` does not describe `payload`."""
+    view = payload_view(payload)
+    meta = meta or make_meta(key, payload)
+    if meta.nbytes != view.nbytes or meta.key_name != key.name:
+        raise ValueError(f"meta {meta} does not describe a {view.nbytes}-byte payload "
+                         f"for {key.name}")
+    return view, meta
+
+
+class Reachability:
+    """Dead-backend bookkeeping shared by the networked pools: after a failure the pool counts as
+    unreachable for `retry_after_s` (every lookup a miss, i.e. recompute), then is tried again.
+    Subclasses set `_lock`, `_retry_after_s`, `_errors` and name themselves in `_where`."""
+
+    _dead = False
+    _dead_until = 0.0
+
+    @property
+    def _where(self) -> str:
+        raise NotImplementedError
+
+    def _usable(self) -> bool:
+        with self._lock:
+            return not self._dead or time.monotonic() >= self._dead_until
+
+    def _mark_failed(self, op: str, exc: Exception) -> None:
+        with self._lock:
+            self._errors += 1
+            self._dead_until = time.monotonic() + self._retry_after_s
+            if not self._dead:
+                self._dead = True
+                log.warning("KV pool %s unreachable during %s (%s: %s); treating every lookup as "
+                            "a miss (recompute) and retrying in %.1f s", self._where, op,
+                            type(exc).__name__, exc, self._retry_after_s)
+
+    def _mark_ok(self) -> None:
+        with self._lock:
+            if self._dead:
+                self._dead = False
+                log.warning("KV pool %s reachable again", self._where)
 
 
 def buffer_views(keys: Sequence[ChunkKey], buffers) -> list[memoryview]:

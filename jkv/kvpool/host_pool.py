@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, buffer_views, check_fits,
-                             make_meta, payload_view, verified)
+                             checked_put, verified)
 from jkv.kvpool.hashing import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -39,11 +39,7 @@ class HostKVPool(KVPool):
         self._hits = self._misses = self._puts = self._rejected = self._evictions = 0
 
     def put(self, key: ChunkKey, payload: Payload, meta: ChunkMeta | None = None) -> bool:
-        view = payload_view(payload)
-        meta = meta or make_meta(key, payload)
-        if meta.nbytes != view.nbytes or meta.key_name != key.name:
-            raise ValueError(f"meta {meta} does not describe a {view.nbytes}-byte payload "
-                             f"for {key.name}")
+        view, meta = checked_put(key, payload, meta)
         data = view.tobytes()
         with self._lock:
             if meta.nbytes > self.capacity_bytes:

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Sequence
 
 import numpy as np
 import redis
 
-from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, buffer_views, check_fits,
-                             make_meta, payload_view, verified)
+from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, Reachability, buffer_views,
+                             check_fits, checked_put, verified)
 from jkv.kvpool.hashing import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ _PAYLOAD = b"payload"
 _META = b"meta"
 
 
-class RedisKVPool(KVPool):
+class RedisKVPool(Reachability, KVPool):
     """KV pool client for a Redis server at `url` ("redis://host:port/db").
 
     socket_timeout_s: per-operation timeout; a slower answer counts as a dead pool.
@@ -55,38 +54,15 @@ class RedisKVPool(KVPool):
         self._retry_after_s = retry_after_s
         self._ttl_s = ttl_s
         self._lock = threading.Lock()
-        self._dead_until = 0.0
-        self._dead = False
         self._hits = self._misses = self._puts = self._rejected = self._errors = 0
 
-    # -- failure handling -------------------------------------------------------------------
-    def _usable(self) -> bool:
-        with self._lock:
-            return not self._dead or time.monotonic() >= self._dead_until
-
-    def _mark_failed(self, op: str, exc: Exception) -> None:
-        with self._lock:
-            self._errors += 1
-            self._dead_until = time.monotonic() + self._retry_after_s
-            if not self._dead:
-                self._dead = True
-                log.warning("KV pool %s unreachable during %s (%s: %s); treating every lookup as "
-                            "a miss (recompute) and retrying in %.1f s", self.url, op,
-                            type(exc).__name__, exc, self._retry_after_s)
-
-    def _mark_ok(self) -> None:
-        with self._lock:
-            if self._dead:
-                self._dead = False
-                log.warning("KV pool %s reachable again", self.url)
+    @property
+    def _where(self) -> str:
+        return self.url
 
     # -- KVPool -------------------------------------------------------------------------------
     def put(self, key: ChunkKey, payload: Payload, meta: ChunkMeta | None = None) -> bool:
-        view = payload_view(payload)
-        meta = meta or make_meta(key, payload)
-        if meta.nbytes != view.nbytes or meta.key_name != key.name:
-            raise ValueError(f"meta {meta} does not describe a {view.nbytes}-byte payload "
-                             f"for {key.name}")
+        view, meta = checked_put(key, payload, meta)
         if not self._usable():
             with self._lock:
                 self._rejected += 1

@@ -29,14 +29,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from jkv.kvpool import protocol
-from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, buffer_views, check_fits,
-                             make_meta, payload_view, verified)
+from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, Reachability, buffer_views,
+                             check_fits, checked_put, verified)
 from jkv.kvpool.hashing import ChunkKey
 
 log = logging.getLogger(__name__)
 
 
-class RemoteKVPool(KVPool):
+class RemoteKVPool(Reachability, KVPool):
     """KV pool client for a `jkv pool` server at `address`.
 
     secret: the deployment's shared secret (the server's --secret-env value).
@@ -62,11 +62,13 @@ class RemoteKVPool(KVPool):
                                   op_timeout=op_timeout_s)
         self._lock = threading.Lock()
         self._peer = None
-        self._dead_until = 0.0
-        self._dead = False
         self._closed = False
         self._local = threading.local()
         self._hits = self._misses = self._puts = self._rejected = self._errors = 0
+
+    @property
+    def _where(self) -> str:
+        return self.address
 
     # -- connection and failure handling ----------------------------------------------------------
     def _get_peer(self):
@@ -96,22 +98,6 @@ class RemoteKVPool(KVPool):
                 peer = self._peer
         self._mark_ok()
         return peer
-
-    def _mark_failed(self, op: str, exc: Exception) -> None:
-        with self._lock:
-            self._errors += 1
-            self._dead_until = time.monotonic() + self._retry_after_s
-            if not self._dead:
-                self._dead = True
-                log.warning("KV pool %s unreachable during %s (%s: %s); treating every lookup as "
-                            "a miss (recompute) and retrying in %.1f s", self.address, op,
-                            type(exc).__name__, exc, self._retry_after_s)
-
-    def _mark_ok(self) -> None:
-        with self._lock:
-            if self._dead:
-                self._dead = False
-                log.warning("KV pool %s reachable again", self.address)
 
     def _call(self, op: str, method: str, message, into=None):
         """(header, tail) of the reply, or None if the pool is (or just became) unreachable."""
@@ -147,11 +133,7 @@ class RemoteKVPool(KVPool):
 
     # -- KVPool ---------------------------------------------------------------------------------
     def put(self, key: ChunkKey, payload: Payload, meta: ChunkMeta | None = None) -> bool:
-        view = payload_view(payload)
-        meta = meta or make_meta(key, payload)
-        if meta.nbytes != view.nbytes or meta.key_name != key.name:
-            raise ValueError(f"meta {meta} does not describe a {view.nbytes}-byte payload "
-                             f"for {key.name}")
+        view, meta = checked_put(key, payload, meta)
         message = protocol.encode({"key": key.name, "meta": protocol.meta_to_dict(meta)}, view)
         reply = self._call("put", protocol.PUT, message)
         stored = reply is not None and bool(reply[0].get("stored"))
