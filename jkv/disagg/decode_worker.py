@@ -71,7 +71,7 @@ from jkv.outputs import RequestMetrics, RequestOutput
 from jkv.sampling import sample_tokens
 from jkv.transfer.plan import TransferConfig, proactive_order
 from pallas_kernels import dispatch
-from transport import Endpoint, TransportError
+from transport import Endpoint, RemoteError, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -762,9 +762,16 @@ class DecodeWorker:
         """kv_index: i32[B*H, k] -> K_sel, V_sel: f32[B, H, k, D] in selection order, remote: i32[B*H].
         capacity: the batch N_cap (>= every member's own pool capacity)."""
         while True:
+            fetchable = {id(lv) for lv in lives if lv.active and not lv.released}
             try:
                 return self._gather_once(lives, layer, kv_index, capacity)
             except _OwnerDown as e:
+                # A request cancelled (or freed) while its rows were being fetched makes the owner
+                # refuse the whole RPC; the owner is alive: fetch again without that request.
+                gone = [lv for lv in lives if lv.owner == e.owner and id(lv) in fetchable
+                        and not (lv.active and not lv.released)]
+                if isinstance(e.error, RemoteError) and gone:
+                    continue
                 self._owner_failed(e.owner, e.error, lives + self._pending)
 
     def _gather_once(self, lives, layer, kv_index, capacity):

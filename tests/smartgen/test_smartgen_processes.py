@@ -254,3 +254,32 @@ def test_cancel_during_prefill_stops_its_writes_and_keeps_the_link(model, select
         resume.set()
         decode.close()
         workers.close()
+
+
+def test_a_cancel_racing_a_fetch_refetches_without_it_and_fails_nothing_else(model, selectors, prompts, reference):
+    """A request cancelled between the mask snapshot and its "fetch" RPC: the prefill worker has
+    already freed it and refuses the RPC; that must not count as the owner failing (which would
+    fail every other request it holds) — the step fetches again without the cancelled request."""
+    sel = selectors["infinigen"]
+    workers = InProcessWorkers(model, sel, 1, bandwidth="4mbit")
+    decode = DecodeWorker(model, sel, TransferConfig(mode="partial", kr_fraction=0.3, max_blocks=16), secret=SECRET)
+    real_call, box = decode._call, {}
+
+    def racing_call(owner, payload):
+        header, _ = proto.unpack(payload)
+        if not box and any(rid.startswith("r1.") for rid, _ in header["items"]):
+            box["cancelled"] = decode.cancel("r1")  # freed on both sides before this RPC goes out
+        return real_call(owner, payload)
+
+    decode._call = racing_call
+    try:
+        decode.connect(workers.addresses)
+        outs = decode.generate(make_requests(prompts, max_tokens=12))
+        assert box == dict(cancelled=True)
+        assert outs[1].finish_reason == "error" and "cancelled" in outs[1].metrics.extra["error"]
+        for i in (0, 2, 3):
+            assert outs[i].finish_reason == "length" and outs[i].token_ids[:len(reference[i])] == reference[i]
+        assert decode.pool.live() == [] and workers.workers[0].held() == []
+    finally:
+        decode.close()
+        workers.close()
