@@ -104,7 +104,8 @@ def checked_put(key: ChunkKey, payload: Payload, meta: ChunkMeta | None) -> tupl
 class Reachability:
     """Dead-backend bookkeeping shared by the networked pools: after a failure the pool counts as
     unreachable for `retry_after_s` (every lookup a miss, i.e. recompute), then is tried again.
-    Subclasses set `_lock`, `_retry_after_s`, `_errors` and name themselves in `_where`."""
+    Subclasses set `_lock`, `_retry_after_s`, `_errors`, `_hits`, `_misses` and name themselves in
+    `_where`."""
 
     _dead = False
     _dead_until = 0.0
@@ -126,6 +127,14 @@ class Reachability:
                 log.warning("KV pool %s unreachable during %s (%s: %s); treating every lookup as "
                             "a miss (recompute) and retrying in %.1f s", self._where, op,
                             type(exc).__name__, exc, self._retry_after_s)
+
+    def _tally(self, out: list) -> list:
+        """Count a get_many's hits (non-None entries) and misses; returns `out`."""
+        hits = sum(m is not None for m in out)
+        with self._lock:
+            self._hits += hits
+            self._misses += len(out) - hits
+        return out
 
     def _mark_ok(self) -> None:
         with self._lock:

@@ -106,11 +106,7 @@ class RedisKVPool(Reachability, KVPool):
             check_fits(key, meta, view, i)
             view[:meta.nbytes] = payload
             out.append(meta)
-        hits = sum(m is not None for m in out)
-        with self._lock:
-            self._hits += hits
-            self._misses += len(keys) - hits
-        return out
+        return self._tally(out)
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:
