@@ -38,12 +38,21 @@ class SelectorConfig:
 
     max_ratio: float = 0.2  # SmartGen §5.1: maximum KV selection ratio of 20%
     dense_layers: int = 2  # DESIGN.md: layers 0 and 1 always use every token
+    # Always-kept tokens, counted inside the budget k (it never grows): the first `keep_sinks`
+    # (attention sinks, StreamingLLM §3) and the newest `keep_recent` of each request. 0 / 0 here;
+    # the approximate selectors set their own defaults (see their configs).
+    keep_sinks: int = 0
+    keep_recent: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.max_ratio, (int, float)) and 0.0 < self.max_ratio <= 1.0):
             raise ValueError(f"max_ratio={self.max_ratio!r} must be in (0, 1]; e.g. 0.2 keeps 20% of the KV")
         if not (isinstance(self.dense_layers, int) and self.dense_layers >= 0):
             raise ValueError(f"dense_layers={self.dense_layers!r} must be an int >= 0")
+        for name in ("keep_sinks", "keep_recent"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be an int >= 0 (tokens always kept, inside the budget)")
 
 
 def selection_budget(num_tokens, max_ratio: float):
@@ -73,15 +82,55 @@ def token_valid(lengths: jax.Array, capacity: int) -> jax.Array:
     return jnp.arange(capacity, dtype=jnp.int32)[None, :] < lengths[:, None]
 
 
+GROUP_SCORES = ("mass", "max", "sum")
+
+
+def check_group_score(value) -> None:
+    if value not in GROUP_SCORES:
+        raise ValueError(f"group_score={value!r} must be one of {GROUP_SCORES}: 'mass' sums the group's "
+                         "per-head softmax weights, 'max' takes each token's best head (log-weight relative "
+                         "to that head's max), 'sum' adds the raw scores")
+
+
+def reduce_group(scores: jax.Array, how: str) -> jax.Array:
+    """Per-query-head scores f32[B, H_kv, G, N] (logit units, -inf on invalid slots) -> one score
+    per KV head f32[B, H_kv, N] (GQA: the G query heads share the KV head's selection).
+
+    "mass": sum over the group of softmax(scores) — the attention mass a token holds for the
+    group, so top-k of it maximises the (estimated) mass kept (what Oracle ranks by).
+    "max": max over the group of scores - max_n(scores), the token's best head's log-weight.
+    "sum": sum of the raw scores (the summed query's score)."""
+    if how == "mass":
+        return jax.nn.softmax(scores, axis=-1).sum(axis=2)
+    if how == "max":
+        return (scores - scores.max(axis=-1, keepdims=True)).max(axis=2)
+    if how == "sum":
+        return scores.sum(axis=2)
+    check_group_score(how)
+    raise AssertionError(how)
+
+
+def protected_tokens(lengths: jax.Array, capacity: int, sinks: int, recent: int) -> jax.Array:
+    """bool[B, N_cap]: the first `sinks` and the newest `recent` real tokens of each request."""
+    pos = jnp.arange(capacity, dtype=jnp.int32)[None, :]
+    lengths = lengths.astype(jnp.int32)[:, None]
+    return (pos < lengths) & ((pos < sinks) | (pos >= lengths - recent))
+
+
 def scores_to_index(scores: jax.Array, lengths: jax.Array, max_ratio: float,
-                    keep: jax.Array | None = None) -> jax.Array:
+                    keep: jax.Array | None = None, sinks: int = 0, recent: int = 0) -> jax.Array:
     """Top-budget positions of per-KV-head scores.
 
     scores: f32[B, H_kv, N_cap]; lengths: i32[B]; keep: optional bool[B, H_kv, N_cap] that must
     also hold for a slot to be selected (entries failing it become -1 at the row's tail).
+    sinks / recent: the first `sinks` and last `recent` tokens rank first (they are always
+    selected while the budget holds them; they count in it).
     Returns kv_index: i32[B*H_kv, selection_budget(N_cap)].
     """
     batch, num_kv_heads, capacity = scores.shape
+    if sinks or recent:
+        protect = protected_tokens(lengths, capacity, sinks, recent)[:, None, :]
+        scores = jnp.where(protect, jnp.inf, scores)
     k_max = selection_budget(capacity, max_ratio)
     rows = scores.reshape(batch * num_kv_heads, capacity)
     row_lengths = jnp.repeat(lengths.astype(jnp.int32), num_kv_heads)

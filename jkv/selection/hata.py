@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.selection.base import Selector, SelectorConfig, group_queries, scores_to_index, token_valid, write_token
+from jkv.selection.base import (Selector, SelectorConfig, check_group_score, group_queries, reduce_group,
+                                scores_to_index, token_valid, write_token)
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,14 @@ TRAIN_HINT = ("train them with `jkv train-hata --model MODEL --out DIR` (jkv/sel
 class HATAConfig(SelectorConfig):
     bits: int = 256  # HATA / SmartGen §5.1: 256-bit hash codes
     weights_path: str | None = None  # directory written by `jkv train-hata`
+    group_score: str = "sum"  # how the group's query heads rank a token (base.reduce_group)
+    logit_scale: float = 0.25  # Hamming similarity -> logit units, for group_score "mass" / "max"
 
     def __post_init__(self):
         super().__post_init__()
+        check_group_score(self.group_score)
+        if not (isinstance(self.logit_scale, (int, float)) and self.logit_scale > 0):
+            raise ValueError(f"logit_scale={self.logit_scale!r} must be > 0")
         if not (isinstance(self.bits, int) and self.bits > 0 and self.bits % 32 == 0):
             raise ValueError(f"bits={self.bits!r} must be a positive multiple of 32 (codes pack into uint32)")
 
@@ -117,5 +123,8 @@ class HATA(Selector):
         grouped = group_queries(q, codes_k.shape[1])  # [B, H_kv, G, D]
         codes_q = jax.vmap(lambda g: hash_codes(g, projection), in_axes=2, out_axes=2)(grouped)  # [B,H_kv,G,W]
         similarity = hamming_similarity(codes_q[:, :, :, None, :], codes_k[:, :, None, :, :], self.config.bits)
-        scores = similarity.sum(axis=2).astype(jnp.float32)  # [B, H_kv, N_cap]
-        return scores_to_index(scores, lengths, self.config.max_ratio)
+        logits = similarity.astype(jnp.float32) * self.config.logit_scale  # [B, H_kv, G, N_cap]
+        valid = token_valid(lengths, codes_k.shape[2])[:, None, None, :]
+        scores = reduce_group(jnp.where(valid, logits, -jnp.inf), self.config.group_score)  # [B, H_kv, N_cap]
+        return scores_to_index(scores, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
+                               recent=self.config.keep_recent)

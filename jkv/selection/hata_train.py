@@ -36,6 +36,9 @@ class HATATrainConfig:
     key_sample: int = 384  # keys per step, drawn at random (0 = all): cost and regularization
     query_sample: int = 128  # queries per KV head per step, drawn at random (0 = all)
     seed: int = 0
+    # Label distribution of the listwise loss: "topk" = uniform over the exact top_ratio keys;
+    # "attention" = the true attention weights softmax(q·k/√D) (the mass a selection keeps).
+    target: str = "topk"
 
     def __post_init__(self):
         if self.bits <= 0 or self.bits % 32:
@@ -47,6 +50,8 @@ class HATATrainConfig:
                              "(0 uses all)")
         if not 0 < self.top_ratio <= 1:
             raise ValueError(f"top_ratio={self.top_ratio} must be in (0, 1]")
+        if self.target not in ("topk", "attention"):
+            raise ValueError(f"target={self.target!r} must be 'topk' or 'attention'")
 
 
 def stack_calibration(calibration: Calibration):
@@ -97,7 +102,11 @@ def _head_loss(w, log_beta, q, positions, K, config):
     similarity = code_q @ code_k.T / bits  # [Q, n] in [-1, 1]
     logits = jnp.where(valid, jnp.exp(log_beta) * similarity, -jnp.inf)
     log_probs = jax.nn.log_softmax(logits, axis=1)
-    rank = -(jnp.where(target, log_probs, 0.0).sum(1) / jnp.maximum(target.sum(1), 1)).mean()
+    if config.target == "attention":  # cross-entropy against the true attention weights
+        weights = jax.nn.softmax(jnp.where(valid, q @ K.T / math.sqrt(q.shape[-1]), -jnp.inf), axis=1)
+    else:  # uniform over the exact top-k
+        weights = target / jnp.maximum(target.sum(1, keepdims=True), 1)
+    rank = -jnp.where(valid, weights * log_probs, 0.0).sum(1).mean()
     balance = (code_k.mean(0) ** 2).mean()
     return rank + config.balance_weight * balance
 
@@ -178,6 +187,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--bits", type=int, default=256)
     parser.add_argument("--learning-rate", type=float, default=2e-2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target", choices=("topk", "attention"), default="topk",
+                        help="labels: uniform over the exact top 20%%, or the true attention weights")
     parser.set_defaults(func=run)
     return parser
 
@@ -188,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     from jkv.selection.calibration import calibration_tokens, collect_calibration
 
     config = HATATrainConfig(bits=args.bits, train_steps=args.train_steps, learning_rate=args.learning_rate,
-                             seed=args.seed)
+                             seed=args.seed, target=args.target)
     model = load_model(args.model)
     tokens = calibration_tokens(model, args.prompt_tokens + args.decode_steps)
     calibration = collect_calibration(model, tokens, args.prompt_tokens, args.decode_steps)

@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.selection.base import (Selector, SelectorConfig, check_metadata_dtype, group_queries, scores_to_index,
-                                to_metadata_dtype, token_valid, write_token)
+from jkv.selection.base import (Selector, SelectorConfig, check_group_score, check_metadata_dtype, group_queries,
+                                reduce_group, scores_to_index, to_metadata_dtype, token_valid, write_token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +46,12 @@ class InfiniGenConfig(SelectorConfig):
     # Storage of the partial keys. SmartGen §4.4 ships them next to the KV at the model's 16-bit
     # precision (~15% of the KV at partial ratio 0.3); float16 halves what float32 would ship.
     metadata_dtype: str = "float16"
+    group_score: str = "max"  # how the group's query heads rank a token (base.reduce_group)
 
     def __post_init__(self):
         super().__post_init__()
         check_metadata_dtype(self.metadata_dtype)
+        check_group_score(self.group_score)
         if not (0.0 < self.partial_ratio <= 1.0):
             raise ValueError(f"partial_ratio={self.partial_ratio!r} must be in (0, 1]")
         if not self.alpha > 0:
@@ -132,6 +134,8 @@ class InfiniGen(Selector):
         # heads, so peaky heads borrow budget from flat ones; capped by the max_ratio budget.
         within = (relative > -self.config.alpha).sum(axis=2)  # [B, H_kv]
         count = jnp.ceil(within.mean(axis=1)).astype(jnp.int32)  # [B]
-        index = scores_to_index(relative, lengths, self.config.max_ratio)
+        rank = relative if self.config.group_score == "max" else reduce_group(scores, self.config.group_score)
+        index = scores_to_index(rank, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
+                                recent=self.config.keep_recent)
         slot = jnp.arange(index.shape[1], dtype=jnp.int32)[None, :]
         return jnp.where(slot < jnp.repeat(count, partial_keys.shape[1])[:, None], index, -1)

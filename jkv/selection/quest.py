@@ -21,8 +21,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jkv.selection.base import (Selector, SelectorConfig, check_metadata_dtype, group_queries, round_outward,
-                                selection_budget, token_valid)
+from jkv.selection.base import (Selector, SelectorConfig, check_group_score, check_metadata_dtype, group_queries,
+                                reduce_group, round_outward, selection_budget, token_valid)
 from jkv.selection._ops import topk_select
 
 
@@ -35,10 +35,15 @@ class QuestConfig(SelectorConfig):
     page_size: int = 4
     keep_last_page: bool = True  # Quest always attends the newest (partly filled) page
     metadata_dtype: str = "float16"  # page min/max storage, rounded outward (see module docstring)
+    group_score: str = "max"  # how the group's query heads rank a page (base.reduce_group on bound/√D)
+    bound_temperature: float = 1.0  # "mass": softmax over bound / (√D · bound_temperature)
 
     def __post_init__(self):
         super().__post_init__()
         check_metadata_dtype(self.metadata_dtype)
+        check_group_score(self.group_score)
+        if not (isinstance(self.bound_temperature, (int, float)) and self.bound_temperature > 0):
+            raise ValueError(f"bound_temperature={self.bound_temperature!r} must be > 0")
         if not (isinstance(self.page_size, int) and self.page_size >= 1):
             raise ValueError(f"page_size={self.page_size!r} must be an int >= 1")
         if not isinstance(self.keep_last_page, bool):
@@ -105,11 +110,21 @@ class Quest(Selector):
         batch, num_kv_heads, num_pages, _ = kmin.shape
         capacity = metadata["capacity"].shape[0]
         page_size = self.config.page_size
-        bound = page_upper_bound(group_queries(q, num_kv_heads), kmin, kmax).max(axis=2)  # [B, H_kv, P]
+        bound = page_upper_bound(group_queries(q, num_kv_heads), kmin, kmax)  # [B, H_kv, G, P]
+        if self.config.group_score == "max":
+            bound = bound.max(axis=2)  # Quest: a page counts if any head of the group wants it
+        else:
+            scale = 1.0 / (jnp.sqrt(jnp.float32(kmin.shape[-1])) * self.config.bound_temperature)
+            bound = reduce_group(bound * scale, self.config.group_score)
+        page = jnp.arange(num_pages, dtype=jnp.int32)[None, None, :]
+        protect = page * page_size < self.config.keep_sinks  # pages holding a sink token
+        if self.config.keep_recent:  # pages holding one of the newest keep_recent tokens
+            first_recent = jnp.maximum(lengths - self.config.keep_recent, 0) // page_size
+            protect |= (page >= first_recent[:, None, None]) & (page * page_size < lengths[:, None, None])
         if self.config.keep_last_page:  # Quest: the last page is attended outside the top-k
             last_page = (lengths - 1) // page_size
-            is_last = jnp.arange(num_pages, dtype=jnp.int32)[None, None, :] == last_page[:, None, None]
-            bound = jnp.where(is_last, jnp.inf, bound)
+            protect |= page == last_page[:, None, None]
+        bound = jnp.where(protect, jnp.inf, bound)
         pages_max = min(num_pages, -(-selection_budget(capacity, self.config.max_ratio) // page_size))
         row_pages = jnp.repeat(-(-lengths // page_size), num_kv_heads)  # non-empty pages per row
         page_index = topk_select(bound.reshape(batch * num_kv_heads, num_pages), row_pages, pages_max)

@@ -7,12 +7,12 @@ from jkv.selection.base import Selector, SelectorConfig
 from jkv.selection.hata import HATA, HATAConfig
 from jkv.selection.infinigen import InfiniGen, InfiniGenConfig
 from jkv.selection.quest import Quest, QuestConfig
-from jkv.selection.simple import Dense, Oracle, Random, RandomConfig, Sequential, StreamingConfig, StreamingLLM
+from jkv.selection.simple import Dense, Oracle, OracleConfig, Random, RandomConfig, Sequential, StreamingConfig, StreamingLLM
 
 # name -> (class, config class)
 SELECTORS: dict[str, tuple[type[Selector], type[SelectorConfig]]] = {
     "dense": (Dense, SelectorConfig),
-    "oracle": (Oracle, SelectorConfig),
+    "oracle": (Oracle, OracleConfig),
     "infinigen": (InfiniGen, InfiniGenConfig),
     "quest": (Quest, QuestConfig),
     "hata": (HATA, HATAConfig),

@@ -12,8 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jkv.selection.base import (Selector, SelectorConfig, all_tokens_index, group_queries,
-                                scores_to_index, token_valid, write_token)
+from jkv.selection.base import (Selector, SelectorConfig, all_tokens_index, check_group_score, group_queries,
+                                reduce_group, scores_to_index, token_valid, write_token)
 
 
 class _LengthOnly(Selector):
@@ -105,11 +105,26 @@ class Random(_LengthOnly):
         return scores_to_index(scores, lengths, self.config.max_ratio)
 
 
+@dataclasses.dataclass(frozen=True)
+class OracleConfig(SelectorConfig):
+    group_score: str = "mass"  # softmax mass summed over the group: top-k maximises the mass kept
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_group_score(self.group_score)
+
+
 class Oracle(Selector):
     """Exact attention: per KV head, the tokens with the largest softmax mass summed over the
-    group's query heads. Metadata is the full key cache K: [B, H_kv, N_cap, D]."""
+    group's query heads (`group_score`). Metadata is the full key cache K: [B, H_kv, N_cap, D]."""
 
     name = "oracle"
+
+    def __init__(self, config: SelectorConfig | None = None):
+        config = config or OracleConfig()
+        if not isinstance(config, OracleConfig):  # a plain SelectorConfig: Oracle's defaults for the rest
+            config = OracleConfig(**dataclasses.asdict(config))
+        super().__init__(config)
 
     def _prepare(self, state, K, lengths):
         return K
@@ -126,5 +141,6 @@ class Oracle(Selector):
         logits = jnp.einsum("bhgd,bhnd->bhgn", grouped.astype(jnp.float32), K.astype(jnp.float32))
         logits = logits / math.sqrt(K.shape[-1])
         valid = token_valid(lengths, K.shape[2])[:, None, None, :]
-        probs = jax.nn.softmax(jnp.where(valid, logits, -jnp.inf), axis=-1)
-        return scores_to_index(probs.sum(axis=2), lengths, self.config.max_ratio)
+        scores = reduce_group(jnp.where(valid, logits, -jnp.inf), self.config.group_score)
+        return scores_to_index(scores, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
+                               recent=self.config.keep_recent)

@@ -19,13 +19,16 @@ def calibration():
     return collect_calibration(model, list(rng.integers(3, 301, size=160)), 128, 32)
 
 
-def test_training_reduces_loss_and_improves_recall_over_random_projection(calibration, tmp_path):
+@pytest.mark.parametrize("target", ["topk", "attention"])
+def test_training_reduces_loss_and_improves_recall_over_random_projection(calibration, tmp_path, target):
     train, held_out = calibration.split(0.75)
-    config = HATATrainConfig(bits=64, train_steps=100, learning_rate=1e-2)
+    config = HATATrainConfig(bits=64, train_steps=100, learning_rate=1e-2, target=target)
     initial = init_projection(train, config.bits, config.seed)
     projection, losses = train_projection(train, config, initial)
     assert projection.shape == (4, 2, 16, 64)
-    assert losses[-1] < 0.95 * losses[0]
+    # The attention target's cross-entropy has the attention entropy as its floor, so only a
+    # small part of it can go (the KL above the floor): its bar is lower.
+    assert losses[-1] < (0.95 if target == "topk" else 0.99) * losses[0], (losses[0], losses[-1])
     sparse_layers = range(2, 4)
     before = recall_at_k(initial, held_out, layers=sparse_layers)
     after = recall_at_k(projection, held_out, layers=sparse_layers)
@@ -51,3 +54,5 @@ def test_cli_parser_and_config_validation():
     assert args.train_steps == 5 and args.bits == 256 and callable(args.func)
     with pytest.raises(ValueError, match="multiple of 32"):
         HATATrainConfig(bits=48)
+    with pytest.raises(ValueError, match="target='mse' must be"):
+        HATATrainConfig(target="mse")

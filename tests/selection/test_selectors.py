@@ -321,3 +321,62 @@ def test_bad_inputs_have_clear_errors():
         get_selector("oracle", page_size=16)
     with pytest.raises(ValueError, match="K must be"):
         get_selector("oracle").prepare(LAYER, np.zeros((2, 3, 4)), jnp.asarray([1, 1]))
+
+
+def test_reduce_group_mass_max_sum_by_hand():
+    from jkv.selection.base import reduce_group
+
+    # One KV head, two query heads, three tokens. Head 0 puts ln(3) more logit on token 0,
+    # head 1 on token 2: per-head softmax [3/5, 1/5, 1/5] and [1/5, 1/5, 3/5].
+    s = jnp.asarray([[[[math.log(3.0), 0.0, 0.0], [0.0, 0.0, math.log(3.0)]]]], jnp.float32)
+    np.testing.assert_allclose(np.asarray(reduce_group(s, "mass"))[0, 0], [0.8, 0.4, 0.8], rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(reduce_group(s, "max"))[0, 0], [0.0, -math.log(3.0), 0.0], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(reduce_group(s, "sum"))[0, 0], [math.log(3.0), 0.0, math.log(3.0)],
+                               rtol=1e-6)
+    # 'sum' of raw scores lets one head with a large spread outvote the other: mass does not.
+    t = jnp.asarray([[[[10.0, 9.0, 0.0], [0.0, 0.0, 3.0]]]], jnp.float32)
+    # masses: head 0 [0.731, 0.269, 0.000], head 1 [0.045, 0.045, 0.909] -> top 2 are {0, 2}.
+    assert set(np.argsort(-np.asarray(reduce_group(t, "sum"))[0, 0])[:2].tolist()) == {0, 1}
+    assert set(np.argsort(-np.asarray(reduce_group(t, "mass"))[0, 0])[:2].tolist()) == {0, 2}
+    with pytest.raises(ValueError, match="group_score='mean' must be one of"):
+        get_selector("oracle", group_score="mean")
+
+
+@pytest.mark.parametrize("name", ["oracle", "hata", "infinigen"])
+def test_sinks_and_recent_window_are_kept_inside_the_budget(name):
+    rng = np.random.default_rng(7)
+    n_cap = 60
+    K = rng.normal(size=(B, H_KV, n_cap, D)).astype(np.float32)
+    extra = {"hata": {"projection": rng.normal(size=(8, H_KV, D, 64)).astype(np.float32), "bits": 64},
+             "infinigen": {"skew": np.stack([fit_skew(rng.normal(size=(16, H, D)), K[0].transpose(1, 0, 2), 1.0)] * 8),
+                           "alpha": math.inf, "speculate": False}}.get(name, {})
+    lengths = jnp.asarray([60, 41])
+    q = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
+    plain = get_selector(name, max_ratio=0.25, **extra)
+    kept = get_selector(name, max_ratio=0.25, keep_sinks=2, keep_recent=3, **extra)
+    base_sets = rows_as_sets(plain.select(LAYER, q, plain.prepare(LAYER, K, lengths), lengths))
+    index = kept.select(LAYER, q, kept.prepare(LAYER, K, lengths), lengths)
+    assert_prefix_valid(index)
+    for row, base, length in zip(rows_as_sets(index), base_sets, [60, 60, 41, 41]):
+        protected = {0, 1, length - 3, length - 2, length - 1}
+        assert protected <= row  # always kept ...
+        assert len(row) == len(base) == selection_budget(length, 0.25)  # ... inside the same budget
+        # the rest of the budget is the selector's own top choices
+        assert row - protected <= base
+    with pytest.raises(ValueError, match="keep_recent=-1 must be an int >= 0"):
+        get_selector("oracle", keep_recent=-1)
+
+
+def test_quest_keeps_the_pages_of_sinks_and_recent_tokens():
+    n_cap = 64
+    K = random_kv(n_cap, seed=8) * 0.1
+    K[:, :, 30, 0] = 6.0
+    q = np.zeros((B, H, D), np.float32)
+    q[:, :, 0] = 1.0
+    lengths = jnp.asarray([64, 50])
+    sel = get_selector("quest", max_ratio=0.25, page_size=4, keep_sinks=1, keep_recent=6, group_score="mass")
+    sets = rows_as_sets(sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths))
+    # Budget 16 tokens (13 for 50) = 4 pages: page 0 (sink), the page of token 30, and the pages
+    # of the newest 6 tokens (58..63 -> pages 14, 15; 44..49 -> pages 11, 12).
+    assert sets[0] == set(range(0, 4)) | set(range(28, 32)) | set(range(56, 64))
+    assert sets[2] == set(range(0, 4)) | set(range(28, 32)) | set(range(44, 50))
