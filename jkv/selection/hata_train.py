@@ -38,7 +38,11 @@ class HATATrainConfig:
     seed: int = 0
     # Label distribution of the listwise loss: "topk" = uniform over the exact top_ratio keys;
     # "attention" = the true attention weights softmax(q·k/√D) (the mass a selection keeps).
-    target: str = "topk"
+    # SmolLM2-135M, 1024-token prompt + 192 queries, 150 steps: held-out recall@20% of the exact
+    # top-k 0.613 (random) -> 0.671 (topk) / 0.753 (attention); with 576 queries 0.594 -> 0.624 /
+    # 0.709. In decode (fidelity @1K, 8 samples) attention-trained hashes keep 0.948 of the
+    # attention mass vs 0.938 (topk-trained, same selector settings).
+    target: str = "attention"
 
     def __post_init__(self):
         if self.bits <= 0 or self.bits % 32:
@@ -187,7 +191,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--bits", type=int, default=256)
     parser.add_argument("--learning-rate", type=float, default=2e-2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--target", choices=("topk", "attention"), default="topk",
+    parser.add_argument("--target", choices=("topk", "attention"), default="attention",
                         help="labels: uniform over the exact top 20%%, or the true attention weights")
     parser.set_defaults(func=run)
     return parser

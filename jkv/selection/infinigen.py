@@ -46,7 +46,14 @@ class InfiniGenConfig(SelectorConfig):
     # Storage of the partial keys. SmartGen §4.4 ships them next to the KV at the model's 16-bit
     # precision (~15% of the KV at partial ratio 0.3); float16 halves what float32 would ship.
     metadata_dtype: str = "float16"
-    group_score: str = "max"  # how the group's query heads rank a token (base.reduce_group)
+    # Ranking of the tokens (base.reduce_group over the partial-score logits) and always-kept
+    # tokens (inside the budget). Measured on SmolLM2-135M, fidelity @1K, ratio 0.2, samples 0-7
+    # (248 decoded tokens; Oracle: top-1 0.956, attention mass kept 0.966): the paper's rule
+    # (each token's best head, "max", no kept tokens) top-1 0.935, KL 0.0219, mass 0.9455;
+    # "mass" + 4 sinks + 16 recent top-1 0.952, KL 0.0073, mass 0.9506 (32 recent: the same).
+    group_score: str = "mass"
+    keep_sinks: int = 4
+    keep_recent: int = 16
 
     def __post_init__(self):
         super().__post_init__()

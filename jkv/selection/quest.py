@@ -35,8 +35,16 @@ class QuestConfig(SelectorConfig):
     page_size: int = 4
     keep_last_page: bool = True  # Quest always attends the newest (partly filled) page
     metadata_dtype: str = "float16"  # page min/max storage, rounded outward (see module docstring)
-    group_score: str = "max"  # how the group's query heads rank a page (base.reduce_group on bound/√D)
+    # Ranking of the pages (base.reduce_group over bound/√D) and the pages always kept (those
+    # holding the first keep_sinks and the newest keep_recent tokens, inside the page budget).
+    # Measured on SmolLM2-135M, fidelity @1K, ratio 0.2, samples 0-7 (248 decoded tokens; Oracle
+    # top-1 0.956, attention mass kept 0.966): Quest's rule ("max" over the group, last page
+    # only) top-1 0.923, KL 0.0190, mass 0.9129; "mass" + 4 sinks + 16 recent top-1 0.944,
+    # KL 0.0131, mass 0.9235. bound_temperature 0.5 / 2 kept mass 0.9224 / 0.9224 (no gain).
+    group_score: str = "mass"
     bound_temperature: float = 1.0  # "mass": softmax over bound / (√D · bound_temperature)
+    keep_sinks: int = 4
+    keep_recent: int = 16
 
     def __post_init__(self):
         super().__post_init__()

@@ -14,6 +14,9 @@ from jkv.selection.quest import page_bounds, page_upper_bound
 
 B, H, H_KV, D = 2, 4, 2, 8
 LAYER = 5  # any layer >= 2 is sparse
+# The approximate selectors always keep sinks and a recent window by default; the hand-checked
+# tests of their scoring switch that off so only the score decides.
+NO_KEEP = dict(keep_sinks=0, keep_recent=0)
 
 
 def random_kv(n_cap, seed=0, batch=B):
@@ -189,7 +192,7 @@ def test_quest_selects_the_page_of_the_planted_token_and_skips_padding():
     q = np.zeros((B, H, D), np.float32)
     q[:, :, 0] = 1.0
     lengths = jnp.asarray([64, 56])
-    sel = get_selector("quest", max_ratio=0.4, page_size=16)
+    sel = get_selector("quest", max_ratio=0.4, page_size=16, **NO_KEEP)
     index = sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths)
     assert_prefix_valid(index)
     sets = rows_as_sets(index)
@@ -198,7 +201,7 @@ def test_quest_selects_the_page_of_the_planted_token_and_skips_padding():
     assert sets[0] == set(range(16, 32)) | set(range(48, 64))
     assert sets[2] == set(range(16, 32)) | set(range(48, 56))
     # Without the last-page rule the second page is the next-best bound instead.
-    ranked = get_selector("quest", max_ratio=0.4, page_size=16, keep_last_page=False)
+    ranked = get_selector("quest", max_ratio=0.4, page_size=16, keep_last_page=False, **NO_KEEP)
     sets = rows_as_sets(ranked.select(LAYER, jnp.asarray(q), ranked.prepare(LAYER, K, lengths), lengths))
     assert set(range(16, 32)) <= sets[0] and len(sets[0]) == 32
 
@@ -214,10 +217,10 @@ def test_quest_always_keeps_the_newest_page():
     q = np.zeros((B, H, D), np.float32)
     q[:, :, 0] = 1.0
     lengths = jnp.asarray([48, 37])
-    one_page = get_selector("quest", max_ratio=0.2, page_size=16)
+    one_page = get_selector("quest", max_ratio=0.2, page_size=16, **NO_KEEP)
     sets = rows_as_sets(one_page.select(LAYER, jnp.asarray(q), one_page.prepare(LAYER, K, lengths), lengths))
     assert sets[0] == set(range(32, 48)) and sets[2] == set(range(32, 37))
-    two_pages = get_selector("quest", max_ratio=0.5, page_size=16)
+    two_pages = get_selector("quest", max_ratio=0.5, page_size=16, **NO_KEEP)
     meta = two_pages.prepare(LAYER, K, lengths)
     sets = rows_as_sets(two_pages.select(LAYER, jnp.asarray(q), meta, lengths))
     assert sets[0] == set(range(0, 16)) | set(range(32, 48))
@@ -250,7 +253,7 @@ def test_hata_selects_the_key_equal_to_the_query():
     K[0, 0, 21] = q[0, 0] * 3  # same direction -> identical code
     K[0, 1, 8] = q[0, 3]
     projection = rng.normal(size=(8, H_KV, D, 256)).astype(np.float32)
-    sel = get_selector("hata", max_ratio=0.02, projection=projection)  # budget 1
+    sel = get_selector("hata", max_ratio=0.02, projection=projection, **NO_KEEP)  # budget 1
     lengths = jnp.asarray([n])
     index = np.asarray(sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths))
     assert index[0, 0] == 21 and index[1, 0] == 8
@@ -274,7 +277,7 @@ def test_infinigen_skew_is_orthonormal_and_threshold_keeps_close_tokens():
     for token, score in [(5, 30.0), (9, 27.0), (20, 26.0), (30, 20.0)]:
         K[0, :, token, 0] = score * scale
     lengths = jnp.asarray([n])
-    sel = get_selector("infinigen", max_ratio=0.5, alpha=5.0, skew=full, speculate=False)
+    sel = get_selector("infinigen", max_ratio=0.5, alpha=5.0, skew=full, speculate=False, **NO_KEEP)
     sets = rows_as_sets(sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths))
     assert sets == [{5, 9, 20}] * H_KV  # 30 - 5 = 25 < 26, 27; token 30 (20) and the zeros fail
     # The fetch count is averaged over KV heads: head 1 has only token 5 within alpha -> (3 + 1) / 2 = 2.
@@ -282,7 +285,7 @@ def test_infinigen_skew_is_orthonormal_and_threshold_keeps_close_tokens():
     sets = rows_as_sets(sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths))
     assert sets == [{5, 9}, {5, 30}]
     K[0, 1] = K[0, 0]
-    capped = get_selector("infinigen", max_ratio=0.05, alpha=5.0, skew=full)  # budget 2
+    capped = get_selector("infinigen", max_ratio=0.05, alpha=5.0, skew=full, **NO_KEEP)  # budget 2
     sets = rows_as_sets(capped.select(LAYER, jnp.asarray(q), capped.prepare(LAYER, K, lengths), lengths))
     assert sets == [{5, 9}] * H_KV
 
@@ -352,7 +355,7 @@ def test_sinks_and_recent_window_are_kept_inside_the_budget(name):
                            "alpha": math.inf, "speculate": False}}.get(name, {})
     lengths = jnp.asarray([60, 41])
     q = jnp.asarray(rng.normal(size=(B, H, D)).astype(np.float32))
-    plain = get_selector(name, max_ratio=0.25, **extra)
+    plain = get_selector(name, max_ratio=0.25, **NO_KEEP, **extra)
     kept = get_selector(name, max_ratio=0.25, keep_sinks=2, keep_recent=3, **extra)
     base_sets = rows_as_sets(plain.select(LAYER, q, plain.prepare(LAYER, K, lengths), lengths))
     index = kept.select(LAYER, q, kept.prepare(LAYER, K, lengths), lengths)
