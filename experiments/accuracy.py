@@ -7,8 +7,8 @@ size actually used, one panel per task), and prints the table plus the issue's g
 max_ratio 0.2 (Oracle >= 99% relative score; InfiniGen / Quest / HATA >= 95% and next-token
 top-1 agreement >= 95%).
 
-    jkv train-hata --out /tmp/hata && \\
-    nice python experiments/accuracy.py --hata-weights /tmp/hata   # the default run (see docs/selection.md)
+    nice -n 19 python experiments/accuracy.py   # the run in docs/selection.md (trains HATA in-run, ~30 min)
+    jkv train-hata --out /tmp/hata && python experiments/accuracy.py --hata-weights /tmp/hata
     python experiments/accuracy.py --limit 1  # smoke run
 """
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Per layer and KV head a learned projection W: [D, bits] (bits = 256) maps a query or key to
 the code sign(x W), packed into bits/32 uint32 words. The score of a key for a query is the
-Hamming similarity bits - popcount(code_q XOR code_k), summed over the GQA group's query heads;
-the top-budget keys are selected. Training (`hata_train.py`) fits W with optax so that Hamming
+Hamming similarity bits - popcount(code_q XOR code_k); the GQA group's query heads combine it
+as `group_score` (default: the summed softmax of logit_scale · similarity) and the top-budget
+keys are selected, with `keep_sinks` / `keep_recent` tokens always among them. Training (`hata_train.py`) fits W with optax so that Hamming
 similarity ranks the true top-k keys of q·Kᵀ first; weights are saved and loaded with orbax.
 
 Metadata: the key codes u32[B, H_kv, N_cap, bits/32].

@@ -19,7 +19,8 @@ layer l-1's attention input). Each KV head counts the tokens whose partial score
 `alpha` (10 here, 5 in InfiniGen: see InfiniGenConfig) of the maximum (for some query head
 of its group); the request's fetch count is that count averaged over its KV heads (as
 InfiniGen's implementation does), capped at the max_ratio budget, and every head takes its
-top tokens up to it.
+top tokens up to it — ranked by `group_score` (default: the group's summed softmax of the
+partial scores), with `keep_sinks` / `keep_recent` tokens always first.
 """
 from __future__ import annotations
 

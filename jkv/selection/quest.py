@@ -2,10 +2,12 @@
 
 Keys are cut into pages of `page_size` tokens; each page keeps the channel-wise min and max
 of its keys. For a query q the page's upper bound is sum_d max(q_d·min_d, q_d·max_d), which is
->= q·k for every key k in the page. The pages with the largest bound (max over the GQA group's
-query heads) are chosen until the token budget is covered: ceil(budget / page_size) pages,
+>= q·k for every key k in the page. The pages with the largest score are chosen until the
+token budget is covered (the score combines the GQA group's bounds: `group_score`, by default
+the summed softmax of bound/√D, Quest's own rule is the max): ceil(budget / page_size) pages,
 whose real tokens are all selected. The page holding the newest tokens is always one of them
-(`keep_last_page`): Quest's implementation ranks only the full pages and always attends the
+(`keep_last_page`), and so are the pages of the first `keep_sinks` and newest `keep_recent`
+tokens: Quest's implementation ranks only the full pages and always attends the
 last one (its page budget counts it), because a partly filled page has a loose-looking but
 small bound while holding the tokens local attention heads need most.
 
