@@ -1,0 +1,52 @@
+"""experiments/calvo.py's multi-seed bookkeeping: merging held runs, paired per-seed figures,
+the CSV round trip and the figure (no model: synthetic rows)."""
+import pytest
+
+from experiments.calvo import aggregate, merge_rows, read_rows, write_outputs
+
+POLICY_TTFT = {"serialized-fifo": (2.0, 0.5), "fifo": (1.0, 0.7), "sjf-pt": (0.9, 0.8),
+               "sjf": (0.6, 0.9), "edf": (0.8, 0.85), "lstf": (0.7, 0.95)}
+
+
+def rows_for(seed, scale, scenario="mixed-hit", load=0.7):
+    return [dict(scenario=scenario, load=load, seed=seed, qps=1.0 + seed, policy=p,
+                 link="1gbit", token_mismatches=0, fit_median_error=0.05, loadavg=1.0, count=48,
+                 mean_s=t * scale, p50_s=t * scale, p99_s=2 * t * scale,
+                 slo_attainment=min(1.0, slo * (1 + 0.05 * seed)))
+            for p, (t, slo) in POLICY_TTFT.items()]
+
+
+def test_aggregate_reports_mean_spread_and_paired_ratios():
+    rows = rows_for(0, 1.0) + rows_for(1, 2.0)
+    summary = {r["policy"]: r for r in aggregate(rows)}
+    sjf, base, lstf = summary["sjf"], summary["serialized-fifo"], summary["lstf"]
+    assert sjf["seeds"] == 2
+    assert sjf["mean_s_mean"] == pytest.approx((0.6 + 1.2) / 2)
+    assert sjf["mean_s_std"] == pytest.approx(0.3)
+    assert (sjf["mean_s_min"], sjf["mean_s_max"]) == (pytest.approx(0.6), pytest.approx(1.2))
+    # paired per seed: SJF is 70% below the same seed's baseline in both, so no spread
+    assert sjf["vs_baseline_pct_mean"] == pytest.approx(-70.0)
+    assert sjf["vs_baseline_pct_std"] == pytest.approx(0.0)
+    assert summary["sjf-pt"]["vs_sjf_x_mean"] == pytest.approx(1.5)
+    assert lstf["slo_vs_edf_pts_mean"] == pytest.approx(100 * (0.95 - 0.85) * (1 + 0.025))
+    assert lstf["slo_vs_baseline_pts_mean"] > 40
+    assert base["qps"] == pytest.approx(1.5)
+
+
+def test_merge_replaces_the_same_run_and_keeps_others():
+    old = rows_for(0, 1.0) + rows_for(1, 1.0)
+    new = rows_for(1, 3.0) + rows_for(2, 1.0)
+    merged = merge_rows(old, new)
+    assert len(merged) == 3 * len(POLICY_TTFT)
+    seed1 = [r for r in merged if r["seed"] == 1 and r["policy"] == "sjf"]
+    assert [r["mean_s"] for r in seed1] == [pytest.approx(1.8)]
+
+
+def test_outputs_round_trip_through_csv(tmp_path):
+    rows = rows_for(0, 1.0) + rows_for(1, 1.5) + rows_for(0, 1.0, "full-hit", 0.9)
+    summary = write_outputs(rows, tmp_path)
+    assert (tmp_path / "calvo.png").stat().st_size > 0
+    assert (tmp_path / "calvo_summary.csv").stat().st_size > 0
+    back = read_rows(tmp_path / "calvo.csv")
+    assert back == rows
+    assert aggregate(back) == summary
