@@ -49,7 +49,7 @@ from jkv.kvpool.remote_pool import RemoteKVPool  # noqa: E402
 from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig,  # noqa: E402
                             PipelineRequest, StageFunctions, make_policy, run_serialized)
 from jkv.scheduling.metrics import summarize  # noqa: E402
-from jkv.scheduling.policies import RequestInfo  # noqa: E402
+from jkv.scheduling.policies import Policy, RequestInfo  # noqa: E402
 from jkv.scheduling.pool_stages import pool_fetch, write_back  # noqa: E402
 from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_shape,  # noqa: E402
                                            split_chunks)
@@ -121,10 +121,28 @@ def start_pool(args, secret: str) -> tuple[subprocess.Popen, str]:
     return proc, json.loads(proc.stdout.readline())["address"]
 
 
+def recording_demotions(policy: Policy, demoted: set) -> Policy:
+    """`policy` whose dynamic key also records the ids it ever ranked as hopeless (LSTF's
+    key[0] == 1: modelled remaining work exceeds the time left), to measure how often the cost
+    model's prediction demotes a request that then meets its deadline anyway."""
+    if policy.progress_key is None:
+        return policy
+
+    def key(info, remaining_load_tokens, now):
+        k = policy.progress_key(info, remaining_load_tokens, now)
+        if k[0] == 1:
+            demoted.add(info.request_id)
+        return k
+
+    return dataclasses.replace(policy, progress_key=key)
+
+
 def run_realtime(engine: Engine, requests: list[PipelineRequest], policy_name: str,
-                 cost_model: CostModel, plain_model: CostModel | None = None) -> dict:
+                 cost_model: CostModel, plain_model: CostModel | None = None,
+                 demoted: set | None = None) -> dict:
     """Submit each request at its arrival time; return {request_id: (ttft_s, first token)}.
-    `<policy>-plain` runs <policy> ordered by plain_model."""
+    `<policy>-plain` runs <policy> ordered by plain_model; `demoted` collects the requests a
+    dynamic policy ranked as hopeless."""
     out = {}
     if policy_name.endswith("-plain"):
         policy_name, cost_model = policy_name[:-len("-plain")], plain_model
@@ -149,8 +167,10 @@ def run_realtime(engine: Engine, requests: list[PipelineRequest], policy_name: s
         return out
     futures = {}
     t0 = time.monotonic()   # the workload's clock (arrival_s, deadline_s) starts here
-    with engine.pipeline(make_policy(policy_name, cost_model),
-                         clock=lambda: time.monotonic() - t0) as pipeline:
+    policy = make_policy(policy_name, cost_model)
+    if demoted is not None:
+        policy = recording_demotions(policy, demoted)
+    with engine.pipeline(policy, clock=lambda: time.monotonic() - t0) as pipeline:
         for request in requests:
             time.sleep(max(0.0, t0 + request.info.arrival_s - time.monotonic()))
             futures[request.request_id] = pipeline.submit(request)
@@ -261,10 +281,10 @@ def read_rows(path: pathlib.Path) -> list[dict]:
         rows = list(csv.DictReader(f))
     for r in rows:
         for k in ("load", "qps", "fit_median_error", "loadavg") + SUMMARY_METRICS:
-            if k in r:
+            if r.get(k, "") != "":
                 r[k] = float(r[k])
-        for k in ("seed", "count", "token_mismatches"):
-            if k in r:
+        for k in ("seed", "count", "token_mismatches", "demoted", "demoted_met_slo"):
+            if r.get(k, "") != "":
                 r[k] = int(r[k])
     return rows
 
@@ -300,6 +320,10 @@ def aggregate(rows: list[dict]) -> list[dict]:
                           x["slo_attainment"] - y["slo_attainment"])),
                       "slo_vs_edf_pts": ("edf", lambda x, y: 100 * (
                           x["slo_attainment"] - y["slo_attainment"]))}
+            counts = [(r.get("demoted"), r.get("demoted_met_slo")) for _, r in mine
+                      if r.get("demoted", "") != ""]
+            row["demoted_total"] = sum(c[0] for c in counts) if counts else None
+            row["demoted_met_slo_total"] = sum(c[1] for c in counts) if counts else None
             for name, (ref, fn) in paired.items():
                 vals = np.array([fn(r, per_seed[seed][ref]) for seed, r in mine
                                  if ref in per_seed[seed]], dtype=np.float64)
@@ -405,7 +429,10 @@ def report(summary: list[dict]) -> None:
               f"; SJF-PT / SJF {pm(pt, 'vs_sjf_x', '{:.2f}')}x; SLO LSTF "
               f"{pm(l, 'slo_attainment', '{:.3f}')} EDF {pm(e, 'slo_attainment', '{:.3f}')} "
               f"baseline {pm(b, 'slo_attainment', '{:.3f}')}; LSTF - EDF "
-              f"{pm(l, 'slo_vs_edf_pts')} pts; LSTF - baseline {pm(l, 'slo_vs_baseline_pts')} pts")
+              f"{pm(l, 'slo_vs_edf_pts')} pts; LSTF - baseline {pm(l, 'slo_vs_baseline_pts')} pts"
+              + (f"; LSTF demoted {l['demoted_total']} requests as hopeless over the seeds, "
+                 f"{l['demoted_met_slo_total']} of them met their SLO anyway"
+                 if l and l.get("demoted_total") is not None else ""))
 
 
 def main(argv=None) -> None:
@@ -517,8 +544,12 @@ def main(argv=None) -> None:
                     first = None
                     cells = []
                     for policy in policies:
-                        res = run_realtime(engine, requests, policy, cost_model, plain_model)
+                        demoted: set = set()
+                        res = run_realtime(engine, requests, policy, cost_model, plain_model,
+                                           demoted)
                         ids = [r.request_id for r in requests]
+                        # hopeless by the model (demoted) yet on time: a prediction error
+                        met_anyway = sum(res[i][0] <= slo[i] for i in demoted)
                         tokens = [res[i][1] for i in ids]
                         if first is None:
                             first = tokens
@@ -528,6 +559,7 @@ def main(argv=None) -> None:
                                          policy=policy, link=args.link,
                                          token_mismatches=mismatched,
                                          fit_median_error=fit_error, loadavg=os.getloadavg()[0],
+                                         demoted=len(demoted), demoted_met_slo=met_anyway,
                                          **summary.as_row()))
                         cells.append(f"{summary.mean_s:>9.3f}s / "
                                      f"{100 * summary.slo_attainment:>5.1f}%  ")

@@ -50,3 +50,26 @@ def test_outputs_round_trip_through_csv(tmp_path):
     back = read_rows(tmp_path / "calvo.csv")
     assert back == rows
     assert aggregate(back) == summary
+
+
+def test_rows_from_before_the_demotion_columns_merge_and_aggregate(tmp_path):
+    old = rows_for(0, 1.0)                       # an earlier run: no demotion counts
+    new = [dict(r, demoted=3 if r["policy"] == "lstf" else 0,
+                demoted_met_slo=1 if r["policy"] == "lstf" else 0) for r in rows_for(1, 1.0)]
+    write_outputs(merge_rows(old, new), tmp_path)
+    back = read_rows(tmp_path / "calvo.csv")
+    lstf = next(r for r in aggregate(back) if r["policy"] == "lstf")
+    assert (lstf["demoted_total"], lstf["demoted_met_slo_total"]) == (3, 1)
+
+
+def test_recording_demotions_sees_what_lstf_ranks_hopeless():
+    from experiments.calvo import recording_demotions
+    from jkv.scheduling import CostModel, RequestInfo, make_policy
+    model = CostModel(a=1e-5, b=0.0, c=1e-3, d=0.0)
+    demoted = set()
+    key = recording_demotions(make_policy("lstf", model), demoted).progress_key
+    late = RequestInfo("late", 0.0, 90_000, 0, deadline_s=0.5)     # 0.9 s of work left
+    fine = RequestInfo("fine", 0.0, 10_000, 0, deadline_s=5.0)
+    assert key(late, 90_000, 0.0) > key(fine, 10_000, 0.0)
+    assert demoted == {"late"}
+    assert recording_demotions(make_policy("edf"), demoted).progress_key is None
