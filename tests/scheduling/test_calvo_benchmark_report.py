@@ -73,3 +73,26 @@ def test_recording_demotions_sees_what_lstf_ranks_hopeless():
     assert key(late, 90_000, 0.0) > key(fine, 10_000, 0.0)
     assert demoted == {"late"}
     assert recording_demotions(make_policy("edf"), demoted).progress_key is None
+
+
+def test_lstf_variants_experiment_runs_and_variants_behave(tmp_path, capsys):
+    import csv
+
+    from experiments.calvo_lstf_variants import VARIANTS, main, sticky_lstf
+    from jkv.scheduling import CostModel, RequestInfo
+    model = CostModel(a=1e-5, b=0.0, c=1e-3, d=0.0)
+    r = RequestInfo("r", 0.0, 40_000, 0, deadline_s=2.0)
+    frozen = sticky_lstf(model, "freeze").progress_key
+    mono = sticky_lstf(model, "mono").progress_key
+    assert frozen(r, 40_000, 0.0) > frozen(r, 40_000, 0.5)      # not started: plain LSTF
+    start = frozen(r, 30_000, 0.1)                 # first chunk in L1: key held from here
+    assert frozen(r, 10_000, 0.2) == start          # progress does not move it
+    m0 = mono(r, 30_000, 0.1)
+    assert mono(r, 10_000, 0.2) == m0               # slack would rise: held
+    assert mono(r, 10_000, 1.9)[1] < m0[1]          # slack falls: follows
+    main(["--seeds", "1", "--contexts", "2", "--queries", "2", "--loads", "1.0",
+          "--out-dir", str(tmp_path)])
+    with open(tmp_path / "calvo_lstf_variants_sigma0.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {row["policy"] for row in rows} == set(VARIANTS)
+    assert "minus EDF" in capsys.readouterr().out
