@@ -516,7 +516,11 @@ def main(argv=None) -> None:
               f"{time.perf_counter() - t:.1f} s; chunk {args.chunk_tokens} tokens = "
               f"{engine.chunk_bytes / 2**20:.2f} MiB; pool link paced at {args.link}")
         t = time.perf_counter()
-        plain_model, cost_model = profile(engine, list(contexts.values())[:4], rng)
+        # profile on 4 contexts spread over the length range (shortest .. longest), so the
+        # padded prefix ctx' takes several values and the bucketed fit is identifiable
+        by_length = sorted(contexts.values(), key=len)
+        picks = sorted(set(np.linspace(0, len(by_length) - 1, 4).round().astype(int)))
+        plain_model, cost_model = profile(engine, [by_length[i] for i in picks], rng)
         cost_model.save(out / "calvo_cost_model.json")
         plain_model.save(out / "calvo_cost_model_plain.json")
         fit_error = engine.fit_median_error[args.cost_model]
