@@ -49,7 +49,7 @@ from jkv.kvpool.remote_pool import RemoteKVPool  # noqa: E402
 from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig,  # noqa: E402
                             PipelineRequest, StageFunctions, make_policy, run_serialized)
 from jkv.scheduling.metrics import summarize  # noqa: E402
-from jkv.scheduling.policies import RequestInfo  # noqa: E402
+from jkv.scheduling.policies import Policy, RequestInfo  # noqa: E402
 from jkv.scheduling.pool_stages import pool_fetch, write_back  # noqa: E402
 from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_shape,  # noqa: E402
                                            split_chunks)
@@ -121,10 +121,28 @@ def start_pool(args, secret: str) -> tuple[subprocess.Popen, str]:
     return proc, json.loads(proc.stdout.readline())["address"]
 
 
+def recording_demotions(policy: Policy, demoted: set) -> Policy:
+    """`policy` whose dynamic key also records the ids it ever ranked as hopeless (LSTF's
+    key[0] == 1: modelled remaining work exceeds the time left), to measure how often the cost
+    model's prediction demotes a request that then meets its deadline anyway."""
+    if policy.progress_key is None:
+        return policy
+
+    def key(info, remaining_load_tokens, now):
+        k = policy.progress_key(info, remaining_load_tokens, now)
+        if k[0] == 1:
+            demoted.add(info.request_id)
+        return k
+
+    return dataclasses.replace(policy, progress_key=key)
+
+
 def run_realtime(engine: Engine, requests: list[PipelineRequest], policy_name: str,
-                 cost_model: CostModel, plain_model: CostModel | None = None) -> dict:
+                 cost_model: CostModel, plain_model: CostModel | None = None,
+                 demoted: set | None = None) -> dict:
     """Submit each request at its arrival time; return {request_id: (ttft_s, first token)}.
-    `<policy>-plain` runs <policy> ordered by plain_model."""
+    `<policy>-plain` runs <policy> ordered by plain_model; `demoted` collects the requests a
+    dynamic policy ranked as hopeless."""
     out = {}
     if policy_name.endswith("-plain"):
         policy_name, cost_model = policy_name[:-len("-plain")], plain_model
@@ -149,8 +167,10 @@ def run_realtime(engine: Engine, requests: list[PipelineRequest], policy_name: s
         return out
     futures = {}
     t0 = time.monotonic()   # the workload's clock (arrival_s, deadline_s) starts here
-    with engine.pipeline(make_policy(policy_name, cost_model),
-                         clock=lambda: time.monotonic() - t0) as pipeline:
+    policy = make_policy(policy_name, cost_model)
+    if demoted is not None:
+        policy = recording_demotions(policy, demoted)
+    with engine.pipeline(policy, clock=lambda: time.monotonic() - t0) as pipeline:
         for request in requests:
             time.sleep(max(0.0, t0 + request.info.arrival_s - time.monotonic()))
             futures[request.request_id] = pipeline.submit(request)
@@ -202,9 +222,11 @@ def profile(engine: Engine, contexts: list[np.ndarray], rng) -> tuple[CostModel,
                          "bucketed_T_s"])
         writer.writerows(zip(ctx_s, query_s, load_s, comp_s, plain.cost(ctx, query),
                              bucketed.cost(ctx, query)))
+    engine.fit_median_error = {}
     for name, model in (("plain", plain), ("bucketed", bucketed)):
         err_t = np.abs(model.cost(ctx, query) / total - 1)
         err_c = np.abs(model.t_comp(query, ctx) / comp - 1)
+        engine.fit_median_error[name] = float(np.median(err_t))
         print(f"{name:>8} fit on {len(ctx_s)} isolated requests: T_load = {model.a * 1e3:.4f} "
               f"ms/token * ctx + {model.b * 1e3:.1f} ms; T_comp = {model.c * 1e3:.3f} ms * q' + "
               f"{model.e * 1e6:.4f} us * ctx'q' + {model.f * 1e3:.4f} ms * ctx' + "
@@ -241,70 +263,230 @@ def build_requests(engine: Engine, workload, cost_model: CostModel):
     return requests, slo
 
 
-def plot(rows: list[dict], path: pathlib.Path) -> None:
+SUMMARY_METRICS = ("mean_s", "p50_s", "p99_s", "slo_attainment")
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """old rows (e.g. an earlier held run's calvo.csv) plus new ones; a new row replaces an old
+    one of the same (scenario, load, seed, policy, link)."""
+    ident = lambda r: (r["scenario"], float(r["load"]), int(r["seed"]), r["policy"], r["link"])
+    fresh = {ident(r) for r in new}
+    return [r for r in old if ident(r) not in fresh] + list(new)
+
+
+def read_rows(path: pathlib.Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        for k in ("load", "qps", "fit_median_error", "loadavg") + SUMMARY_METRICS:
+            if r.get(k, "") != "":
+                r[k] = float(r[k])
+        for k in ("seed", "count", "token_mismatches", "demoted", "demoted_met_slo"):
+            if r.get(k, "") != "":
+                r[k] = int(r[k])
+    return rows
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per (scenario, link, load, policy): mean, std (ddof 0), min and max over seeds of
+    each metric, plus the per-seed paired comparisons the goals are stated in (each seed's
+    policy against the same seed's baseline / SJF / EDF, then mean and std over seeds):
+    `vs_baseline_pct` (mean TTFT change vs serialized-fifo, %), `vs_sjf_x` (mean TTFT / SJF's),
+    `slo_vs_baseline_pts`, `slo_vs_edf_pts` (SLO attainment difference, points)."""
+    by_point: dict = {}
+    for r in rows:
+        by_point.setdefault((r["scenario"], r["link"], float(r["load"])), []).append(r)
+    out = []
+    for (scenario, link, load), point in sorted(by_point.items()):
+        per_seed = {}
+        for r in point:
+            per_seed.setdefault(int(r["seed"]), {})[r["policy"]] = r
+        policies = list(dict.fromkeys(r["policy"] for r in point))
+        for policy in policies:
+            mine = [(seed, runs[policy]) for seed, runs in sorted(per_seed.items())
+                    if policy in runs]
+            row = dict(scenario=scenario, link=link, load=load, policy=policy,
+                       seeds=len(mine), qps=float(np.mean([r["qps"] for _, r in mine])))
+            for metric in SUMMARY_METRICS:
+                vals = np.array([r[metric] for _, r in mine], dtype=np.float64)
+                row.update({f"{metric}_mean": vals.mean(), f"{metric}_std": vals.std(),
+                            f"{metric}_min": vals.min(), f"{metric}_max": vals.max()})
+            paired = {"vs_baseline_pct": ("serialized-fifo", lambda x, y: 100 * (
+                          x["mean_s"] / y["mean_s"] - 1)),
+                      "vs_sjf_x": ("sjf", lambda x, y: x["mean_s"] / y["mean_s"]),
+                      "slo_vs_baseline_pts": ("serialized-fifo", lambda x, y: 100 * (
+                          x["slo_attainment"] - y["slo_attainment"])),
+                      "slo_vs_edf_pts": ("edf", lambda x, y: 100 * (
+                          x["slo_attainment"] - y["slo_attainment"]))}
+            counts = [(r.get("demoted"), r.get("demoted_met_slo")) for _, r in mine
+                      if r.get("demoted", "") != ""]
+            row["demoted_total"] = sum(c[0] for c in counts) if counts else None
+            row["demoted_met_slo_total"] = sum(c[1] for c in counts) if counts else None
+            for name, (ref, fn) in paired.items():
+                vals = np.array([fn(r, per_seed[seed][ref]) for seed, r in mine
+                                 if ref in per_seed[seed]], dtype=np.float64)
+                row[f"{name}_mean"] = vals.mean() if vals.size else float("nan")
+                row[f"{name}_std"] = vals.std() if vals.size else float("nan")
+            out.append(row)
+    return out
+
+
+def plot(summary: list[dict], path: pathlib.Path) -> None:
+    """Figs. 7 (mean TTFT vs QPS), 8 (SLO attainment vs QPS) per scenario, and Fig. 10 (mixed
+    hits: SJF-PT vs SJF mean TTFT, EDF vs LSTF SLO attainment); error bars: std over seeds."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    scenarios = sorted({r["scenario"] for r in rows}, key=list(SCENARIOS).index)
-    fig, axes = plt.subplots(2, len(scenarios), figsize=(6 * len(scenarios), 8), squeeze=False)
+    scenarios = sorted({r["scenario"] for r in summary}, key=list(SCENARIOS).index)
+    fig, axes = plt.subplots(3, len(scenarios), figsize=(6 * len(scenarios), 12), squeeze=False)
     for col, scenario in enumerate(scenarios):
+        mine = [r for r in summary if r["scenario"] == scenario]
         for policy in POLICIES + PLAIN_POLICIES:
-            pts = sorted((r["qps"], r["mean_s"], r["slo_attainment"]) for r in rows
-                         if r["scenario"] == scenario and r["policy"] == policy)
+            pts = sorted((r["qps"], r["mean_s_mean"], r["mean_s_std"], r["slo_attainment_mean"],
+                          r["slo_attainment_std"]) for r in mine if r["policy"] == policy)
             if not pts:
                 continue
-            qps, mean, slo = zip(*pts)
+            qps, mean, mean_sd, slo, slo_sd = map(np.array, zip(*pts))
             style = "--" if policy == "serialized-fifo" else ":" if "plain" in policy else "-"
-            axes[0][col].plot(qps, mean, style, marker="o", label=policy)
-            axes[1][col].plot(qps, [100 * s for s in slo], style, marker="o", label=policy)
-        axes[0][col].set(title=f"SmolLM2, {scenario}: mean TTFT (Figs. 7/10)", xlabel="QPS",
-                         ylabel="mean TTFT (s)", yscale="log")
-        axes[1][col].set(title=f"SmolLM2, {scenario}: SLO attainment (Fig. 8)", xlabel="QPS",
+            axes[0][col].errorbar(qps, mean, yerr=mean_sd, fmt=style, marker="o", capsize=3,
+                                  label=policy)
+            axes[1][col].errorbar(qps, 100 * slo, yerr=100 * slo_sd, fmt=style, marker="o",
+                                  capsize=3, label=policy)
+        seeds = max((r["seeds"] for r in mine), default=0)
+        axes[0][col].set(title=f"{scenario}: mean TTFT (Fig. 7), mean ± std of {seeds} seeds",
+                         xlabel="QPS", ylabel="mean TTFT (s)", yscale="log")
+        axes[1][col].set(title=f"{scenario}: SLO attainment (Fig. 8)", xlabel="QPS",
                          ylabel="SLO attainment (%)", ylim=(0, 102))
         axes[0][col].legend(fontsize=8)
+        # Fig. 10: at each load, SJF-PT / FIFO / SJF mean TTFT and EDF / LSTF SLO attainment.
+        ax = axes[2][col]
+        loads = sorted({r["load"] for r in mine})
+        bars = [("serialized-fifo", "mean_s", "baseline TTFT"), ("fifo", "mean_s", "FIFO TTFT"),
+                ("sjf-pt", "mean_s", "SJF-PT TTFT"), ("sjf", "mean_s", "SJF TTFT")]
+        width = 0.8 / len(bars)
+        for i, (policy, metric, label) in enumerate(bars):
+            vals = [next((r for r in mine if r["load"] == load and r["policy"] == policy), None)
+                    for load in loads]
+            x = np.arange(len(loads)) + i * width
+            ax.bar(x, [v[f"{metric}_mean"] if v else 0 for v in vals], width,
+                   yerr=[v[f"{metric}_std"] if v else 0 for v in vals], capsize=3, label=label)
+        ax.set(xticks=np.arange(len(loads)) + 0.4 - width / 2,
+               xticklabels=[f"load {load}" for load in loads], ylabel="mean TTFT (s)",
+               title=f"{scenario}: Fig. 10 (bars: TTFT; dots: SLO EDF vs LSTF)")
+        ax.legend(fontsize=8, loc="upper left")
+        twin = ax.twinx()
+        for policy, marker in (("edf", "s"), ("lstf", "D")):
+            vals = [next((r for r in mine if r["load"] == load and r["policy"] == policy), None)
+                    for load in loads]
+            x = [i + 0.4 - width / 2 for i, v in enumerate(vals) if v]
+            twin.errorbar(x, [100 * v["slo_attainment_mean"] for v in vals if v],
+                          yerr=[100 * v["slo_attainment_std"] for v in vals if v], fmt=marker,
+                          color="k" if policy == "edf" else "r", capsize=3,
+                          label=f"{policy.upper()} SLO")
+        twin.set(ylabel="SLO attainment (%)", ylim=(0, 102))
+        twin.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
 
 
+def write_outputs(rows: list[dict], out: pathlib.Path) -> list[dict]:
+    """calvo.csv (one row per scenario, load, seed, policy), calvo_summary.csv (over seeds) and
+    calvo.png; returns the summary rows."""
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out / "calvo.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = aggregate(rows)
+    with open(out / "calvo_summary.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(summary[0]))
+        writer.writeheader()
+        writer.writerows(summary)
+    plot(summary, out / "calvo.png")
+    return summary
+
+
+def report(summary: list[dict]) -> None:
+    """The goals' figures (mean ± std over seeds, paired per seed) at every swept load."""
+    def get(scenario, load, policy):
+        return next((r for r in summary if r["scenario"] == scenario and r["load"] == load
+                     and r["policy"] == policy), None)
+
+    pm = lambda r, k, fmt="{:.1f}": (f"{fmt.format(r[k + '_mean'])} ± "
+                                     f"{fmt.format(r[k + '_std'])}") if r else "n/a"
+    print("\n== goals per point: mean ± std over seeds (paired per seed) ==")
+    for scenario, link, load in sorted({(r["scenario"], r["link"], r["load"]) for r in summary}):
+        b, s = get(scenario, load, "serialized-fifo"), get(scenario, load, "sjf")
+        e, l = get(scenario, load, "edf"), get(scenario, load, "lstf")
+        pt, f = get(scenario, load, "sjf-pt"), get(scenario, load, "fifo")
+        seeds = b["seeds"] if b else 0
+        print(f"{scenario} @ load {load} ({link}, {seeds} seeds, {b['qps'] if b else 0:.2f} QPS): "
+              f"SJF vs baseline {pm(s, 'vs_baseline_pct')}% (mean TTFT {pm(s, 'mean_s', '{:.3f}')}"
+              f" s vs {pm(b, 'mean_s', '{:.3f}')} s); pipelined FIFO {pm(f, 'vs_baseline_pct')}%"
+              f"; SJF-PT / SJF {pm(pt, 'vs_sjf_x', '{:.2f}')}x; SLO LSTF "
+              f"{pm(l, 'slo_attainment', '{:.3f}')} EDF {pm(e, 'slo_attainment', '{:.3f}')} "
+              f"baseline {pm(b, 'slo_attainment', '{:.3f}')}; LSTF - EDF "
+              f"{pm(l, 'slo_vs_edf_pts')} pts; LSTF - baseline {pm(l, 'slo_vs_baseline_pts')} pts"
+              + (f"; LSTF demoted {l['demoted_total']} requests as hopeless over the seeds, "
+                 f"{l['demoted_met_slo_total']} of them met their SLO anyway"
+                 if l and l.get("demoted_total") is not None else ""))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="full-hit only, one load, 16 requests")
+    parser.add_argument("--quick", action="store_true",
+                        help="full-hit only, one load, one seed, 16 requests")
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--link", default="2gbit", help="pool link pacing (server sends)")
+    parser.add_argument("--link", default="1gbit", help="pool link pacing (server sends)")
     parser.add_argument("--chunk-tokens", type=int, default=64)
     parser.add_argument("--contexts", type=int, default=6)
     parser.add_argument("--queries", type=int, default=8, help="queries per context")
-    parser.add_argument("--min-context", type=int, default=512)
-    parser.add_argument("--max-context", type=int, default=1536)
-    parser.add_argument("--loads", default="0.7,0.9",
+    parser.add_argument("--min-context", type=int, default=256)
+    parser.add_argument("--max-context", type=int, default=1024)
+    parser.add_argument("--loads", default="0.6,0.9",
                         help="full-hit offered loads as fractions of the baseline's capacity")
-    parser.add_argument("--mixed-loads", default="0.9",
+    parser.add_argument("--mixed-loads", default="0.7",
                         help="mixed-hit offered loads (each point costs ~2x a full-hit one)")
     parser.add_argument("--scenarios", default="full-hit,mixed-hit")
+    parser.add_argument("--seeds", default="0,1,2",
+                        help="workload seeds per point (contexts, queries, arrivals, hit ratios, "
+                             "SLO factors); figures are reported as mean ± std over them")
+    parser.add_argument("--append", action="store_true",
+                        help="merge into the out-dir's calvo.csv (same scenario/load/seed/policy/"
+                             "link rows are replaced): split the seeds across several runs")
+    parser.add_argument("--report-only", action="store_true",
+                        help="no runs: rebuild calvo_summary.csv / calvo.png from calvo.csv")
     parser.add_argument("--host-slots", type=int, default=32, help="L2 capacity in chunks")
     parser.add_argument("--device-slots", type=int, default=64, help="L1 capacity in chunks")
     parser.add_argument("--pool-capacity", default="2GiB")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cost-model", choices=("bucketed", "plain"), default="bucketed",
                         help="which fit orders sjf/lstf and sets SLOs and QPS (the other one "
                              "orders the *-plain A/B policies)")
-    parser.add_argument("--policies", default=",".join(POLICIES + PLAIN_POLICIES),
+    parser.add_argument("--policies", default=",".join(POLICIES),
                         help="comma-separated; serialized-fifo first (tokens are checked "
-                             "against the first policy's)")
+                             "against the first policy's); sjf-plain, lstf-plain: A/B orders "
+                             "by the other fit")
     parser.add_argument("--hit-ratios", default="0.75,0.875,1.0",
                         help="mixed-hit scenario: cached share of each context, drawn per request")
     parser.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
     args = parser.parse_args(argv)
     if args.quick:
         args.scenarios, args.loads, args.contexts, args.queries = "full-hit", "0.9", 4, 4
+        args.seeds = args.seeds.split(",")[0]
     loads = {"full-hit": [float(x) for x in args.loads.split(",")],
              "mixed-hit": [float(x) for x in args.mixed_loads.split(",")]}
     scenarios = [s.strip() for s in args.scenarios.split(",")]
     policies = [p.strip() for p in args.policies.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
     SCENARIOS["mixed-hit"] = tuple(float(h) for h in args.hit_ratios.split(","))
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.report_only:
+        report(write_outputs(read_rows(out / "calvo.csv"), out))
+        return
     started = time.perf_counter()
     secret = secrets.token_hex(16)
     proc, address = start_pool(args, secret)
@@ -314,13 +496,14 @@ def main(argv=None) -> None:
         tokenizer = engine.model.tokenizer
         tokenize = lambda text: np.asarray(tokenizer.encode(text, add_special_tokens=False),
                                            np.int32)
-        rng = np.random.default_rng(args.seed)
-        base = {s: WorkloadConfig(qps=1.0, num_contexts=args.contexts,
-                                  queries_per_context=args.queries,
-                                  min_context_tokens=args.min_context,
-                                  max_context_tokens=args.max_context,
-                                  chunk_tokens=args.chunk_tokens, hit_ratios=SCENARIOS[s],
-                                  seed=args.seed) for s in scenarios}
+        rng = np.random.default_rng(seeds[0])
+        base = {(s, seed): WorkloadConfig(qps=1.0, num_contexts=args.contexts,
+                                          queries_per_context=args.queries,
+                                          min_context_tokens=args.min_context,
+                                          max_context_tokens=args.max_context,
+                                          chunk_tokens=args.chunk_tokens,
+                                          hit_ratios=SCENARIOS[s], seed=seed)
+                for s in scenarios for seed in seeds}
         t = time.perf_counter()
         contexts = {}
         for config in base.values():
@@ -333,83 +516,73 @@ def main(argv=None) -> None:
               f"{time.perf_counter() - t:.1f} s; chunk {args.chunk_tokens} tokens = "
               f"{engine.chunk_bytes / 2**20:.2f} MiB; pool link paced at {args.link}")
         t = time.perf_counter()
-        plain_model, cost_model = profile(engine, list(contexts.values())[:4], rng)
+        # profile on 4 contexts spread over the length range (shortest .. longest), so the
+        # padded prefix ctx' takes several values and the bucketed fit is identifiable
+        by_length = sorted(contexts.values(), key=len)
+        picks = sorted(set(np.linspace(0, len(by_length) - 1, 4).round().astype(int)))
+        plain_model, cost_model = profile(engine, [by_length[i] for i in picks], rng)
         cost_model.save(out / "calvo_cost_model.json")
         plain_model.save(out / "calvo_cost_model_plain.json")
+        fit_error = engine.fit_median_error[args.cost_model]
         if args.cost_model == "plain":
             plain_model, cost_model = cost_model, plain_model
         print(f"profiling + compiling took {time.perf_counter() - t:.1f} s")
 
         for scenario in scenarios:
-            workload = build_workload(base[scenario], tokenize)
-            requests, _ = build_requests(engine, workload, cost_model)
-            capacity = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
-                                                            r.info.compute_tokens)
-                                            for r in requests]))
-            print(f"\n== {scenario}: {len(requests)} requests per point; baseline capacity "
-                  f"(1 / mean modelled service time) {capacity:.2f} QPS ==")
-            print(f"{'load':>5} {'QPS':>6} " + " ".join(f"{p:>21}" for p in policies))
+            print(f"\n== {scenario}: {base[scenario, seeds[0]].num_requests} requests per run; "
+                  f"seeds {seeds} ==")
+            print(f"{'load':>5} {'seed':>4} {'QPS':>6} " + " ".join(f"{p:>21}" for p in policies))
             for load in loads[scenario]:
-                qps = load * capacity
-                workload = build_workload(dataclasses.replace(base[scenario], qps=qps), tokenize)
-                requests, slo = build_requests(engine, workload, cost_model)
-                warm_up(engine, requests)
-                first = None
-                cells = []
-                for policy in policies:
-                    res = run_realtime(engine, requests, policy, cost_model, plain_model)
-                    ids = [r.request_id for r in requests]
-                    tokens = [res[i][1] for i in ids]
-                    if first is None:
-                        first = tokens
-                    mismatched = sum(a != b for a, b in zip(tokens, first))
-                    summary = summarize([res[i][0] for i in ids], [slo[i] for i in ids])
-                    rows.append(dict(scenario=scenario, load=load, qps=qps, policy=policy,
-                                     link=args.link, token_mismatches=mismatched,
-                                     **summary.as_row()))
-                    cells.append(f"{summary.mean_s:>9.3f}s / {100 * summary.slo_attainment:>5.1f}%  ")
-                    if mismatched:
-                        print(f"WARNING: {policy} produced {mismatched} first tokens different "
-                              "from the baseline's")
-                print(f"{load:>5.2f} {qps:>6.2f} " + " ".join(cells), flush=True)
+                for seed in seeds:
+                    workload = build_workload(base[scenario, seed], tokenize)
+                    requests, _ = build_requests(engine, workload, cost_model)
+                    # the baseline's capacity: 1 / mean modelled service time of this workload
+                    capacity = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
+                                                                    r.info.compute_tokens)
+                                                    for r in requests]))
+                    qps = load * capacity
+                    workload = build_workload(dataclasses.replace(base[scenario, seed], qps=qps),
+                                              tokenize)
+                    requests, slo = build_requests(engine, workload, cost_model)
+                    warm_up(engine, requests)
+                    first = None
+                    cells = []
+                    for policy in policies:
+                        demoted: set = set()
+                        res = run_realtime(engine, requests, policy, cost_model, plain_model,
+                                           demoted)
+                        ids = [r.request_id for r in requests]
+                        # hopeless by the model (demoted) yet on time: a prediction error
+                        met_anyway = sum(res[i][0] <= slo[i] for i in demoted)
+                        tokens = [res[i][1] for i in ids]
+                        if first is None:
+                            first = tokens
+                        mismatched = sum(a != b for a, b in zip(tokens, first))
+                        summary = summarize([res[i][0] for i in ids], [slo[i] for i in ids])
+                        rows.append(dict(scenario=scenario, load=load, seed=seed, qps=qps,
+                                         policy=policy, link=args.link,
+                                         token_mismatches=mismatched,
+                                         fit_median_error=fit_error, loadavg=os.getloadavg()[0],
+                                         demoted=len(demoted), demoted_met_slo=met_anyway,
+                                         **summary.as_row()))
+                        cells.append(f"{summary.mean_s:>9.3f}s / "
+                                     f"{100 * summary.slo_attainment:>5.1f}%  ")
+                        if mismatched:
+                            print(f"WARNING: {policy} produced {mismatched} first tokens "
+                                  "different from the baseline's")
+                    print(f"{load:>5.2f} {seed:>4} {qps:>6.2f} " + " ".join(cells), flush=True)
     finally:
         if "engine" in locals():
             engine.pool.close()
         proc.stdin.close()
         proc.wait(timeout=30)
 
-    with open(out / "calvo.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    plot(rows, out / "calvo.png")
-
-    def get(scenario, load, policy):
-        return next((r for r in rows if r["scenario"] == scenario and r["load"] == load
-                     and r["policy"] == policy), None)
-
-    def ratio(num, den, fmt):
-        return fmt(num, den) if num and den else "n/a (policy not run)"
-
-    print("\n== at the highest swept load (the baseline sustains loads < 1) ==")
-    for scenario in scenarios:
-        top = max(load for load in loads[scenario] if load < 1.0)
-        b, s = get(scenario, top, "serialized-fifo"), get(scenario, top, "sjf")
-        e, l = get(scenario, top, "edf"), get(scenario, top, "lstf")
-        pt, f = get(scenario, top, "sjf-pt"), get(scenario, top, "fifo")
-        sp, lp = get(scenario, top, "sjf-plain"), get(scenario, top, "lstf-plain")
-        lower = lambda x, y: (f"{100 * (1 - x['mean_s'] / y['mean_s']):.1f}% lower "
-                              f"({x['mean_s']:.3f} s vs {y['mean_s']:.3f} s)")
-        times = lambda x, y: f"{x['mean_s'] / y['mean_s']:.2f}x"
-        slo = lambda x: f"{100 * x['slo_attainment']:.1f}%" if x else "n/a"
-        print(f"{scenario} @ load {top} ({next(r for r in rows if r['scenario'] == scenario and r['load'] == top)['qps']:.2f} QPS): "
-              f"pipelined SJF vs serialized FIFO: {ratio(s, b, lower)}; pipelined FIFO: "
-              f"{ratio(f, b, lower)}; SLO attainment LSTF {slo(l)} / EDF {slo(e)} / baseline "
-              f"{slo(b)} / LSTF (plain fit) {slo(lp)}; SJF-PT / SJF mean TTFT "
-              f"{ratio(pt, s, times)}; SJF (plain fit) / SJF {ratio(sp, s, times)}")
+    if args.append:
+        rows = merge_rows(read_rows(out / "calvo.csv"), rows)
+    report(write_outputs(rows, out))
     print(f"first-token mismatches vs the baseline: {sum(r['token_mismatches'] for r in rows)}")
-    print(f"\nwrote {out / 'calvo.csv'}, {out / 'calvo.png'} in "
-          f"{time.perf_counter() - started:.1f} s")
+    print(f"\nwrote {out / 'calvo.csv'}, {out / 'calvo_summary.csv'}, {out / 'calvo.png'} in "
+          f"{time.perf_counter() - started:.1f} s; load average {os.getloadavg()}")
 
 
 if __name__ == "__main__":
