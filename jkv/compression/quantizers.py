@@ -10,12 +10,13 @@ One mechanism covers every quantizer of the strategy space. A `QuantPlan` fixes,
 - MixHQ (§5.1): retrieval heads at `bits`, streaming heads at `low_bits` (see `heads.py`);
 - bits 16 keeps a head unquantized in the block dtype;
 - entropy-coded uniform quantization (`step` > 0, spec `ec<S>g<G>`): zero = mean(g), scale =
-  step * std(g) (fp16), codes round((x - zero) / scale) clipped to [-7, 7] and stored as 4-bit
+  max(step * std(g), max|g - mean| / 6.51) (fp16; the second term only for groups with outliers, so
+  nothing is clipped), codes round((x - zero) / scale) in [-7, 7] stored as 4-bit
   nibbles (offset 7); the codec (zstd's Huffman literals) then spends ~entropy bits per value, so
   the rate follows the data instead of a fixed 2^b grid. This is entropy-constrained scalar
   quantization (CacheGen §5.2 arithmetic-codes its quantized deltas for the same reason): at the
   same error, a uniform step + entropy coder needs fewer bits than a fixed-rate min-max grid, whose
-  range grows with the group's extremes. |x - x_hat| <= scale / 2 unless clipped (|x - zero| > 7.5 scale).
+  range grows with the group's extremes. |x - x_hat| <= scale / 2 (+ fp16 rounding of zero and scale).
 
 Asymmetric quantization of a group g: zero = min(g), scale = (max(g) - min(g)) / (2^b - 1), both
 stored as float16 (metadata, counted in the CR) and rounded *before* computing codes so that
@@ -164,7 +165,11 @@ def quantize(y, plan: QuantPlan, store_dtype) -> dict:
         if plan.step > 0:  # entropy-coded uniform step (ECSQ): zero = mean, scale = step * std
             mean = g.mean(axis=-1)
             zero = mean.astype(SCALE_DTYPE)
-            scale = (plan.step * jnp.sqrt(jnp.mean((g - mean[..., None]) ** 2, axis=-1))).astype(SCALE_DTYPE)
+            dev = g - mean[..., None]
+            # never clip: a group whose extremes lie beyond +-7 steps gets a coarser step (at worst the
+            # 15-level min-max grid), so |x - x_hat| <= scale / 2 holds for every value
+            spread = jnp.max(jnp.abs(dev), axis=-1) / (EC_CLIP - 0.49)
+            scale = jnp.maximum(plan.step * jnp.sqrt(jnp.mean(dev ** 2, axis=-1)), spread).astype(SCALE_DTYPE)
             zero32, scale32 = zero.astype(jnp.float32), scale.astype(jnp.float32)
             safe = jnp.where(scale32 > 0, scale32, 1.0)
             codes = (jnp.clip(jnp.round((g - zero32[..., None]) / safe[..., None]), -EC_CLIP, EC_CLIP)
