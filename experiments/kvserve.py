@@ -93,6 +93,7 @@ def table1(model, args, say):
              "KIVI-2bit": (PipelineSpec.parse("identity+kivi2g32+none"), None),
              "DuoAttention-like": (PipelineSpec.parse("identity+none+none"), StreamingConfig(0.5, 16, 64)),
              "Duo25 + KIVI-4": (PipelineSpec.parse("hadamard+kivi4g32+none"), StreamingConfig(0.25, 16, 64)),
+             "Duo50 + KIVI-4": (PipelineSpec.parse("hadamard+kivi4g128+zstdh3"), StreamingConfig(0.5, 16, 64)),
              "Duo50 + KIVI-3 (8x probe)": (PipelineSpec.parse("hadamard+kivi3g128+zstdh3"), StreamingConfig(0.5, 16, 64)),
              "hadamard+kivi2g128 (8x probe)": (PipelineSpec.parse("hadamard+kivi2g128+zstdh3"), None)}
     space = strategy_space(scores, args.quick)
