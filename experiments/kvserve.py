@@ -5,8 +5,13 @@ retrieval, continuation of local documents), `--samples` prompts of `--tokens` t
 
 - CacheGen-like: delta encoding along tokens (anchor every 16) + per-token 4-bit + zstd;
 - KIVI-2bit: K per-channel, V per-token, 2 bits, group 32, no codec;
-- DuoAttention-like: retrieval heads (top 25 % by a DuoAttention-style score) kept in fp16, streaming
-  heads cut to 1 bit (the pipeline quantizes instead of dropping tokens: the closest it expresses);
+- DuoAttention-like: per request, the half of the KV heads with the lowest retrieval score (attention
+  mass outside sinks + recent window, from the prompt's own last 32 queries) become streaming heads
+  that keep only 16 sink + 64 recent tokens; the rest stay fp16 (`jkv.compression.streaming`; the
+  decode attends per head to exactly the kept tokens). An earlier version quantized the "streaming"
+  heads to 1 bit instead of dropping their middle tokens, which destroyed the output (top-1 0.02);
+- Duo + KIVI: the same pruning (25 % / 50 % streaming heads) with the kept KV quantized;
+- >= 8x probe: Hadamard + KIVI-2 with group 128 + zstdh (the cheapest quantization-only point);
 - jkv-unified: Algorithm 1 (`bayesian_search`) over the `jkv compress-profile` space on all
   workloads' samples at once — one pipeline for everything;
 - jkv-per-workload: Algorithm 1 per workload, its best feasible pipeline.
@@ -20,10 +25,12 @@ the decode worker, mode "full", dense decode (no selector metadata shares the li
 request here, then pace the link so that Tt / Tp = 6.5 x 25 / b (SmartGen's 6.5x stall at
 25 Gbit/s) for b = 5 ... 100 Gbit/s "equivalents". Side by side per b: uncompressed vs the online
 controller (`compression="auto"` with the continuation profile from part 1). JCT = time to the
-last token.
+last token. The controller charges each profile's measured transfer-path cost (`calibrate_path` on
+this request's real KV: encode + prefill-side decode + framing + receiver decode), not the profile
+file's encode + decode round trip; every profile's codec path is compiled before the sweep.
 
 Writes experiments/results/kvserve_table1.csv, kvserve_jct.csv, kvserve.png, kvserve_profile_*.json.
-Usage: python experiments/kvserve.py [--quick]
+Usage: python experiments/kvserve.py [--quick] [--samples 8] [--limit 16] [--skip-jct | --jct-only]
 """
 from __future__ import annotations
 
@@ -43,6 +50,7 @@ from jkv.compression.cli import head_scores, mixed_tables, strategy_space  # noq
 from jkv.compression.policy import CompressionConfig, CompressionPolicy  # noqa: E402
 from jkv.compression.profiling import SearchConfig, bayesian_search, build_profile, nominal_cr, save_profile  # noqa: E402,E501
 from jkv.compression.spec import CodecSpec, PipelineSpec, QuantizerSpec, TransformSpec  # noqa: E402
+from jkv.compression.streaming import StreamingConfig  # noqa: E402
 from jkv.compression.workloads import WORKLOADS, ModelObjective, workload_samples  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +67,7 @@ def combined(objectives) -> ModelObjective:
     for name in ("samples", "kv16", "first_logits", "reference"):
         setattr(obj, name, [x for o in objectives for x in getattr(o, name)])
     obj.probe_bytes = sum(o.probe_bytes for o in objectives)
+    obj._scores = {}
     return obj
 
 
@@ -80,13 +89,15 @@ def table1(model, args, say):
     objectives = {w: ModelObjective(model, workload_samples(model.tokenizer, w, args.samples, args.tokens),
                                     chunk_tokens=args.chunk_tokens) for w in WORKLOADS}
     say(f"prefilled {args.samples} x {len(WORKLOADS)} samples of ~{args.tokens} tokens")
-    scores = head_scores(objectives["continuation"].kv16[0])
-    retrieval = np.asarray(mixed_tables(scores)["mixhq4s2"]) == 4
-    duo = QuantizerSpec("mixed", 16, 128, table=tuple(tuple(16 if r else 1 for r in row) for row in retrieval))
-    fixed = {"CacheGen-like": PipelineSpec(TransformSpec("delta", 16), QuantizerSpec("tok", 4, 32), CodecSpec("zstd", 3)),
-             "KIVI-2bit": PipelineSpec.parse("identity+kivi2g32+none"),
-             "DuoAttention-like": PipelineSpec(TransformSpec("identity"), duo, CodecSpec("zstd", 3)),
-             "hadamard+kivi2g128 (8x probe)": PipelineSpec.parse("hadamard+kivi2g128+zstd3")}
+    calib = objectives["continuation"]
+    scores = head_scores(calib.kv16[0], model, calib.samples[0].prompt)  # real observation-window queries
+    fixed = {"CacheGen-like": (PipelineSpec(TransformSpec("delta", 16), QuantizerSpec("tok", 4, 32), CodecSpec("zstd", 3)), None),
+             "KIVI-2bit": (PipelineSpec.parse("identity+kivi2g32+none"), None),
+             "DuoAttention-like": (PipelineSpec.parse("identity+none+none"), StreamingConfig(0.5, 16, 64)),
+             "Duo25 + KIVI-4": (PipelineSpec.parse("hadamard+kivi4g32+none"), StreamingConfig(0.25, 16, 64)),
+             "Duo50 + KIVI-4": (PipelineSpec.parse("hadamard+kivi4g128+zstdh3"), StreamingConfig(0.5, 16, 64)),
+             "Duo50 + KIVI-3 (8x probe)": (PipelineSpec.parse("hadamard+kivi3g128+zstdh3"), StreamingConfig(0.5, 16, 64)),
+             "hadamard+kivi2g128 (8x probe)": (PipelineSpec.parse("hadamard+kivi2g128+zstdh3"), None)}
     space = strategy_space(scores, args.quick)
     per_workload = {}
     for w, obj in objectives.items():
@@ -96,17 +107,18 @@ def table1(model, args, say):
     unified = search(combined(list(objectives.values())), space, args.threshold, args.limit, say, "unified")
     methods = dict(fixed)
     if unified.best:
-        methods["jkv-unified"] = PipelineSpec.parse(unified.best.spec_id)
+        methods["jkv-unified"] = (PipelineSpec.parse(unified.best.spec_id), None)
     rows = []
     for w, obj in objectives.items():
         base = float(np.mean(obj.task_scores(None)))
         todo = dict(methods)
         if per_workload[w].best:
-            todo["jkv-per-workload"] = PipelineSpec.parse(per_workload[w].best.spec_id)
-        for name, spec in todo.items():
-            r = obj.measure(spec)
-            score = float(np.mean(obj.task_scores(spec)))
+            todo["jkv-per-workload"] = (PipelineSpec.parse(per_workload[w].best.spec_id), None)
+        for name, (spec, streaming) in todo.items():
+            r = obj.measure(spec, streaming)
+            score = float(np.mean(obj.task_scores(spec, streaming)))
             row = dict(workload=w, method=name, spec=spec.id if len(spec.id) < 60 else spec.id[:28] + "..." + spec.id[-20:],
+                       streaming=streaming.id if streaming else "",
                        cr_fp16=round(r.cr, 3), cr_wire_f32=round(2 * r.cr, 3), top1=round(r.accuracy, 3),
                        kl=round(r.kl, 4), task_score=round(score, 3), task_score_uncompressed=round(base, 3),
                        rel_task_accuracy=round(score / base, 3) if base > 0 else float("nan"),
@@ -156,22 +168,35 @@ def jct_sweep(model, args, say):
     try:
         once(None)  # compile
         tp = once(None).metrics.extra["prefill_s"]
-        once(CompressionPolicy(CompressionConfig(profile.points[-1].spec_id)))  # compile the codec path
-        say(f"JCT sweep: {len(prompt)} prompt tokens, KV {kv_bytes / 1e6:.1f} MB (f32), Tp = {tp:.2f}s")
+        for p in profile.points:  # compile every profile's codec path (the first use would pay it)
+            once(CompressionPolicy(CompressionConfig(p.spec_id)))
+        # The controller's s_p: the measured transfer path (encode + prefill-side decode + framing +
+        # receiver decode) on this request's real KV and geometry, not the profile's round trip.
+        import jax.numpy as jnp
+        _, kv = model.prefill(jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32))
+        probe = np.stack([np.stack([np.asarray(x[0, :, :len(prompt)], np.float32) for x in pair]) for pair in kv], 1)
+        calib = CompressionPolicy(CompressionConfig("auto", profiles=("kvserve_profile_continuation.json",),
+                                                    q_min=min(0.97, args.threshold)), bandwidth_bps=1e9,
+                                  profiles=[profile])
+        path_Bps = calib.calibrate_path(probe, min_chunk_tokens=args.chunk_tokens, blocks_per_layer=64)
+        say(f"JCT sweep: {len(prompt)} prompt tokens, KV {kv_bytes / 1e6:.1f} MB (f32), Tp = {tp:.2f}s; "
+            "codec s_p (f32 MB/s) path vs round trip: " + ", ".join(
+                f"{p.spec_id} {path_Bps[p.spec_id] / 1e6:.0f} vs {2 * p.throughput_Bps / 1e6:.0f}" for p in profile.points))
         for b in BANDWIDTHS_GBIT:
             ratio = 6.5 * 25 / b  # Tt / Tp
             bps = kv_bytes * 8 / (ratio * tp)
             worker.set_bandwidth(bps)
             policy = CompressionPolicy(CompressionConfig("auto", profiles=("kvserve_profile_continuation.json",),
                                                          q_min=min(0.97, args.threshold)),
-                                       bandwidth_bps=bps, profiles=[profile])
+                                       bandwidth_bps=bps, profiles=[profile], path_Bps=path_Bps)
             base, ctl = once(None), once(policy)
             row = dict(gbit_equiv=b, tt_over_tp=round(ratio, 2), paced_mbit=round(bps / 1e6, 2),
                        choice=ctl.metrics.extra.get("compression"), jct_uncompressed_s=round(base.metrics.e2e, 3),
                        jct_controller_s=round(ctl.metrics.e2e, 3), speedup=round(base.metrics.e2e / ctl.metrics.e2e, 3),
                        bytes_uncompressed=base.metrics.extra["bytes"]["proactive"],
                        bytes_controller=ctl.metrics.extra["bytes"]["proactive"],
-                       same_tokens=base.token_ids == ctl.token_ids)
+                       same_tokens=base.token_ids == ctl.token_ids,
+                       path_MBps=round(path_Bps.get(ctl.metrics.extra.get("compression"), float("nan")) / 1e6, 1))
             rows.append(row)
             say("  " + "  ".join(f"{k}={v}" for k, v in row.items()))
     finally:
@@ -225,14 +250,17 @@ def plot(table, jct, path):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1 sample x 256 tokens, 16-spec space, small BO")
-    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--threshold", type=float, default=0.9, help="BO accuracy floor (top-1 agreement)")
-    ap.add_argument("--limit", type=int, default=8, help="BO evaluations per search")
+    ap.add_argument("--limit", type=int, default=16, help="BO evaluations per search")
     ap.add_argument("--chunk-tokens", type=int, default=128)
     ap.add_argument("--jct-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=4)
     ap.add_argument("--skip-jct", action="store_true", help="Table 1 only (the figure reuses kvserve_jct.csv)")
+    ap.add_argument("--jct-only", action="store_true",
+                    help="JCT sweep only, with the continuation profile of the last Table-1 run (the figure "
+                         "reuses kvserve_table1.csv); run it inside `flock /work/timing.lock`")
     args = ap.parse_args()
     if args.quick:
         args.samples, args.tokens, args.limit, args.jct_tokens = 1, 256, 6, 256
@@ -245,7 +273,12 @@ def main():
 
     model = load_model("smollm2-135m-instruct")
     say(f"{model}; load {os.getloadavg()[0]:.1f}")
-    table = table1(model, args, say)
+    if args.jct_only:
+        with open(RESULTS / "kvserve_table1.csv") as f:
+            table = [{k: (float(v) if k in ("cr_fp16", "rel_task_accuracy") else v) for k, v in r.items()}
+                     for r in csv.DictReader(f)]
+    else:
+        table = table1(model, args, say)
     jct = [] if args.skip_jct else jct_sweep(model, args, say)
     if args.skip_jct and (RESULTS / "kvserve_jct.csv").exists():  # keep the last sweep in the figure
         with open(RESULTS / "kvserve_jct.csv") as f:

@@ -10,6 +10,11 @@ Prefills N tokens of a local document, takes each layer's K, V ([H_kv=3, N, D=64
   decompressed KV vs the uncompressed KV: mean KL(p_ref || p_comp) and top-1 agreement;
 - encode / decode throughput (whole KV, Nb = 256, best of 3, first pass compiles).
 
+Two extra sweeps (rows after the pipelines): per-layer sensitivity — Hadamard + KIVI-2 g128 on one
+group of 5 layers, the others unquantized (an explicit `mixed-` table) — and streaming-head pruning
+(`jkv.compression.streaming`, heads classified from the prompt's last 32 queries, sink 16 + recent
+64) alone and with KIVI-3, decoded with the per-head masked decoder; CR at Nb = 256 only.
+
 Writes experiments/results/kvserve_real_kv.csv. Usage:
     python experiments/kvserve_real_kv.py [--tokens 1024] [--steps 32]
 """
@@ -26,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.compression import Calibration, Pipeline, PipelineSpec, decode_block
-from jkv.compression.heads import attention_probs, retrieval_scores
+from jkv.compression.heads import observation_scores
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ["identity+none+zstd3", "identity+kivi8g32+none", "identity+kivi4g32+none", "identity+kivi4g32+zstd3",
@@ -35,7 +40,10 @@ SPECS = ["identity+none+zstd3", "identity+kivi8g32+none", "identity+kivi4g32+non
          "delta16+tok4g32+zstd3", "identity+mixhq8s2r25g32+zstd3", "hadamard+mixhq4s2r25g32+zstd3",
          # Toward >= 8x: larger groups amortize the fp16 scale + zero (1 bit/value at g32).
          "hadamard+kivi3g64+zstd3", "hadamard+kivi2g64+zstd3", "hadamard+kivi2g128+zstd3",
-         "identity+kivi2g128+zstd3", "hadamard+mixhq4s1r25g64+zstd3"]
+         "identity+kivi2g128+zstd3", "hadamard+mixhq4s1r25g64+zstd3",
+         # zstdh (min match 7) and the entropy-coded uniform quantizer (step % of the group std)
+         "hadamard+kivi2g128+zstdh3", "hadamard+kivi3g128+zstdh3", "hadamard+ec40g128+zstdh3",
+         "hadamard+ec60g128+zstdh3", "hadamard+ec80g128+zstdh3", "hadamard+ec120g128+zstdh3"]
 BLOCK_SIZES = [16, 64, 256, 1024]
 
 
@@ -90,6 +98,46 @@ def kl_and_top1(ref_logits, logits):
     return kl, float(np.mean(ref_logits.argmax(-1) == logits.argmax(-1)))
 
 
+def _row(spec, cr, kl, top1, **extra):
+    return {"spec": spec, **{f"cr_nb{nb}": (round(cr, 3) if nb == 256 else "") for nb in BLOCK_SIZES},
+            "rel_err_k": "", "rel_err_v": "", "kl": round(kl, 6), "top1_agree": round(top1, 3),
+            "encode_MBps": "", "decode_MBps": "", **extra}
+
+
+def layer_sensitivity(model, kv16, next_tokens, n, ref_logits, raw_bytes, group=5):
+    """KIVI-2 g128 (Hadamard, zstdh3) on one group of layers at a time, the rest unquantized."""
+    rows, n_layers, h = [], len(kv16), kv16[0][0].shape[0]
+    for first in range(0, n_layers, group):
+        table = ".".join(("2" if first <= layer < first + group else "f") * h for layer in range(n_layers))
+        pipe = Pipeline(PipelineSpec.parse(f"hadamard+mixed-{table}-g128+zstdh3"))
+        encoded = encode_all(pipe, kv16, 256)
+        cr = raw_bytes / sum(len(b) for blocks in encoded for b in blocks)
+        kl, top1 = kl_and_top1(ref_logits, teacher_forced_logits(model, decode_all(encoded), next_tokens, n))
+        rows.append(_row(f"hadamard+kivi2g128+zstdh3 on layers {first}-{first + group - 1} only", cr, kl, top1))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def streaming_rows(model, prompt, kv16, next_tokens, n, ref_logits, raw_bytes):
+    """Streaming-head pruning (sink 16 + recent 64) alone and with KIVI-3, per-head masked decode."""
+    from jkv.compression.streaming import (MaskedDecoder, StreamingPlan, decode_request, encode_request,
+                                           request_bytes)
+
+    scores = observation_scores(model, prompt, kv16, window=32, sink=16, recent=64)
+    rows = []
+    for fraction in (0.25, 0.5, 0.75):
+        plan = StreamingPlan.from_scores(scores, fraction, sink=16, recent=64)
+        for sid in ("identity+none+none", "hadamard+kivi3g128+zstdh3"):
+            blobs = encode_request(Pipeline(PipelineSpec.parse(sid)), plan, kv16, 256)
+            kv, keep = decode_request(blobs)
+            dec = MaskedDecoder(model, kv, keep, len(next_tokens))
+            logits = np.stack([dec.step(t) for t in next_tokens]).astype(np.float64)
+            kl, top1 = kl_and_top1(ref_logits, logits)
+            rows.append(_row(f"duo{round(100 * fraction)}s16w64:{sid}", raw_bytes / request_bytes(blobs), kl, top1))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024)
@@ -109,11 +157,9 @@ def main():
     next_tokens = ids[n:n + args.steps]
     ref_logits = teacher_forced_logits(model, [(jnp.asarray(k), jnp.asarray(v)) for k, v in kv16], next_tokens, n)
 
-    # MixHQ head scores: the last 64 keys of each head stand in for calibration queries (a proxy
-    # until the engine exposes real decode queries); mass outside sinks + recent 128 tokens.
-    q_pos = np.arange(n - 64, n)
-    scores = np.stack([retrieval_scores(attention_probs(k[:, -64:].astype(np.float32), k, q_pos)[None], q_pos,
-                                        k.shape[0], sink=4, recent=128)[0] for k, _ in kv16])
+    # MixHQ head scores: the real queries of the prompt's last 32 tokens (observation window);
+    # attention mass outside sinks + recent 128 tokens.
+    scores = observation_scores(model, ids[:n], kv16, window=32, sink=4, recent=128)
     calib = Calibration(head_scores=scores)
 
     rows = []
@@ -146,6 +192,8 @@ def main():
                "decode_MBps": round(raw_bytes / dec_s / 1e6, 1)}
         rows.append(row)
         print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    rows += layer_sensitivity(model, kv16, next_tokens, n, ref_logits, raw_bytes)
+    rows += streaming_rows(model, ids[:n], kv16, next_tokens, n, ref_logits, raw_bytes)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

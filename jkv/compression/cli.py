@@ -8,11 +8,12 @@ with the uncompressed cache over a teacher-forced continuation; CR with every co
 counted, at the transfer's chunk size), and write the 3D Pareto set as a versioned profile file
 `<out>/<workload>.json` (`jkv.compression.profiling.save_profile`). A tqdm bar counts evaluations.
 
-The space: identity / Hadamard transforms x KIVI (2/3/4/8 bits, groups 32/128) and per-token 4-bit
-quantizers, per-layer mixed precision (the first layers and the retrieval heads kept at higher
-precision: MixHQ written out as an explicit "mixed-..." table so no calibration state travels with
-the profile) x codecs none / zstd3. Retrieval heads are scored DuoAttention-style from the samples'
-own keys (the last 64 keys stand in for decode queries).
+The space: identity / Hadamard transforms x KIVI (2/3/4/8 bits, groups 32/128), per-token 4-bit and
+entropy-coded (`ec40g128`, `ec80g128`) quantizers, per-layer mixed precision (the first layers and
+the retrieval heads kept at higher precision: MixHQ written out as an explicit "mixed-..." table so
+no calibration state travels with the profile) x codecs none / zstdh3. Retrieval heads are scored
+DuoAttention-style from the first sample's real observation-window queries (its last 32 prompt
+tokens replayed through the model).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import time
 
 import numpy as np
 
-from jkv.compression.heads import attention_probs, classify_heads, retrieval_scores
+from jkv.compression.heads import attention_probs, classify_heads, observation_scores, retrieval_scores
 from jkv.compression.profiling import SearchConfig, bayesian_search, build_profile, nominal_cr, save_profile
 from jkv.compression.spec import CodecSpec, PipelineSpec, QuantizerSpec, TransformSpec
 from jkv.compression.workloads import WORKLOADS, ModelObjective, workload_samples
@@ -32,9 +33,15 @@ from jkv.compression.workloads import WORKLOADS, ModelObjective, workload_sample
 log = logging.getLogger(__name__)
 
 
-def head_scores(kv16) -> np.ndarray:
-    """f32[L, H_kv] retrieval scores from one sample's KV (per layer (K, V) f16[H_kv, N, D])."""
+def head_scores(kv16, model=None, prompt=None) -> np.ndarray:
+    """f32[L, H_kv] retrieval scores from one sample's KV (per layer (K, V) f16[H_kv, N, D]).
+
+    With `model` and `prompt`: the real queries of the prompt's last 32 tokens
+    (`heads.observation_scores`); without: the last 64 keys stand in for queries (a proxy).
+    """
     n = kv16[0][0].shape[1]
+    if model is not None:
+        return observation_scores(model, prompt, kv16, window=32, sink=4, recent=min(128, n // 4))
     q_pos = np.arange(max(0, n - 64), n)
     return np.stack([retrieval_scores(attention_probs(k[:, q_pos].astype(np.float32), k, q_pos)[None], q_pos,
                                       k.shape[0], sink=4, recent=min(128, n // 4))[0] for k, _ in kv16])
@@ -57,11 +64,13 @@ def mixed_tables(scores: np.ndarray) -> dict[str, tuple[tuple[int, ...], ...]]:
 
 def strategy_space(scores: np.ndarray, quick: bool) -> list[PipelineSpec]:
     transforms = [TransformSpec("identity"), TransformSpec("hadamard")]
-    codecs = [CodecSpec("zstd", 3)] if quick else [CodecSpec("none"), CodecSpec("zstd", 3)]
+    codecs = [CodecSpec("zstdh", 3)] if quick else [CodecSpec("none"), CodecSpec("zstdh", 3)]
     groups = (32, 128)
     quantizers = [QuantizerSpec("kivi", b, g) for b in ((2, 4) if quick else (2, 3, 4, 8)) for g in groups]
     if not quick:
         quantizers.append(QuantizerSpec("tok", 4, 32))
+        # entropy-coded uniform steps (~3.2 / 2.4 bits of entropy per value before metadata)
+        quantizers += [QuantizerSpec("ec", 4, 128, step=step) for step in (40, 80)]
     quantizers += [QuantizerSpec("mixed", 16, g, table=t) for t in mixed_tables(scores).values()
                    for g in ((128,) if quick else groups)]
     specs = [PipelineSpec(t, q, c) for t in transforms for q in quantizers for c in codecs]
@@ -107,7 +116,7 @@ def run(args) -> int:
         t0 = time.perf_counter()
         objective = ModelObjective(model, workload_samples(model.tokenizer, workload, samples, tokens,
                                                            args.continuation), chunk_tokens=args.chunk_tokens)
-        space = strategy_space(head_scores(objective.kv16[0]), args.quick)
+        space = strategy_space(head_scores(objective.kv16[0], model, objective.samples[0].prompt), args.quick)
         shape = objective.kv16[0][0][0].shape
         shape = (shape[0], min(args.chunk_tokens, shape[1]), shape[2])
         with tqdm(total=limit, desc=f"compress-profile {workload}", unit="eval", file=sys.stderr) as bar:

@@ -7,7 +7,9 @@ averaged over calibration queries (and over the query heads of its GQA group): e
 streaming approximation would drop. MixHQ keeps high-score heads at high precision and quantizes
 the rest to ultra-low bits instead of discarding them.
 
-Everything takes plain arrays so the scores can come from the model's calibration run later.
+Everything but `observation_queries` / `observation_scores` takes plain arrays; those two replay
+a request's last prompt tokens through the model to get its real queries (SnapKV's observation
+window), which is what `streaming.StreamingPlan` classifies heads from, per request.
 
     probs:  f32[L, H, Tq, Tk]   softmax attention of Tq calibration queries over Tk keys
     q_pos:  i32[Tq]             absolute position of each query (causal: key j visible iff j <= q_pos)
@@ -67,3 +69,40 @@ def classify_heads(scores: np.ndarray, retrieval_fraction: float) -> np.ndarray:
     retrieval = np.zeros(scores.size, dtype=bool)
     retrieval[order[:n_retrieval]] = True
     return retrieval.reshape(scores.shape)
+
+
+def observation_queries(model, prompt, kv, window: int = 32) -> np.ndarray:
+    """f32[L, H, W, D]: the real (RoPE'd) queries of the prompt's last W tokens (SnapKV's observation
+    window), recomputed on the prefill's own KV: per layer (K, V) [H_kv, N, D] of `prompt` (N tokens).
+
+    Each of the W tokens is replayed through the model's per-layer decode entry points
+    (`qkv` / `attend_and_mlp`) attending to the exact prefix KV, so these are the queries the prefill
+    computed — the prefill side has them, no future token is used.
+    """
+    import jax.numpy as jnp
+
+    n = kv[0][0].shape[1]
+    if len(prompt) != n:
+        raise ValueError(f"prompt has {len(prompt)} tokens; the KV has N={n}")
+    window = min(window, n)
+    h_kv = kv[0][0].shape[0]
+    K = [jnp.asarray(np.asarray(k, np.float32)[None], model.cfg.dtype) for k, _ in kv]
+    V = [jnp.asarray(np.asarray(v, np.float32)[None], model.cfg.dtype) for _, v in kv]
+    out = np.zeros((len(kv), model.cfg.num_heads, window, kv[0][0].shape[2]), np.float32)
+    for i, pos in enumerate(range(n - window, n)):
+        x = model.embed(jnp.asarray([int(prompt[pos])]))
+        for layer in range(len(kv)):
+            q, _, _ = model.qkv(layer, x, jnp.asarray([pos]))
+            out[layer, :, i] = np.asarray(q[0], np.float32)
+            x = model.attend_and_mlp(layer, x, q, K[layer], V[layer], jnp.full((1, h_kv), pos + 1, jnp.int32))
+    return out
+
+
+def observation_scores(model, prompt, kv, window: int = 32, sink: int = 16, recent: int = 64) -> np.ndarray:
+    """f32[L, H_kv] retrieval scores of one request from its own observation-window queries: the
+    attention mass outside the sinks + recent window (`retrieval_scores`)."""
+    q = observation_queries(model, prompt, kv, window)
+    n = kv[0][0].shape[1]
+    q_pos = np.arange(n - q.shape[2], n)
+    probs = np.stack([attention_probs(q[layer], np.asarray(k, np.float32), q_pos) for layer, (k, _) in enumerate(kv)])
+    return retrieval_scores(probs, q_pos, kv[0][0].shape[0], sink=sink, recent=min(recent, n))

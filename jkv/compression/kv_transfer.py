@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -186,3 +187,44 @@ def apply_frame(header: dict, payload, kv: np.ndarray, mask: np.ndarray) -> int:
     if pos != len(mv):
         raise ValueError(f"compressed KV frame has {len(mv) - pos} trailing bytes")
     return len(mv)
+
+
+def path_seconds(pipeline: Pipeline, kv: np.ndarray, *, min_chunk_tokens: int = 128,
+                 blocks_per_layer: int | None = None) -> float:
+    """Seconds one request's KV costs on the compressed transfer path, everything serialized:
+    the prefill side's `absorb` (encode AND decode of every chunk: its copy becomes decode(encode(KV))),
+    `frame`, and the receiver's `apply_frame` (decode into the pool). kv: f32[2, L, H_kv, N, D] — a
+    copy is overwritten. blocks_per_layer: M_eff (default N: one token per block).
+
+    This is the codec cost the controller must charge (Eq. 1's V / s_p): a profile file's s_p comes
+    from one encode + one decode (KVServe §5's round trip), which misses the second decode and the
+    framing — on a 2-core box where prefill and decode share the cores, ~1.5-2x of that estimate."""
+    from jkv.disagg import protocol as proto
+
+    if kv.ndim != 5 or kv.shape[0] != 2:
+        raise ValueError(f"kv must be f32[2, L, H_kv, N, D], got shape {kv.shape}")
+    _, L, H, N, D = kv.shape
+    m = N if blocks_per_layer is None else int(blocks_per_layer)
+    block_tokens = -(-N // m)
+    state = RequestCodec(pipeline, ChunkPlan.for_geometry(N, -(-N // block_tokens), block_tokens, min_chunk_tokens))
+    prefill = np.array(kv, np.float32, copy=True)
+    pool = np.zeros_like(prefill)
+    mask = np.zeros((L, N), np.int8)
+    t0 = time.perf_counter()
+    for layer in range(L):
+        state.absorb(layer, prefill[:, layer])
+        header, payload = proto.unpack(state.frame("probe", layer, range(state.chunks.num_chunks)))
+        apply_frame(header, payload, pool, mask)
+    return time.perf_counter() - t0
+
+
+def path_throughput_Bps(pipeline: Pipeline, kv: np.ndarray, *, min_chunk_tokens: int = 128,
+                        blocks_per_layer: int | None = None, repeats: int = 2) -> float:
+    """Float32 bytes of `kv` per second of the whole transfer path (`path_seconds`), best of
+    `repeats` timed runs after one untimed warm-up run (JIT compilation of the pipeline's shapes)."""
+    if repeats < 1:
+        raise ValueError(f"{repeats=} must be >= 1")
+    kw = dict(min_chunk_tokens=min_chunk_tokens, blocks_per_layer=blocks_per_layer)
+    path_seconds(pipeline, kv[:, :1], **kw)  # compile (every layer has the same shapes)
+    best = min(path_seconds(pipeline, kv, **kw) for _ in range(repeats))
+    return kv.size * 4 / max(best, 1e-12)

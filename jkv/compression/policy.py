@@ -88,19 +88,59 @@ def wire_profiles(profile: ProfileFile) -> list[Profile]:
     return [Profile(p.spec_id, p.cr * scale, p.throughput_Bps * scale, p.accuracy) for p in profile.points]
 
 
+def path_profiles(profile: ProfileFile, path_Bps: dict[str, float]) -> list[Profile]:
+    """`wire_profiles` with s_p replaced by the measured transfer-path throughput (float32 bytes per
+    second of encode + prefill-side decode + framing + receiver decode, `kv_transfer.path_throughput_Bps`)
+    where one is given. The profile file's round-trip s_p undercharges the path: the prefill side also
+    decodes every chunk (`RequestCodec.absorb`, for the transfer-mode invariant), so a profile the
+    round trip calls worth it at a fast link can cost more than it saves (Theorem 6.1's B*_p moves)."""
+    bad = {k: v for k, v in path_Bps.items() if not v > 0}
+    if bad:
+        raise ValueError(f"path throughputs must be > 0 B/s, got {bad}")
+    return [Profile(p.name, p.cr, path_Bps.get(p.name, p.throughput_Bps), p.quality) for p in wire_profiles(profile)]
+
+
 class CompressionPolicy:
     def __init__(self, config: CompressionConfig, *, bandwidth_bps: float | None = None,
-                 profiles: list[ProfileFile] | None = None):
+                 profiles: list[ProfileFile] | None = None, path_Bps: dict[str, float] | None = None):
         self.config = config
         self.estimator = BandwidthEstimator(initial_Bps=bandwidth_bps / 8 if bandwidth_bps else None)
         self.controller = None
+        self.files: list[ProfileFile] = []
         self.workload = config.workload
         if config.mode == "auto":
-            files = profiles if profiles is not None else [load_profile(p) for p in config.profiles]
-            self.workload = config.workload or files[0].workload
-            self.controller = Controller({f.workload: wire_profiles(f) for f in files}, config.controller,
-                                         self.estimator)
-            self.controller.envelope(self.workload, config.q_min)  # raises naming an unknown workload
+            self.files = profiles if profiles is not None else [load_profile(p) for p in config.profiles]
+            self.workload = config.workload or self.files[0].workload
+            self.path_Bps: dict[str, float] = dict(path_Bps or {})  # measured path s_p (`calibrate_path`)
+            self._build_controller()
+
+    def _build_controller(self) -> None:
+        self.controller = Controller({f.workload: path_profiles(f, self.path_Bps) for f in self.files},
+                                     self.config.controller, self.estimator)
+        self.controller.envelope(self.workload, self.config.q_min)  # raises naming an unknown workload
+
+    def calibrate_path(self, kv_probe, *, codec=None, min_chunk_tokens: int = 128,
+                       blocks_per_layer: int | None = None, repeats: int = 2) -> dict[str, float]:
+        """Measure every profile's real transfer-path cost on kv_probe f32[2, L, H_kv, N, D] (ideally
+        one request's KV at its real geometry) and charge it instead of the profile file's round trip
+        (`path_profiles`). Call before serving: it rebuilds the controller (bandit state is reset).
+        Returns {spec_id: float32 bytes / s}."""
+        from jkv.compression.kv_transfer import KVCodec, path_throughput_Bps
+
+        if self.controller is None:
+            raise ValueError(f"calibrate_path needs compression='auto', not {self.config.mode!r}")
+        codec = codec or KVCodec(min_chunk_tokens=min_chunk_tokens)
+        for f in self.files:
+            for p in f.points:
+                if p.spec_id not in self.path_Bps:
+                    self.path_Bps[p.spec_id] = path_throughput_Bps(
+                        codec.pipeline(p.spec_id), kv_probe, min_chunk_tokens=min_chunk_tokens,
+                        blocks_per_layer=blocks_per_layer, repeats=repeats)
+                    log.info("compression profile %s: transfer path %.1f MB/s (float32), round trip %.1f MB/s",
+                             p.spec_id, self.path_Bps[p.spec_id] / 1e6,
+                             p.throughput_Bps * POOL_ITEMSIZE / WIRE_ITEMSIZE / 1e6)
+        self._build_controller()
+        return dict(self.path_Bps)
 
     @property
     def enabled(self) -> bool:

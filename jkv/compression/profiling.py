@@ -39,7 +39,7 @@ from threadpoolctl import threadpool_limits
 
 from jkv.compression.pipeline import Calibration, Pipeline, decode_block
 from jkv.compression.quantizers import QuantPlan, make_plan, section_layout
-from jkv.compression.spec import PipelineSpec
+from jkv.compression.spec import PipelineSpec, ec_bits_estimate
 from jkv.compression.transforms import side_layout
 
 log = logging.getLogger(__name__)
@@ -123,14 +123,19 @@ def nominal_cr(spec: PipelineSpec, shape: tuple[int, int, int] = (3, 1024, 64), 
     """CR of the transform + quantizer stages computed from the section layout (no data, no codec).
 
     For MixHQ, `retrieval_pct` % of heads at `bits` and the rest at `low_bits`; for a mixed table,
-    the average over layers. A cheap CR prior for the search (the codec only adds to it).
+    the average over layers. A cheap CR prior for the search (the codec only adds to it) — except
+    for the entropy-coded `ec` quantizer behind a codec, whose 4-bit codes are counted at the
+    Gaussian entropy estimate `ec_bits_estimate(step)` (the codec is what makes it pay).
     """
     h = shape[0]
+    ec_code_frac = (ec_bits_estimate(spec.quantizer.step) / 4
+                    if spec.quantizer.method == "ec" and spec.codec.name != "none" else 1.0)
 
-    def payload(plan: QuantPlan) -> int:
+    def payload(plan: QuantPlan) -> float:
         lay = dict(side_layout(spec.transform, shape, np.dtype(np.float16)))
         lay.update(section_layout(plan, shape, np.dtype(np.float16)))
-        return sum(math.prod(s) * np.dtype(d).itemsize for s, d in lay.values())
+        return sum(math.prod(s) * np.dtype(d).itemsize * (ec_code_frac if name.endswith(".codes") else 1.0)
+                   for name, (s, d) in lay.items())
 
     q = spec.quantizer
     total = 0.0

@@ -8,14 +8,19 @@ the Bayesian profiler's one-hot + min-max encoding (§5.2.1, Alg. 1 line 1).
 Id grammar (per stage):
     transform: identity | hadamard | affine | delta<G>                 (G tokens per anchor)
     quantizer: none | tok<b>g<G> | ch<b>g<G> | kivi<b>g<G>
+               | ec<S>g<G>                                             (entropy-coded uniform step
+                                                                       S % of the group's std)
                | mixhq<hi>s<lo>r<pct>g<G>                              (pct % retrieval heads)
                | mixed-<layer0 heads>.<layer1 heads>...-g<G>           (one char per head:
                                                                        1 2 3 4 8, 'f' = 16 raw)
-    codec:     none | lz4 | zstd<level>
+    codec:     none | lz4 | zstd<level> | zstdh<level>                 (zstdh: min match 7, so short
+                                                                       LZ matches do not displace
+                                                                       Huffman-coded literals)
 """
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,8 +28,9 @@ from dataclasses import dataclass, field
 QUANT_BITS = (1, 2, 3, 4, 8)
 HEAD_BITS = QUANT_BITS + (16,)  # 16 = keep the head unquantized (stored in the block dtype)
 TRANSFORMS = ("identity", "delta", "hadamard", "affine")
-QUANTIZERS = ("none", "tok", "ch", "kivi", "mixhq", "mixed")
-CODECS = ("none", "zstd", "lz4")
+QUANTIZERS = ("none", "tok", "ch", "kivi", "ec", "mixhq", "mixed")
+EC_STEP_RANGE = (10, 400)  # ec step in % of the group std
+CODECS = ("none", "zstd", "zstdh", "lz4")
 _BITS_CHAR = {1: "1", 2: "2", 3: "3", 4: "4", 8: "8", 16: "f"}
 _CHAR_BITS = {c: b for b, c in _BITS_CHAR.items()}
 
@@ -59,7 +65,9 @@ class TransformSpec:
 @dataclass(frozen=True)
 class QuantizerSpec:
     """method: none | tok (per-token) | ch (per-channel) | kivi (K per-channel, V per-token)
-    | mixhq (retrieval heads `bits`, streaming heads `low_bits`) | mixed (explicit `table`)."""
+    | ec (KIVI axes; uniform step `step` % of each group's std, codes clipped to +-7 in 4 bits and
+      left to the codec's entropy coder) | mixhq (retrieval heads `bits`, streaming heads
+    `low_bits`) | mixed (explicit `table`)."""
 
     method: str = "none"
     bits: int = 16
@@ -67,17 +75,28 @@ class QuantizerSpec:
     low_bits: int = 0
     retrieval_pct: int = 0
     table: tuple[tuple[int, ...], ...] = field(default=())  # mixed: bits [L][H_kv]
+    step: int = 0  # ec: quantization step in % of the group's standard deviation
 
     def __post_init__(self):
         m = self.method
         if m not in QUANTIZERS:
             raise ValueError(f"quantizer {m=} unknown; use one of {QUANTIZERS}")
         if m == "none":
-            if (self.bits, self.group, self.low_bits, self.retrieval_pct, self.table) != (16, 0, 0, 0, ()):
+            if (self.bits, self.group, self.low_bits, self.retrieval_pct, self.table, self.step) != (16, 0, 0, 0, (), 0):
                 raise ValueError("quantizer 'none' takes no parameters")
             return
         if self.group < 1:
             raise ValueError(f"{self.group=} must be >= 1 for quantizer {m!r}")
+        if m == "ec":
+            lo, hi = EC_STEP_RANGE
+            if not lo <= self.step <= hi:
+                raise ValueError(f"ec {self.step=} (% of the group std) must be in [{lo}, {hi}]")
+            if self.bits != 4 or self.low_bits or self.retrieval_pct or self.table:
+                raise ValueError(f"ec codes are 4-bit nibbles: bits must be 4 (got {self.bits}) and "
+                                 "low_bits/retrieval_pct/table unset")
+            return
+        if self.step:
+            raise ValueError(f"{self.step=} only applies to the ec quantizer, not {m!r}")
         if m == "mixed":
             if not self.table or any(not row for row in self.table):
                 raise ValueError("mixed quantizer needs a non-empty bits table [L][H_kv]")
@@ -105,6 +124,8 @@ class QuantizerSpec:
         if m == "mixed":
             rows = ".".join("".join(_BITS_CHAR[b] for b in row) for row in self.table)
             return f"mixed-{rows}-g{self.group}"
+        if m == "ec":
+            return f"ec{self.step}g{self.group}"
         return f"{m}{self.bits}g{self.group}"
 
     @classmethod
@@ -113,6 +134,8 @@ class QuantizerSpec:
             return cls()
         if m := re.fullmatch(r"(tok|ch|kivi)(\d+)g(\d+)", text):
             return cls(m[1], int(m[2]), int(m[3]))
+        if m := re.fullmatch(r"ec(\d+)g(\d+)", text):
+            return cls("ec", 4, int(m[2]), step=int(m[1]))
         if m := re.fullmatch(r"mixhq(\d+)s(\d+)r(\d+)g(\d+)", text):
             return cls("mixhq", int(m[1]), int(m[4]), int(m[2]), int(m[3]))
         if m := re.fullmatch(r"mixed-([0-9f.]+)-g(\d+)", text):
@@ -133,12 +156,21 @@ class QuantizerSpec:
         if self.method == "mixhq":
             f = self.retrieval_pct / 100
             return f * self.bits + (1 - f) * self.low_bits
+        if self.method == "ec":
+            return ec_bits_estimate(self.step)
         return float(self.bits)
 
     def features(self) -> dict:
         return {"quantizer": self.method, "bits": float(self.bits if self.method != "mixed" else 16),
                 "mean_bits": self.mean_bits(), "group": float(self.group),
-                "low_bits": float(self.low_bits), "retrieval_pct": float(self.retrieval_pct)}
+                "low_bits": float(self.low_bits), "retrieval_pct": float(self.retrieval_pct),
+                "ec_step": float(self.step)}
+
+
+def ec_bits_estimate(step_pct: float) -> float:
+    """Entropy (bits/value) of a Gaussian quantized with step = step_pct % of its std, capped at the
+    4-bit container: h(X) - log2(step) = 2.05 - log2(step / 100) (high-rate approximation)."""
+    return float(min(4.0, max(0.5, 0.5 * math.log2(2 * math.pi * math.e) - math.log2(step_pct / 100))))
 
 
 @dataclass(frozen=True)
@@ -149,19 +181,19 @@ class CodecSpec:
     def __post_init__(self):
         if self.name not in CODECS:
             raise ValueError(f"codec {self.name=} unknown; use one of {CODECS}")
-        if self.name == "zstd" and not 1 <= self.level <= 22:
-            raise ValueError(f"zstd {self.level=} must be in [1, 22]")
-        if self.name != "zstd" and self.level != 0:
-            raise ValueError(f"{self.level=} only applies to zstd, not {self.name!r}")
+        if self.name in ("zstd", "zstdh") and not 1 <= self.level <= 22:
+            raise ValueError(f"{self.name} {self.level=} must be in [1, 22]")
+        if self.name not in ("zstd", "zstdh") and self.level != 0:
+            raise ValueError(f"{self.level=} only applies to zstd/zstdh, not {self.name!r}")
 
     @property
     def id(self) -> str:
-        return f"zstd{self.level}" if self.name == "zstd" else self.name
+        return f"{self.name}{self.level}" if self.name in ("zstd", "zstdh") else self.name
 
     @classmethod
     def parse(cls, text: str) -> "CodecSpec":
-        if m := re.fullmatch(r"zstd(\d+)", text):
-            return cls("zstd", int(m[1]))
+        if m := re.fullmatch(r"(zstdh?)(\d+)", text):
+            return cls(m[1], int(m[2]))
         return cls(text)
 
     def features(self) -> dict:

@@ -29,6 +29,8 @@ import numpy as np
 
 from jkv.compression.pipeline import Calibration, Pipeline, decode_block
 from jkv.compression.spec import PipelineSpec
+from jkv.compression.streaming import (MaskedDecoder, StreamingConfig, StreamingPlan, decode_request,
+                                       encode_request, request_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +133,7 @@ class ModelObjective:
         self.model, self.samples, self.chunk_tokens = model, samples, chunk_tokens
         self.calibration = calibration
         self.kv16, self.first_logits, self.reference = [], [], []
+        self._scores: dict = {}
         for s in samples:
             n = len(s.prompt)
             logits, kv = model.prefill(jnp.asarray([s.prompt], jnp.int32), jnp.asarray([n], jnp.int32))
@@ -147,8 +150,12 @@ class ModelObjective:
         return self.model.cache_from_prefill([(jnp.asarray(k, dtype)[None], jnp.asarray(v, dtype)[None])
                                               for k, v in kv], n_max)
 
-    def forced_logits(self, kv, sample: WorkloadSample) -> np.ndarray:
-        """f32[S, V]: logits of the teacher-forced continuation on top of kv."""
+    def forced_logits(self, kv, sample: WorkloadSample, keep: np.ndarray | None = None) -> np.ndarray:
+        """f32[S, V]: logits of the teacher-forced continuation on top of kv (`keep`: bool[L, H_kv, N]
+        per-head token masks of a streaming-pruned cache; None = every token)."""
+        if keep is not None:
+            dec = MaskedDecoder(self.model, kv, keep, len(sample.continuation))
+            return np.stack([dec.step(int(tok)) for tok in sample.continuation])
         n = kv[0][0].shape[1]
         cache = self._cache(kv, len(sample.continuation))
         out = []
@@ -157,20 +164,51 @@ class ModelObjective:
             out.append(np.asarray(logits[0], np.float32))
         return np.stack(out)
 
-    def generate(self, kv, sample_index: int, max_tokens: int) -> list[int]:
+    def generate(self, kv, sample_index: int, max_tokens: int, keep: np.ndarray | None = None) -> list[int]:
         """Greedy continuation on top of kv (the first token comes from the dense prefill logits)."""
         n = kv[0][0].shape[1]
-        cache = self._cache(kv, max_tokens)
+        dec = MaskedDecoder(self.model, kv, keep, max_tokens) if keep is not None else None
+        cache = self._cache(kv, max_tokens) if dec is None else None
         tok = int(np.argmax(self.first_logits[sample_index]))
         ids = [tok]
         eos = set(self.model.cfg.eos_token_ids)
         for i in range(max_tokens - 1):
             if tok in eos:
                 break
-            logits, cache = self.model.decode_step(cache, jnp.asarray([tok]), jnp.asarray([n + i]))
-            tok = int(np.argmax(np.asarray(logits[0])))
+            if dec is not None:
+                logits = dec.step(tok)
+            else:
+                logits, cache = self.model.decode_step(cache, jnp.asarray([tok]), jnp.asarray([n + i]))
+                logits = logits[0]
+            tok = int(np.argmax(np.asarray(logits)))
             ids.append(tok)
         return ids
+
+    def head_scores(self, i: int, streaming: StreamingConfig) -> np.ndarray:
+        """f32[L, H_kv]: sample i's own observation-window retrieval scores (cached)."""
+        from jkv.compression.heads import observation_scores
+
+        key = (i, streaming.window, streaming.sink, streaming.recent)
+        if key not in self._scores:
+            self._scores[key] = observation_scores(self.model, self.samples[i].prompt, self.kv16[i],
+                                                   streaming.window, streaming.sink, streaming.recent)
+        return self._scores[key]
+
+    def streaming_roundtrip(self, spec: PipelineSpec, streaming: StreamingConfig):
+        """Per sample: prune streaming heads (classified from the sample's own last queries), encode
+        the kept tokens with `spec`, decode. Returns (decoded kv, keep masks, CR, seconds)."""
+        pipe = Pipeline(spec, self.calibration)
+        decoded, keeps, raw, enc, t0 = [], [], 0, 0, time.perf_counter()
+        for i, kv16 in enumerate(self.kv16):
+            plan = StreamingPlan.from_scores(self.head_scores(i, streaming), streaming.fraction,
+                                             streaming.sink, streaming.recent)
+            blobs = encode_request(pipe, plan, kv16, self.chunk_tokens)
+            kv, keep = decode_request(blobs)
+            decoded.append(kv)
+            keeps.append(keep)
+            raw += sum(k.nbytes + v.nbytes for k, v in kv16)
+            enc += request_bytes(blobs)
+        return decoded, keeps, raw / enc, time.perf_counter() - t0
 
     def roundtrip(self, spec: PipelineSpec):
         pipe = Pipeline(spec, self.calibration)
@@ -181,34 +219,45 @@ class ModelObjective:
             raw, enc, latency = raw + r, enc + e, latency + t
         return decoded, raw / enc, latency
 
-    def measure(self, spec: PipelineSpec) -> SpecResult:
+    def _decoded(self, spec: PipelineSpec, streaming: StreamingConfig | None):
+        if streaming is None:
+            decoded, cr, latency = self.roundtrip(spec)
+            return decoded, [None] * len(decoded), cr, latency
+        return self.streaming_roundtrip(spec, streaming)
+
+    def measure(self, spec: PipelineSpec, streaming: StreamingConfig | None = None) -> SpecResult:
+        """Fidelity and CR of `spec` (optionally after streaming-head pruning: `streaming`)."""
         from jkv.eval.fidelity import fidelity_metrics
 
-        decoded, cr, latency = self.roundtrip(spec)
+        decoded, keeps, cr, latency = self._decoded(spec, streaming)
         # step i feeds continuation[i]; its logits predict continuation[i + 1]
-        metrics = [fidelity_metrics(ref[:-1], self.forced_logits(kv, s)[:-1], s.continuation[1:])
-                   for kv, s, ref in zip(decoded, self.samples, self.reference)]
+        metrics = [fidelity_metrics(ref[:-1], self.forced_logits(kv, s, keep)[:-1], s.continuation[1:])
+                   for kv, keep, s, ref in zip(decoded, keeps, self.samples, self.reference)]
         mean = {key: float(np.mean([m[key] for m in metrics])) for key in ("top1", "kl", "ppl_ratio")}
-        return SpecResult(spec.id, mean["top1"], mean["kl"], mean["ppl_ratio"], cr, latency)
+        sid = spec.id if streaming is None else f"{streaming.id}:{spec.id}"
+        return SpecResult(sid, mean["top1"], mean["kl"], mean["ppl_ratio"], cr, latency)
 
     def __call__(self, spec: PipelineSpec) -> tuple[float, float, float]:
         r = self.measure(spec)
         log.info("%s: accuracy %.3f, CR %.2f, %.2fs", spec.id, r.accuracy, r.cr, r.latency_s)
         return r.accuracy, r.cr, r.latency_s
 
-    def task_scores(self, spec: PipelineSpec | None) -> list[float]:
+    def task_scores(self, spec: PipelineSpec | None, streaming: StreamingConfig | None = None) -> list[float]:
         """Per sample: the task's score of greedy text on the decompressed (None: original) cache;
         samples without a scorer (continuation) score min(1, exp(-mean NLL increase)) of the true tokens."""
         from jkv.eval.fidelity import fidelity_metrics
 
-        decoded = [[(k.astype(np.float32), v.astype(np.float32)) for k, v in kv] for kv in self.kv16] \
-            if spec is None else self.roundtrip(spec)[0]
+        if spec is None:
+            decoded = [[(k.astype(np.float32), v.astype(np.float32)) for k, v in kv] for kv in self.kv16]
+            keeps = [None] * len(decoded)
+        else:
+            decoded, keeps = self._decoded(spec, streaming)[:2]
         tok = self.model.tokenizer
         scores = []
-        for i, (kv, s) in enumerate(zip(decoded, self.samples)):
+        for i, (kv, keep, s) in enumerate(zip(decoded, keeps, self.samples)):
             if s.task is None:
-                m = fidelity_metrics(self.reference[i][:-1], self.forced_logits(kv, s)[:-1], s.continuation[1:])
+                m = fidelity_metrics(self.reference[i][:-1], self.forced_logits(kv, s, keep)[:-1], s.continuation[1:])
                 scores.append(min(1.0, 1.0 / m["ppl_ratio"]))  # no credit for a lucky perplexity drop
                 continue
-            scores.append(float(s.task.score(tok.decode(self.generate(kv, i, s.task.max_tokens)))))
+            scores.append(float(s.task.score(tok.decode(self.generate(kv, i, s.task.max_tokens, keep)))))
         return scores

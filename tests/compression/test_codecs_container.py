@@ -13,7 +13,7 @@ from jkv.compression.container import (MAGIC, PREFIX, VERSION, ContainerError, p
                                        unpack_container)
 from jkv.compression.spec import CodecSpec
 
-CODECS = [CodecSpec(), CodecSpec("zstd", 3), CodecSpec("lz4")]
+CODECS = [CodecSpec(), CodecSpec("zstd", 3), CodecSpec("zstdh", 3), CodecSpec("lz4")]
 
 
 @pytest.mark.parametrize("spec", CODECS, ids=lambda s: s.id)

@@ -21,7 +21,7 @@ from .test_codecs_container import _reseal, _split
 
 @pytest.mark.parametrize("sid", ["identity+none+none", "hadamard+kivi4g32+zstd3", "delta16+tok2g64+lz4",
                                  "affine+ch8g16+none", "identity+mixhq16s2r50g32+zstd1",
-                                 "hadamard+mixed-84f.222-g16+none"])
+                                 "hadamard+mixed-84f.222-g16+none", "hadamard+ec75g128+zstdh3"])
 def test_spec_id_round_trip(sid):
     spec = PipelineSpec.parse(sid)
     assert spec.id == sid == str(spec) and PipelineSpec.parse(spec.id) == spec
@@ -29,7 +29,8 @@ def test_spec_id_round_trip(sid):
 
 
 @pytest.mark.parametrize("bad", ["hadamard+kivi4g32", "rot+none+none", "identity+kivi4+none", "identity+none+brotli",
-                                 "identity+mixed-8x-g4+none", "identity+none+zstd30"])
+                                 "identity+mixed-8x-g4+none", "identity+none+zstd30",
+                                 "identity+ec5g32+none", "identity+ec50+none", "identity+none+zstdh0"])
 def test_spec_parse_errors(bad):
     with pytest.raises(ValueError):
         PipelineSpec.parse(bad)

@@ -132,14 +132,15 @@ def test_bad_objective_values_are_rejected():
 
 def test_encode_space_is_one_hot_plus_min_max():
     x = encode_space(SPACE)
-    # sorted keys: bits | codec x3 | codec_level | delta_group | group | low_bits | mean_bits | quantizer x4 |
-    # retrieval_pct | transform x4
-    assert x.shape == (len(SPACE), 18) and x.min() == 0 and x.max() == 1
+    # sorted keys: bits | codec x3 | codec_level | delta_group | ec_step | group | low_bits | mean_bits |
+    # quantizer x4 | retrieval_pct | transform x4
+    assert x.shape == (len(SPACE), 19) and x.min() == 0 and x.max() == 1
     bits = {s.quantizer.bits: v for s, v in zip(SPACE, x[:, 0])}
     assert bits == {2: 0.0, 3: pytest.approx(1 / 6), 4: pytest.approx(1 / 3), 8: 1.0}
     np.testing.assert_array_equal(x[:, 1:4].sum(axis=1), 1)  # one codec category each
-    np.testing.assert_array_equal(x[:, 9:13].sum(axis=1), 1)  # one quantizer category each
-    np.testing.assert_array_equal(x[:, 14:18].sum(axis=1), 1)  # one transform category each
+    np.testing.assert_array_equal(x[:, 6], 0)  # no ec quantizer in SPACE: a constant column
+    np.testing.assert_array_equal(x[:, 10:14].sum(axis=1), 1)  # one quantizer category each
+    np.testing.assert_array_equal(x[:, 15:19].sum(axis=1), 1)  # one transform category each
     assert np.unique(x, axis=0).shape[0] == len(SPACE)  # distinct specs stay distinct
 
 
