@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.disagg import protocol as proto
+from jkv.disagg.lookahead import LayerLookahead
 from jkv.disagg.selectors import needs_metadata
 from jkv.engine import Request, _StopChecker, check_context
 from jkv.kvcache.geometry import LOCAL, PAD, REMOTE, BlockGeometry
@@ -218,6 +219,7 @@ class DecodeWorker:
         self._bulk_of: dict[str, str] = {}  # owner -> the peer name of its bulk connection
         self.phases = _Phases()
         self._split = _split_rows
+        self._lookahead = LayerLookahead(self.endpoint, cfg.num_kv_heads, cfg.head_dim)
         # Continuous admission: submissions and cancels of queued ones cross threads via these;
         # everything below them is engine-thread state.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -681,10 +683,27 @@ class DecodeWorker:
         x_prev = x
         step_remote = np.zeros(B, np.int64)
         step_selected = np.zeros(B, np.int64)
+        lookahead = self._lookahead if self.transfer.layer_lookahead and not sel.is_dense else None
+        hint_q: dict[int, object] = {}  # layer -> its speculative query, from the previous layer's input
+        self._lookahead.clear()
+        lengths_before = jnp.asarray(positions)  # tokens cached before this step's token
         for layer in range(L):
             if speculating and (layer == 0 or self.transfer.spec_every_layer):
                 self._trigger_speculation(speculating)
                 clock.lap("spec")
+            if lookahead is not None and layer + 1 < L:
+                # Layer lookahead: select layer+1 now from this layer's input and put its remote
+                # rows on the wire while this layer computes (jkv/disagg/lookahead.py). A dense
+                # layer's hint is exact: every cached token.
+                nxt = layer + 1
+                if nxt < dense_below:
+                    grid = np.arange(capacity, dtype=np.int32)[None, :]
+                    hint = np.where(grid < np.repeat(positions, H)[:, None], grid, -1)
+                else:
+                    hint_q[nxt] = model.qkv(nxt, x, pos)[0]
+                    hint = np.asarray(sel.select(nxt, hint_q[nxt], metadata[nxt], lengths_before))
+                lookahead.issue(lives, nxt, hint, clock)
+                clock.lap("lookahead")
             q, k, v = model.qkv(layer, x, pos)
             kn, vn = np.asarray(k, np.float32), np.asarray(v, np.float32)
             clock.lap("qkv")
@@ -697,11 +716,19 @@ class DecodeWorker:
                 kv_index = np.where(grid < np.repeat(now_cached, H)[:, None], grid, -1).astype(np.int32)
             else:
                 metadata[layer] = sel.append(layer, metadata[layer], k, pos)
-                x_in_prev = x_prev
-                query = sel.decode_query(layer, q, lambda: model.qkv(layer, x_in_prev, pos)[0])
+                x_in_prev, cached = x_prev, hint_q.pop(layer, None)  # cached: the same qkv of the same input
+                query = sel.decode_query(layer, q, (lambda: cached) if cached is not None
+                                         else (lambda: model.qkv(layer, x_in_prev, pos)[0]))
                 kv_index = np.asarray(sel.select(layer, query, metadata[layer], jnp.asarray(now_cached)))
             clock.lap("select")
+            delivered = self._lookahead.complete(lives, layer, capacity, clock)
+            if delivered is not None:
+                clock.lap("prefetch_wait")
             K_sel, V_sel, remote_rows = self._gather(lives, layer, kv_index, capacity)
+            if delivered is not None:  # selected rows the prefetch supplied are on-demand rows too
+                hit = LayerLookahead.hits(delivered, kv_index)
+                remote_rows = remote_rows + hit
+                clock.count("prefetch_hit_n", hit.sum())
             valid = (kv_index >= 0).sum(axis=1).reshape(B, H).astype(np.int32)
             step_selected += valid.sum(axis=1)
             step_remote += remote_rows.reshape(B, H).sum(axis=1)
