@@ -255,6 +255,7 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.endpoint.close()
+        self._lookahead.close()
 
     def _alive_owners(self) -> list[str]:
         return [o for o in self.owners if self._owner_alive(o)]
@@ -699,10 +700,12 @@ class DecodeWorker:
                 if nxt < dense_below:
                     grid = np.arange(capacity, dtype=np.int32)[None, :]
                     hint = np.where(grid < np.repeat(positions, H)[:, None], grid, -1)
+                    lookahead.start(lives, nxt, lambda h=hint: (h, None), clock)
                 else:
-                    hint_q[nxt] = model.qkv(nxt, x, pos)[0]
-                    hint = np.asarray(sel.select(nxt, hint_q[nxt], metadata[nxt], lengths_before))
-                lookahead.issue(lives, nxt, hint, clock)
+                    def make_hint(nxt=nxt, x_in=x, meta=metadata[nxt]):
+                        q_hint = model.qkv(nxt, x_in, pos)[0]
+                        return np.asarray(sel.select(nxt, q_hint, meta, lengths_before)), q_hint
+                    hint_q[nxt] = lookahead.start(lives, nxt, make_hint, clock)
                 clock.lap("lookahead")
             q, k, v = model.qkv(layer, x, pos)
             kn, vn = np.asarray(k, np.float32), np.asarray(v, np.float32)
@@ -717,7 +720,7 @@ class DecodeWorker:
             else:
                 metadata[layer] = sel.append(layer, metadata[layer], k, pos)
                 x_in_prev, cached = x_prev, hint_q.pop(layer, None)  # cached: the same qkv of the same input
-                query = sel.decode_query(layer, q, (lambda: cached) if cached is not None
+                query = sel.decode_query(layer, q, cached if cached is not None
                                          else (lambda: model.qkv(layer, x_in_prev, pos)[0]))
                 kv_index = np.asarray(sel.select(layer, query, metadata[layer], jnp.asarray(now_cached)))
             clock.lap("select")

@@ -18,11 +18,15 @@ and counted; the synchronous fetch then asks for those rows and surfaces a dead 
 the usual path. Nothing is held for a prefetch on either side (the owner serves it like any
 fetch), so an abandoned one leaks nothing.
 
-Threads: `issue`, `complete` and `clear` run on the decode worker's engine thread; the replies
-complete on transport threads through their `Transfer` futures.
+Threads: `start`, `complete` and `clear` run on the decode worker's engine thread. With
+`threaded=True` the hint (a selector call) and `issue` run on one helper thread, so the hint's
+compute overlaps layer l's on a second core; the helper touches only layer l+1's mask, fetched
+rows and metadata, which the engine thread leaves alone until `complete(l+1)` has joined it.
+The replies complete on transport threads through their `Transfer` futures.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 
@@ -45,13 +49,38 @@ class _Prefetch:
 class LayerLookahead:
     """One decode step's in-flight prefetches, per layer (at most one layer ahead)."""
 
-    def __init__(self, endpoint, num_kv_heads: int, head_dim: int):
+    def __init__(self, endpoint, num_kv_heads: int, head_dim: int, threaded: bool = True):
         self.endpoint, self.H, self.D = endpoint, num_kv_heads, head_dim
         self._pending: dict[int, list[_Prefetch]] = {}
+        self._started: dict[int, concurrent.futures.Future] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jkv-lookahead") if threaded else None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def clear(self) -> None:
         """Forget every prefetch (a new step; an aborted one's replies are simply not read)."""
+        for f in self._started.values():
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - an aborted step's hint: nothing to keep
+                pass
+        self._started.clear()
         self._pending.clear()
+
+    def start(self, lives, layer: int, make_hint, clock):
+        """Compute `make_hint() -> (hint i32[B*H_kv, k], extra)` and `issue` it, on the helper thread
+        when threaded; `complete(layer)` joins it. Returns a callable giving `extra` (joins)."""
+        def run():
+            hint, extra = make_hint()
+            self.issue(lives, layer, hint, clock)
+            return extra
+        if self._pool is None:
+            extra = run()
+            return lambda: extra
+        fut = self._started[layer] = self._pool.submit(run)
+        return fut.result
 
     def issue(self, lives, layer: int, hint: np.ndarray, clock) -> int:
         """hint: i32[B*H_kv, k] speculative selection of `layer` (-1 = none). Sends one async fetch
@@ -94,6 +123,9 @@ class LayerLookahead:
     def complete(self, lives, layer: int, capacity: int, clock) -> np.ndarray | None:
         """Wait for `layer`'s prefetches and scatter their rows into the pool (marked fetched).
         Returns delivered: bool[B*H_kv, capacity] (rows this layer's prefetch brought), or None."""
+        started = self._started.pop(layer, None)
+        if started is not None:
+            started.result()  # the hint was issued (or its error surfaces here)
         pending = self._pending.pop(layer, None)
         if not pending:
             return None

@@ -29,6 +29,13 @@ def one_worker(model, selectors):
         assert all(x.held() == [] and x.pool.bytes_in_use == 0 for x in w.workers)
 
 
+@pytest.fixture(scope="module")
+def reference(model, selectors, prompts, one_worker):
+    """full-transfer tokens per prompt (InfiniGen)."""
+    return [o.token_ids for o in generate(model, selectors["infinigen"], one_worker["infinigen"].addresses, "full",
+                                          prompts)]
+
+
 def test_config_flag_defaults_on_in_smartgen_only():
     assert TransferConfig(mode="smartgen").layer_lookahead
     assert not TransferConfig(mode="+parallel").layer_lookahead
@@ -81,9 +88,9 @@ class _RacingEndpoint:
         return _Peer()
 
 
-def test_a_prefetch_refused_after_a_cancel_is_dropped_and_nothing_leaks(model, selectors, prompts, one_worker):
+def test_a_prefetch_refused_after_a_cancel_is_dropped_and_nothing_leaks(model, selectors, prompts, one_worker,
+                                                                        reference):
     sel, workers = selectors["infinigen"], one_worker["infinigen"]
-    reference = [o.token_ids for o in generate(model, sel, workers.addresses, "full", prompts)]
     decode = DecodeWorker(model, sel, TransferConfig(mode="+parallel", strategy="sequential", kr_fraction=0.3,
                                                      max_blocks=16, lookahead=True), secret=SECRET)
     box = {}
@@ -108,10 +115,9 @@ def test_a_prefetch_refused_after_a_cancel_is_dropped_and_nothing_leaks(model, s
 
 
 @pytest.mark.timeout(120)
-def test_owner_dying_with_a_prefetch_in_flight_fails_its_requests_only(model, selectors, prompts, one_worker):
+def test_owner_dying_with_a_prefetch_in_flight_fails_its_requests_only(model, selectors, prompts, reference):
     sel = selectors["infinigen"]
-    reference = [o.token_ids for o in generate(model, sel, one_worker["infinigen"].addresses, "full", prompts)]
-    workers = InProcessWorkers(model, sel, 2, bandwidth="4mbit")
+    workers = InProcessWorkers(model, sel, 2)
     decode = DecodeWorker(model, sel, TransferConfig(mode="+parallel", strategy="sequential", kr_fraction=0.3,
                                                      max_blocks=16, lookahead=True), secret=SECRET)
     box = {}
