@@ -88,6 +88,7 @@ class TokenBucket:
             self.burst = self._burst_arg if self._burst_arg is not None else max(
                 self._chunk, int(self.rate_Bps * self.burst_s))
             self.late_cap = max(self.burst, 65536, int(self.rate_Bps * self.DEFAULT_LATE_S))
+            self._tokens = min(self._tokens, self.burst)  # credit banked at the old rate does not carry over
 
     @property
     def chunk(self) -> int:
@@ -101,7 +102,7 @@ class TokenBucket:
         back = self._returned.get(threading.get_ident())
         if back is not None and now - back <= self.DEFAULT_LATE_S:
             cap = self.late_cap  # the same message continues: the link was busy meanwhile
-        self._tokens = min(max(cap, self._tokens), self._tokens + (now - self._stamp) * self.rate_Bps)
+        self._tokens = min(cap, self._tokens + (now - self._stamp) * self.rate_Bps)
         self._stamp = now
 
     def consume(self, nbytes: int) -> float:

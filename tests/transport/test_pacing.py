@@ -121,6 +121,16 @@ def test_default_burst_is_a_few_ms_of_link_time_or_one_chunk():
     assert TokenBucket("8mbit", burst=1 << 20).burst == 1 << 20  # explicit burst kept
     b.set_rate("80mbit")  # re-pacing recomputes both
     assert b.burst == 50000 and b.chunk == 50000
+
+
+def test_repacing_drops_credit_banked_at_the_old_rate():
+    """A benchmark measures on a fast link, then paces it: the megabytes banked at 100 Gbit/s must
+    not leave unpaced afterwards."""
+    b = TokenBucket("100gbit")
+    time.sleep(0.01)
+    b.consume(1)  # banks up to 5 ms of 100 Gbit/s (62.5 MB)
+    b.set_rate("8mbit")
+    assert b.consume(100_000) == pytest.approx(0.1, abs=0.02)  # 100 KB at 1 MB/s, not free
     with pytest.raises(ValueError, match="burst_s="):
         TokenBucket("8mbit", burst_s=0)
 
