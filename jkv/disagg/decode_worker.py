@@ -853,6 +853,7 @@ class DecodeWorker:
             for _, _, t in pending:
                 self._wait(t)
         self.phases.lap("remote_issue")
+        self._lookahead.release(layer + 1)  # the next layer's prefetch queues behind this fetch
         # Local lane: gather every selected slot from the pool (remote slots are overwritten below).
         heads = np.arange(H)[:, None]
         K_sel = np.stack([lv.kv.kv[0, layer][heads, safe[b * H:(b + 1) * H]] for b, lv in enumerate(lives)])

@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 
 import numpy as np
 
@@ -53,6 +54,7 @@ class LayerLookahead:
         self.endpoint, self.H, self.D = endpoint, num_kv_heads, head_dim
         self._pending: dict[int, list[_Prefetch]] = {}
         self._started: dict[int, concurrent.futures.Future] = {}
+        self._gates: dict[int, threading.Event] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jkv-lookahead") if threaded else None
 
     def close(self) -> None:
@@ -61,26 +63,43 @@ class LayerLookahead:
 
     def clear(self) -> None:
         """Forget every prefetch (a new step; an aborted one's replies are simply not read)."""
+        for g in self._gates.values():
+            g.set()
         for f in self._started.values():
             try:
                 f.result()
             except Exception:  # noqa: BLE001 - an aborted step's hint: nothing to keep
                 pass
         self._started.clear()
+        self._gates.clear()
         self._pending.clear()
+
+    def release(self, layer: int) -> None:
+        """The engine thread has issued the synchronous fetch of layer-1 (or needs none): `layer`'s
+        prefetch may go on the wire now. The link is FIFO per owner, so a prefetch sent earlier
+        would delay that fetch, which the step is blocked on."""
+        gate = self._gates.get(layer)
+        if gate is not None:
+            gate.set()
 
     def start(self, lives, layer: int, make_hint, clock):
         """Compute `make_hint() -> (hint i32[B*H_kv, k], extra)` and `issue` it, on the helper thread
         when threaded; `complete(layer)` joins it. Returns a callable giving `extra` (joins)."""
+        gate = self._gates[layer] = threading.Event()
+
         def run():
             hint, extra = make_hint()
+            gate.wait(self.GATE_TIMEOUT_S)  # after the engine thread issued layer-1's own fetch
             self.issue(lives, layer, hint, clock)
             return extra
         if self._pool is None:
+            gate.set()
             extra = run()
             return lambda: extra
         fut = self._started[layer] = self._pool.submit(run)
         return fut.result
+
+    GATE_TIMEOUT_S = 5.0  # a gate nobody opens (an aborted layer) delays the hint, never hangs it
 
     def issue(self, lives, layer: int, hint: np.ndarray, clock) -> int:
         """hint: i32[B*H_kv, k] speculative selection of `layer` (-1 = none). Sends one async fetch
@@ -123,6 +142,7 @@ class LayerLookahead:
     def complete(self, lives, layer: int, capacity: int, clock) -> np.ndarray | None:
         """Wait for `layer`'s prefetches and scatter their rows into the pool (marked fetched).
         Returns delivered: bool[B*H_kv, capacity] (rows this layer's prefetch brought), or None."""
+        self.release(layer)
         started = self._started.pop(layer, None)
         if started is not None:
             started.result()  # the hint was issued (or its error surfaces here)
