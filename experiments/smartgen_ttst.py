@@ -109,6 +109,9 @@ def main(argv=None) -> int:
                    help="layer lookahead in every run (default: on in smartgen mode only)")
     p.add_argument("--strategy-fractions", default="0.1,0.25",
                    help="fixed proactive fractions of all blocks for the strategy sweep (Fig. 15)")
+    p.add_argument("--spec-without-full", action="store_true",
+                   help="spec part alone: skip the full-transfer reference run (tokens are compared among the "
+                        "spec runs; Fig. 14 has no full line)")
     p.add_argument("--strategy-tokens", type=int, default=None, help="new tokens per strategy run (default 16/12)")
     args = p.parse_args(argv)
     prompt_len = args.prompt_len or (512 if args.quick else 2048)
@@ -142,7 +145,7 @@ def main(argv=None) -> int:
                 runs[("spec", r)] = (runs[("mode", "smartgen")] if r == 0.10 and ("mode", "smartgen") in runs
                                      else h.run("smartgen", prompts, max_tokens, spec_ratio=r, **common))
                 print(f"  spec {r:.2f} done", flush=True)
-            if ("mode", "full") not in runs:
+            if ("mode", "full") not in runs and not args.spec_without_full:
                 runs[("mode", "full")] = h.run("full", prompts, max_tokens)
         if "strategy" in parts:
             # Fig. 15 compares strategies at one transfer budget: Kr is a fixed fraction of the blocks
@@ -160,8 +163,8 @@ def main(argv=None) -> int:
         h.close()
 
     token_runs = {k: v for k, v in runs.items() if k[0] != "strategy"}
-    same = all([o.token_ids for o in outs] == [o.token_ids for o in runs[("mode", "full")]]
-               for outs in token_runs.values()) if ("mode", "full") in runs else True
+    ref = runs.get(("mode", "full")) or next(iter(token_runs.values()), None)
+    same = all([o.token_ids for o in outs] == [o.token_ids for o in ref] for outs in token_runs.values())
     strategy_same = True
     if "strategy" in parts:  # same max_tokens within the sweep: every run against the first
         ref = next(v for k, v in runs.items() if k[0] == "strategy")
@@ -331,9 +334,11 @@ def plot_spec(runs, tag):
         n = min(len(o.metrics.tbt) for o in outs)
         ax.plot(np.arange(3, n + 2), np.mean([o.metrics.tbt[1:n] for o in outs], axis=0) * 1e3,
                 label=f"spec {r:.0%}")
-    full = runs[("mode", "full")]
-    n = min(len(o.metrics.tbt) for o in full)
-    ax.plot(np.arange(3, n + 2), np.mean([o.metrics.tbt[1:n] for o in full], axis=0) * 1e3, "k--", label="full")
+    full = runs.get(("mode", "full"))
+    if full is not None:
+        n = min(len(o.metrics.tbt) for o in full)
+        ax.plot(np.arange(3, n + 2), np.mean([o.metrics.tbt[1:n] for o in full], axis=0) * 1e3, "k--",
+                label="full")
     ax.set_xlabel("token"), ax.set_ylabel("TBT (ms)"), ax.set_yscale("log"), ax.set_title("Fig. 14: speculative ratio")
     ax.legend(), fig.tight_layout(), fig.savefig(os.path.join(RESULTS, f"{tag}_fig14_spec.png"), dpi=120)
     plt.close(fig)
