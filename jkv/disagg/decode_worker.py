@@ -16,7 +16,8 @@ Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
      for the requests planned together).
   2. its "handoff" (first token) arrives. Prefill writes land in the pool and flip mask bytes to
      LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
-  3. at the next step boundary it joins the running set; every decode step, per layer: q, k, v →
+  3. at the next step boundary it joins the running set; every decode step, per layer (with
+     lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py): q, k, v →
      the new k, v go into the pool (LOCAL) → select → `split_reorder` against a snapshot of the
      mask → the remote lane (one "fetch" RPC per owner with the remote-first prefix of each row)
      and the local lane (numpy gather of the pool) run concurrently (serially in
@@ -47,7 +48,11 @@ regions and pool here; the engine thread keeps its own references to the buffers
 flight reads valid memory) and flags it, so the engine thread stops fetching for it and retires
 it at the next step boundary; a queued one is dropped when drained. `_live`, `_queued` and
 `_cancelled` are guarded by `_lock`. The transport's notify thread runs the "meta", "handoff",
-"ckv" and "failed" handlers, which only store into per-request state and set events.
+"ckv" and "failed" handlers, which only store into per-request state and set events. With layer
+lookahead (TransferConfig.lookahead, on in smartgen mode) one helper thread computes layer l+1's
+hint selection and sends its prefetch while the engine thread runs layer l; it reads only layer
+l+1's mask, fetched rows and metadata, and the engine thread joins it before touching them
+(jkv/disagg/lookahead.py).
 """
 from __future__ import annotations
 
