@@ -152,3 +152,75 @@ def test_hits_count_only_selected_delivered_rows():
     kv_index = np.asarray([[3, 0, 1, -1], [7, 6, -1, -1]], np.int32)
     assert LayerLookahead.hits(delivered, kv_index).tolist() == [2, 1]
     assert LayerLookahead.hits(None, kv_index).tolist() == [0, 0]
+
+
+class _FakeTransfer:
+    def __init__(self, value=None, error=None):
+        self.value, self.error = value, error
+
+    def result(self):
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+
+class _FakeOwner:
+    """Serves "fetch" from a K/V table like the prefill worker: rows per (request, head), K then V."""
+
+    def __init__(self, kv, fail=False):
+        self.kv, self.fail, self.calls = kv, fail, []
+
+    def peer(self, owner):
+        return self
+
+    def call_async(self, method, payload):
+        from transport import RemoteError
+        header, raw = proto.unpack(payload)
+        self.calls.append(header)
+        if self.fail:
+            return _FakeTransfer(error=RemoteError("freed"))
+        pos, at, ks, vs = np.frombuffer(raw, np.int32), 0, [], []
+        for _, counts in header["items"]:
+            for h, c in enumerate(counts):
+                ks.append(self.kv[0, header["layer"], h, pos[at:at + c]])
+                vs.append(self.kv[1, header["layer"], h, pos[at:at + c]])
+                at += c
+        return _FakeTransfer(np.concatenate([np.concatenate(ks), np.concatenate(vs)]).tobytes())
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_issue_and_complete_scatter_exactly_the_hinted_remote_rows(threaded):
+    import types
+
+    from jkv.disagg.decode_worker import _Phases
+    from jkv.kvcache.geometry import LOCAL, REMOTE
+
+    L, H, N, D = 3, 2, 8, 4
+    source = np.random.default_rng(0).standard_normal((2, L, H, N, D)).astype(np.float32)
+    mask = np.full((L, N), REMOTE, np.int8)
+    mask[1, :2] = LOCAL
+    lv = types.SimpleNamespace(active=True, released=False, owner="p0", rid="r0", fetch_bytes=0,
+                               kv=types.SimpleNamespace(kv=np.zeros_like(source), mask=mask, capacity=N),
+                               fetched=np.zeros((L, H, N), bool))
+    lv.fetched[1, 1, 5] = True  # fetched earlier: not asked again
+    owner, clock = _FakeOwner(source), _Phases()
+    clock.new_step()
+    la = LayerLookahead(owner, H, D, threaded=threaded)
+    hint = np.asarray([[0, 3, 5, -1], [5, 1, 6, -1]], np.int32)  # layer 1, rows (b=0, h=0) and (0, 1)
+    extra = la.start([lv], 1, lambda: (hint, "q"), clock)
+    la.release(1)
+    delivered = la.complete([lv], 1, N, clock)
+    assert extra() == "q" and owner.calls == [dict(layer=1, items=[["r0", [2, 1]]])]  # (3, 5) and (6,)
+    assert delivered[0].nonzero()[0].tolist() == [3, 5] and delivered[1].nonzero()[0].tolist() == [6]
+    np.testing.assert_array_equal(lv.kv.kv[:, 1, 0, [3, 5]], source[:, 1, 0, [3, 5]])
+    np.testing.assert_array_equal(lv.kv.kv[:, 1, 1, 6], source[:, 1, 1, 6])
+    assert lv.fetched[1, 0, [3, 5]].all() and not lv.fetched[1, 0, 0] and lv.fetch_bytes == 3 * 2 * D * 4
+    assert clock.steps[-1]["prefetch_rows_n"] == 3 and clock.steps[-1]["prefetch_bytes_n"] == 3 * 2 * D * 4
+    la.close()
+    # a refused prefetch is dropped and counted; nothing lands
+    la = LayerLookahead(_FakeOwner(source, fail=True), H, D, threaded=threaded)
+    lv.fetched[:] = False
+    la.start([lv], 2, lambda: (hint, None), clock)
+    assert la.complete([lv], 2, N, clock) is not None and not lv.fetched[2].any()
+    assert clock.steps[-1]["prefetch_lost_n"] == 1
+    la.close()
