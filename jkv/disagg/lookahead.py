@@ -99,6 +99,7 @@ class LayerLookahead:
         fut = self._started[layer] = self._pool.submit(run)
         return fut.result
 
+    PREFETCH_TIMEOUT_S = 60.0  # a hint is never waited for without bound (the sync fetch takes over)
     GATE_TIMEOUT_S = 5.0  # a gate nobody opens (an aborted layer) delays the hint, never hangs it
 
     def issue(self, lives, layer: int, hint: np.ndarray, clock) -> int:
@@ -153,7 +154,7 @@ class LayerLookahead:
         delivered = np.zeros((len(lives) * H, capacity), bool)
         for p in pending:
             try:
-                data = p.transfer.result()
+                data = p.transfer.result(timeout=self.PREFETCH_TIMEOUT_S)  # OpTimeout is a TransportError
             except TransportError as e:  # a hint only: the synchronous fetch takes over
                 log.debug("lookahead fetch of layer %d from %r dropped: %s", layer, p.owner, e)
                 clock.count("prefetch_lost_n", 1)
