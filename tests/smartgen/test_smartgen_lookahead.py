@@ -158,7 +158,8 @@ class _FakeTransfer:
     def __init__(self, value=None, error=None):
         self.value, self.error = value, error
 
-    def result(self):
+    def result(self, timeout=None):
+        assert timeout == LayerLookahead.PREFETCH_TIMEOUT_S  # a prefetch is never awaited without bound
         if self.error is not None:
             raise self.error
         return self.value
