@@ -21,7 +21,8 @@ class Disaggregation:
     lease_s: a prefill worker frees a request's KV after this long without decode activity;
     model_spec: how workers load the model when LLM was given a Model object;
     compression: "off" | "auto" | a pipeline id (KVServe, jkv.compression.policy), with
-    compression_options {"profiles": [files], "workload", "q_min", "t_slo_s"}."""
+    compression_options {"profiles": [files], "workload", "q_min", "t_slo_s"}; lookahead: layer
+    lookahead of on-demand fetches (None: on in smartgen mode; jkv/disagg/lookahead.py)."""
 
     mode: str = "smartgen"
     selector: str = "infinigen"
@@ -42,6 +43,7 @@ class Disaggregation:
     secret: str | None = None
     compression: str = "off"
     compression_options: dict = dataclasses.field(default_factory=dict)
+    lookahead: bool | None = None
 
     def __post_init__(self):
         if self.transport not in ("tcp", "shm", "rdma"):
@@ -74,6 +76,6 @@ class Disaggregation:
 
     def transfer_config(self, **overrides) -> TransferConfig:
         kw = dict(mode=self.mode, strategy=self.strategy, spec_ratio=self.spec_ratio, max_blocks=self.max_blocks,
-                  kr_fraction=self.kr_fraction, bandwidth_bps=self.bandwidth_bps)
+                  kr_fraction=self.kr_fraction, bandwidth_bps=self.bandwidth_bps, lookahead=self.lookahead)
         kw.update(overrides)
         return TransferConfig(**kw)

@@ -16,7 +16,8 @@ Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
      for the requests planned together).
   2. its "handoff" (first token) arrives. Prefill writes land in the pool and flip mask bytes to
      LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
-  3. at the next step boundary it joins the running set; every decode step, per layer: q, k, v →
+  3. at the next step boundary it joins the running set; every decode step, per layer (with
+     lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py): q, k, v →
      the new k, v go into the pool (LOCAL) → select → `split_reorder` against a snapshot of the
      mask → the remote lane (one "fetch" RPC per owner with the remote-first prefix of each row)
      and the local lane (numpy gather of the pool) run concurrently (serially in
@@ -47,7 +48,11 @@ regions and pool here; the engine thread keeps its own references to the buffers
 flight reads valid memory) and flags it, so the engine thread stops fetching for it and retires
 it at the next step boundary; a queued one is dropped when drained. `_live`, `_queued` and
 `_cancelled` are guarded by `_lock`. The transport's notify thread runs the "meta", "handoff",
-"ckv" and "failed" handlers, which only store into per-request state and set events.
+"ckv" and "failed" handlers, which only store into per-request state and set events. With layer
+lookahead (TransferConfig.lookahead, on in smartgen mode) one helper thread computes layer l+1's
+hint selection and sends its prefetch while the engine thread runs layer l; it reads only layer
+l+1's mask, fetched rows and metadata, and the engine thread joins it before touching them
+(jkv/disagg/lookahead.py).
 """
 from __future__ import annotations
 
@@ -63,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.disagg import protocol as proto
+from jkv.disagg.lookahead import LayerLookahead
 from jkv.disagg.selectors import needs_metadata
 from jkv.engine import Request, _StopChecker, check_context
 from jkv.kvcache.geometry import LOCAL, PAD, REMOTE, BlockGeometry
@@ -218,6 +224,7 @@ class DecodeWorker:
         self._bulk_of: dict[str, str] = {}  # owner -> the peer name of its bulk connection
         self.phases = _Phases()
         self._split = _split_rows
+        self._lookahead = LayerLookahead(self.endpoint, cfg.num_kv_heads, cfg.head_dim)
         # Continuous admission: submissions and cancels of queued ones cross threads via these;
         # everything below them is engine-thread state.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -253,6 +260,7 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.endpoint.close()
+        self._lookahead.close()
 
     def _alive_owners(self) -> list[str]:
         return [o for o in self.owners if self._owner_alive(o)]
@@ -681,10 +689,29 @@ class DecodeWorker:
         x_prev = x
         step_remote = np.zeros(B, np.int64)
         step_selected = np.zeros(B, np.int64)
+        lookahead = self._lookahead if self.transfer.layer_lookahead and not sel.is_dense else None
+        hint_q: dict[int, object] = {}  # layer -> its speculative query, from the previous layer's input
+        self._lookahead.clear()
+        lengths_before = jnp.asarray(positions)  # tokens cached before this step's token
         for layer in range(L):
             if speculating and (layer == 0 or self.transfer.spec_every_layer):
                 self._trigger_speculation(speculating)
                 clock.lap("spec")
+            if lookahead is not None and layer + 1 < L:
+                # Layer lookahead: select layer+1 now from this layer's input and put its remote
+                # rows on the wire while this layer computes (jkv/disagg/lookahead.py). A dense
+                # layer's hint is exact: every cached token.
+                nxt = layer + 1
+                if nxt < dense_below:
+                    grid = np.arange(capacity, dtype=np.int32)[None, :]
+                    hint = np.where(grid < np.repeat(positions, H)[:, None], grid, -1)
+                    lookahead.start(lives, nxt, lambda h=hint: (h, None), clock)
+                else:
+                    def make_hint(nxt=nxt, x_in=x, meta=metadata[nxt]):
+                        q_hint = model.qkv(nxt, x_in, pos)[0]
+                        return np.asarray(sel.select(nxt, q_hint, meta, lengths_before)), q_hint
+                    hint_q[nxt] = lookahead.start(lives, nxt, make_hint, clock)
+                clock.lap("lookahead")
             q, k, v = model.qkv(layer, x, pos)
             kn, vn = np.asarray(k, np.float32), np.asarray(v, np.float32)
             clock.lap("qkv")
@@ -697,11 +724,19 @@ class DecodeWorker:
                 kv_index = np.where(grid < np.repeat(now_cached, H)[:, None], grid, -1).astype(np.int32)
             else:
                 metadata[layer] = sel.append(layer, metadata[layer], k, pos)
-                x_in_prev = x_prev
-                query = sel.decode_query(layer, q, lambda: model.qkv(layer, x_in_prev, pos)[0])
+                x_in_prev, cached = x_prev, hint_q.pop(layer, None)  # cached: the same qkv of the same input
+                query = sel.decode_query(layer, q, cached if cached is not None
+                                         else (lambda: model.qkv(layer, x_in_prev, pos)[0]))
                 kv_index = np.asarray(sel.select(layer, query, metadata[layer], jnp.asarray(now_cached)))
             clock.lap("select")
+            delivered = self._lookahead.complete(lives, layer, capacity, clock)
+            if delivered is not None:
+                clock.lap("prefetch_wait")
             K_sel, V_sel, remote_rows = self._gather(lives, layer, kv_index, capacity)
+            if delivered is not None:  # selected rows the prefetch supplied are on-demand rows too
+                hit = LayerLookahead.hits(delivered, kv_index)
+                remote_rows = remote_rows + hit
+                clock.count("prefetch_hit_n", hit.sum())
             valid = (kv_index >= 0).sum(axis=1).reshape(B, H).astype(np.int32)
             step_selected += valid.sum(axis=1)
             step_remote += remote_rows.reshape(B, H).sum(axis=1)
@@ -823,6 +858,7 @@ class DecodeWorker:
             for _, _, t in pending:
                 self._wait(t)
         self.phases.lap("remote_issue")
+        self._lookahead.release(layer + 1)  # the next layer's prefetch queues behind this fetch
         # Local lane: gather every selected slot from the pool (remote slots are overwritten below).
         heads = np.arange(H)[:, None]
         K_sel = np.stack([lv.kv.kv[0, layer][heads, safe[b * H:(b + 1) * H]] for b, lv in enumerate(lives)])

@@ -68,7 +68,9 @@ class _YieldToOnDemand:
 
     @property
     def chunk(self) -> int:
-        return self.shared.chunk
+        """A quarter of the link's chunk (>= 4 KiB): a reply that arrives while a bulk chunk holds
+        the credit waits at most this long (a non-preemptible packet on a priority link)."""
+        return max(4096, self.shared.chunk // 4)
 
     def reserve(self, nbytes: int) -> None:
         with self._lock:
@@ -158,9 +160,7 @@ class PrefillWorker:
         pacer = self.endpoint.pacer
         if pacer is None:
             raise ValueError(f"{self.name} was started without --bandwidth; start it paced to re-pace it")
-        with pacer._lock:
-            pacer.rate_bps, pacer.rate_Bps = float(bits_per_s), float(bits_per_s) / 8.0
-            pacer.burst = max(65536, int(pacer.rate_Bps * 0.01))  # TokenBucket default
+        pacer.set_rate(float(bits_per_s))  # burst and chunk follow (TokenBucket's few ms of link time)
 
     def held(self) -> list[str]:
         with self._lock:

@@ -33,7 +33,8 @@ class TransferConfig:
     """mode: one of MODES; strategy: proactive choice for modes past `partial`;
     spec_ratio: at most this fraction of a request's blocks moves speculatively per decode step;
     max_blocks: M; kr_fraction: force Kr = ceil(kr_fraction * L * M_eff) (tests, sweeps) instead
-    of Eq. 2; bandwidth_bps: the link estimate Tt is computed from (bytes/s * 8)."""
+    of Eq. 2; bandwidth_bps: the link estimate Tt is computed from (bytes/s * 8); lookahead: fetch
+    layer l+1's remote rows while layer l computes (None: on in smartgen mode only)."""
 
     mode: str = "smartgen"
     strategy: str = "profile"
@@ -43,7 +44,7 @@ class TransferConfig:
     bandwidth_bps: float | None = None
     seed: int = 0
     spec_every_layer: bool = True  # DESIGN.md: trigger at each attention layer; False: once per step
-
+    lookahead: bool | None = None  # layer lookahead (jkv/disagg/lookahead.py); None: on in smartgen mode
 
     def __post_init__(self):
         object.__setattr__(self, "mode", _ALIASES.get(self.mode, self.mode))
@@ -59,6 +60,11 @@ class TransferConfig:
             raise ValueError(f"kr_fraction={self.kr_fraction!r} must be in [0, 1] or None (use Eq. 2)")
         if self.bandwidth_bps is not None and not self.bandwidth_bps > 0:
             raise ValueError(f"bandwidth_bps={self.bandwidth_bps!r} must be > 0 bits/s")
+        if self.lookahead not in (None, True, False):
+            raise ValueError(f"lookahead={self.lookahead!r} must be True, False or None (on in smartgen mode)")
+        if self.lookahead and self.mode == "full":
+            raise ValueError("lookahead=True needs on-demand fetches; mode 'full' moves every block "
+                             "proactively (use lookahead=None or a partial/smartgen mode)")
 
     @property
     def effective_strategy(self) -> str:
@@ -71,6 +77,11 @@ class TransferConfig:
     @property
     def speculative(self) -> bool:
         return self.mode == "smartgen"
+
+    @property
+    def layer_lookahead(self) -> bool:
+        """Fetch layer l+1's hinted remote rows while layer l computes (default: smartgen only)."""
+        return self.mode == "smartgen" if self.lookahead is None else bool(self.lookahead)
 
     @property
     def needs_profile(self) -> bool:

@@ -15,7 +15,7 @@ def test_bulk_waits_for_a_draining_on_demand_reply():
     t = time.monotonic()
     gate.consume(1)
     assert 0.15 < time.monotonic() - t < 0.6
-    assert gate.chunk == shared.chunk
+    assert gate.chunk == max(4096, shared.chunk // 4) < shared.chunk  # bulk packets are small
 
 
 def test_yield_is_bounded_so_the_bulk_lane_never_starves():

@@ -110,3 +110,51 @@ def test_endpoint_bandwidth_is_shared_by_its_peers(make_endpoint):
         return 8 * 2 * 3 * data.nbytes / (time.monotonic() - start)
 
     assert _retry_undershoot(measure, 400e6) == pytest.approx(400e6, rel=0.05)
+
+
+def test_default_burst_is_a_few_ms_of_link_time_or_one_chunk():
+    b = TokenBucket("8mbit")  # 1 MB/s: 5 ms = 5000 bytes
+    assert b.burst == 5000 and b.chunk == 5000
+    assert TokenBucket("8mbit", burst_s=0.02).burst == 20000
+    slow = TokenBucket("128kbit")  # 16 KB/s: 5 ms is 80 bytes, less than one chunk
+    assert slow.burst == slow.chunk == TokenBucket.MIN_CHUNK
+    assert TokenBucket("8mbit", burst=1 << 20).burst == 1 << 20  # explicit burst kept
+    b.set_rate("80mbit")  # re-pacing recomputes both
+    assert b.burst == 50000 and b.chunk == 50000
+
+
+def test_repacing_drops_credit_banked_at_the_old_rate():
+    """A benchmark measures on a fast link, then paces it: the megabytes banked at 100 Gbit/s must
+    not leave unpaced afterwards."""
+    b = TokenBucket("100gbit")
+    time.sleep(0.01)
+    b.consume(1)  # banks up to 5 ms of 100 Gbit/s (62.5 MB)
+    b.set_rate("8mbit")
+    assert b.consume(100_000) == pytest.approx(0.1, abs=0.02)  # 100 KB at 1 MB/s, not free
+    with pytest.raises(ValueError, match="burst_s="):
+        TokenBucket("8mbit", burst_s=0)
+
+
+def test_idle_credit_is_capped_at_the_burst():
+    """After 0.2 s of idle a 50 KB message at 1 MB/s still takes ~45 ms: only 5 KB was banked
+    (a real paced link does not store its idle time)."""
+    b = TokenBucket("8mbit")
+    time.sleep(0.2)
+    assert b.consume(50_000) == pytest.approx(0.045, abs=0.01)
+
+
+def test_a_throttled_senders_oversleep_is_not_lost(monkeypatch):
+    """Every sleep in consume wakes 8 ms late (a loaded machine), more than the 5 ms burst. The
+    sender was busy all along in one message of full chunks (a NIC drains its queue meanwhile),
+    so the long-run rate holds."""
+    import transport.pacing as pacing
+
+    real_sleep = time.sleep
+    monkeypatch.setattr(pacing.time, "sleep", lambda s: real_sleep(s + 0.008))
+    b = TokenBucket("8mbit")  # 1 MB/s, 5000-byte chunks: 5 ms each
+    start = time.monotonic()
+    for _ in range(100):  # 0.5 s of link time
+        b.consume(b.chunk)
+    rate = 100 * b.chunk / (time.monotonic() - start)
+    monkeypatch.setattr(pacing.time, "sleep", real_sleep)
+    assert rate == pytest.approx(1e6, rel=0.12), rate  # without the rule: ~0.4 MB/s (13 ms per chunk)
