@@ -692,7 +692,11 @@ class DecodeWorker:
         lookahead = self._lookahead if self.transfer.layer_lookahead and not sel.is_dense else None
         hint_q: dict[int, object] = {}  # layer -> its speculative query, from the previous layer's input
         self._lookahead.clear()
-        lengths_before = jnp.asarray(positions)  # tokens cached before this step's token
+        # The hint selects with this step's lengths (current token included) although the metadata
+        # lacks that token's key: budget k and the always-kept sink/recent tokens then match the real
+        # selection's exactly (with the shorter length a kept-recent boundary token shifts and ~12%
+        # of the real selection's remote rows missed the hint); the current row is never fetched.
+        lengths_now = jnp.asarray(now_cached)
         for layer in range(L):
             if speculating and (layer == 0 or self.transfer.spec_every_layer):
                 self._trigger_speculation(speculating)
@@ -709,7 +713,7 @@ class DecodeWorker:
                 else:
                     def make_hint(nxt=nxt, x_in=x, meta=metadata[nxt]):
                         q_hint = model.qkv(nxt, x_in, pos)[0]
-                        return np.asarray(sel.select(nxt, q_hint, meta, lengths_before)), q_hint
+                        return np.asarray(sel.select(nxt, q_hint, meta, lengths_now)), q_hint
                     hint_q[nxt] = lookahead.start(lives, nxt, make_hint, clock)
                 clock.lap("lookahead")
             q, k, v = model.qkv(layer, x, pos)

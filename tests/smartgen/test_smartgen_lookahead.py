@@ -66,10 +66,12 @@ def test_lookahead_prefetches_rows_and_keeps_the_tokens(model, selectors, prompt
     # prefetched rows that the real selection used count as on-demand entries
     assert _total(on, "remote_n") >= hits
     # after step 1 (whose layer 0 cannot be looked ahead) nearly every remote row came ahead:
-    # InfiniGen's hint is its real query; Oracle's (previous layer's input) is close on this model
+    # InfiniGen's hint is its real query at the real lengths (only the current token's key, always
+    # local, is missing: 100% here, 88% when the hint used the shorter length); Oracle's (previous
+    # layer's input) is close on this model
     later = on[0].metrics.extra["step_phases"][1:]
     later_hits, later_remote = (sum(st.get(k, 0) for st in later) for k in ("prefetch_hit_n", "remote_n"))
-    assert later_hits >= (0.9 if selector_name == "infinigen" else 0.5) * later_remote, (later_hits, later_remote)
+    assert later_hits >= (0.97 if selector_name == "infinigen" else 0.5) * later_remote, (later_hits, later_remote)
 
 
 class _RacingEndpoint:
