@@ -203,7 +203,8 @@ def jct_sweep(model, args, say):
         # Charge the larger of the two costs: the path measured alone, or in place (what the JCT pays).
         path_Bps = {k: min(v, kv_bytes / max(insitu_s[k], 1e-9)) for k, v in alone_Bps.items()}
         say(f"JCT sweep: {len(prompt)} prompt tokens, KV {kv_bytes / 1e6:.1f} MB (f32), Tp = {tp:.2f}s, "
-            f"JCT at 100 Gbit/s uncompressed {jct_fast:.3f}s, in-place codec s " + ", ".join(f"{k} {v:.3f}" for k, v in insitu_s.items()) + "; "
+            f"JCT at 100 Gbit/s uncompressed {jct_fast:.3f}s, in-place codec s "
+            + ", ".join(f"{k} {v:.3f}" for k, v in insitu_s.items()) + "; "
             "codec s_p (f32 MB/s) charged / path alone / in place / round trip: " + ", ".join(
                 f"{p.spec_id} {path_Bps[p.spec_id] / 1e6:.0f} / {alone_Bps[p.spec_id] / 1e6:.0f} / "
                 f"{kv_bytes / max(insitu_s[p.spec_id], 1e-9) / 1e6:.0f} / {2 * p.throughput_Bps / 1e6:.0f}"

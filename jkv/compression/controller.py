@@ -180,7 +180,7 @@ def predicted_time(p: Profile, ctx: Context, bandwidth_Bps: float, overlap: bool
 @dataclass(frozen=True)
 class Decision:
     profile: Profile
-    predicted_s: float  # analytical T_hat (Eq. 1)
+    predicted_s: float  # analytical T_hat (Eq. 1, or its overlap-aware form)
     corrected_s: float  # T_hat + residual (Eq. 8)
     bandwidth_Bps: float
     candidates: tuple[str, ...]
@@ -269,8 +269,9 @@ class Controller:
             self._decisions += 1
             scored = []
             for p in candidates:
-                if p.name != BASELINE and (predicted_time(p, ctx, bandwidth, True) > (1 - self.config.min_gain) * t_base if overlap
-                                           else bandwidth >= p.threshold_Bps):  # Theorem 6.1 (overlap-aware)
+                if p.name != BASELINE and (  # Theorem 6.1, or its overlap-aware form with the break-even margin
+                        predicted_time(p, ctx, bandwidth, True) > (1 - self.config.min_gain) * t_base if overlap
+                        else bandwidth >= p.threshold_Bps):
                     continue
                 health = self._health.get(p.name)
                 if health is not None and health.cooldown_until > now:

@@ -266,7 +266,8 @@ def test_overlap_margin_keeps_break_even_requests_uncompressed():
     b = GB / 0.42  # T_0 = 0.42 s, T_p = max(0.2, 0.0525) = 0.2 s: a 2x gain, compress
     assert Controller(prof, ControllerConfig(epsilon=0.0)).decide(Context(bandwidth_Bps=b, **ctx)).profile.name == "p"
     b = GB / 0.205  # T_0 = 0.205 s vs T_p = 0.2 s: a 2.4 % predicted gain, inside the 5 % margin
-    assert Controller(prof, ControllerConfig(epsilon=0.0)).decide(Context(bandwidth_Bps=b, **ctx)).profile.name == BASELINE
+    d = Controller(prof, ControllerConfig(epsilon=0.0)).decide(Context(bandwidth_Bps=b, **ctx))
+    assert d.profile.name == BASELINE
     assert Controller(prof, ControllerConfig(epsilon=0.0, min_gain=0.0)).decide(
         Context(bandwidth_Bps=b, **ctx)).profile.name == "p"
     with pytest.raises(ValueError, match="min_gain"):
