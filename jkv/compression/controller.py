@@ -20,6 +20,17 @@ envelope never picks a profile where it does not pay off. Online, `decide`:
 4. epsilon-greedy on the residual-corrected time T_eff = T_hat + EWMA residual (Eqs. 7-8), with
    one residual per (workload, bucket, interval, profile).
 
+Overlap-aware prediction (`ControllerConfig.overlap_push`, used when T_model > 0 is known): jkv pushes
+the KV layer by layer while the prefill runs, and the codec runs inline in the prefill's per-layer
+callback, so the transfer hides behind the (codec-extended) prefill instead of adding to it:
+
+    T_p = max(T_model + V / s_p, V / (B * cr_p)),        T_0 = max(T_model, V / B).
+
+Eq. 1's sum overstates T_0 by up to T_model and so calls compression worth it on links fast enough for
+the push to hide behind the prefill. There, the envelope's interval only picks the candidates
+(baseline always added) and Theorem 6.1's filter becomes "T_p <= (1 - min_gain) T_0" under this model
+(a margin against the break-even, where the prediction's error decides the sign of the gain).
+
 `observe(decision, observed_s)` updates the residual and the profile's recent SLO violations;
 K violations among its last M uses put the profile in cooldown for a number of decisions.
 
@@ -107,12 +118,16 @@ class ControllerConfig:
     cooldown_decisions: int = 50  # ... remove it for this many decisions
     fallback: str = BASELINE  # conservative default when no candidate meets the SLO
     seed: int = 0
+    overlap_push: bool = True  # with T_model known: layer-wise push overlaps prefill (see module docstring)
+    min_gain: float = 0.05  # overlap model: compress only if predicted T_p <= (1 - min_gain) T_0 (break-even margin)
 
     def __post_init__(self):
         if not all(0 < q <= 1 for q in self.quality_buckets):
             raise ValueError(f"quality buckets {self.quality_buckets} must lie in (0, 1]")
         if self.neighbours < 0 or not 0 <= self.epsilon <= 1 or not 0 < self.residual_alpha <= 1:
             raise ValueError(f"need {self.neighbours=} >= 0, {self.epsilon=} in [0,1], {self.residual_alpha=} in (0,1]")
+        if not 0 <= self.min_gain < 1:
+            raise ValueError(f"{self.min_gain=} must lie in [0, 1)")
         if not 1 <= self.violation_k <= self.violation_window or self.cooldown_decisions < 0:
             raise ValueError(f"need 1 <= {self.violation_k=} <= {self.violation_window=}, {self.cooldown_decisions=} >= 0")
 
@@ -153,15 +168,19 @@ def lower_envelope(profiles: Sequence[Profile]) -> Envelope:
             env.append(current)
 
 
-def predicted_time(p: Profile, ctx: Context, bandwidth_Bps: float) -> float:
-    """Eq. 1: T_model + V/s_p + V/(B cr_p)."""
+def predicted_time(p: Profile, ctx: Context, bandwidth_Bps: float, overlap: bool = False) -> float:
+    """Eq. 1: T_model + V/s_p + V/(B cr_p); overlap (and T_model > 0): max(T_model + V/s_p, V/(B cr_p))."""
+    if overlap and ctx.t_model_s > 0:
+        # Departs from Eq. 1's sum: the layer-wise push overlaps the prefill, which the inline codec
+        # (prefill-side on_layer) extends, so only transfer beyond T_model + V/s_p adds to the JCT.
+        return max(ctx.t_model_s + ctx.kv_bytes * p.intercept, ctx.kv_bytes * p.slope / bandwidth_Bps)
     return ctx.t_model_s + ctx.kv_bytes * (p.intercept + p.slope / bandwidth_Bps)
 
 
 @dataclass(frozen=True)
 class Decision:
     profile: Profile
-    predicted_s: float  # analytical T_hat (Eq. 1)
+    predicted_s: float  # analytical T_hat (Eq. 1, or its overlap-aware form)
     corrected_s: float  # T_hat + residual (Eq. 8)
     bandwidth_Bps: float
     candidates: tuple[str, ...]
@@ -239,24 +258,32 @@ class Controller:
         i = env.index(1.0 / bandwidth)
         lo, hi = max(0, i - self.config.neighbours), min(len(env.profiles), i + self.config.neighbours + 1)
         key = (ctx.workload, bucket, i)
+        overlap = self.config.overlap_push and ctx.t_model_s > 0
+        candidates = list(env.profiles[lo:hi])
+        if overlap:
+            t_base = predicted_time(BASELINE_PROFILE, ctx, bandwidth, True)
+            if BASELINE_PROFILE not in candidates:
+                candidates.insert(0, BASELINE_PROFILE)
         with self._lock:
             now = self._decisions
             self._decisions += 1
             scored = []
-            for p in env.profiles[lo:hi]:
-                if p.name != BASELINE and bandwidth >= p.threshold_Bps:  # Theorem 6.1
+            for p in candidates:
+                if p.name != BASELINE and (  # Theorem 6.1, or its overlap-aware form with the break-even margin
+                        predicted_time(p, ctx, bandwidth, True) > (1 - self.config.min_gain) * t_base if overlap
+                        else bandwidth >= p.threshold_Bps):
                     continue
                 health = self._health.get(p.name)
                 if health is not None and health.cooldown_until > now:
                     continue
-                t_hat = predicted_time(p, ctx, bandwidth)
+                t_hat = predicted_time(p, ctx, bandwidth, overlap)
                 if t_hat > ctx.t_slo_s:  # guardrail: predicted T must meet the SLO
                     continue
                 arm = self._arms.get(key + (p.name,))
                 scored.append((t_hat + (arm.residual if arm else 0.0), t_hat, p))
             if not scored:
                 p = self._by_name[ctx.workload][self.config.fallback]
-                t_hat = predicted_time(p, ctx, bandwidth)
+                t_hat = predicted_time(p, ctx, bandwidth, overlap)
                 return Decision(p, t_hat, t_hat, bandwidth, (), key, ctx.t_slo_s,
                                 "fallback: no candidate predicted to meet the SLO")
             scored.sort(key=lambda s: s[0])

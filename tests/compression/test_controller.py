@@ -78,7 +78,7 @@ def test_filter_removes_non_beneficial_profiles_from_candidates():
 
 
 def test_decision_matches_the_analytical_optimum_over_a_bandwidth_sweep():
-    ctl = Controller(PROFILES, ControllerConfig(epsilon=0.0))
+    ctl = Controller(PROFILES, ControllerConfig(epsilon=0.0, overlap_push=False))  # Eq. 1 as written
     lines = [BASELINE_PROFILE, FAST, MID, STRONG]
     for b in np.geomspace(0.1 * GB, 100 * GB, 60):
         ctx = Context("code", t_slo_s=1e6, q_min=0.95, kv_bytes=10**9, t_model_s=0.5, bandwidth_Bps=b)
@@ -115,7 +115,7 @@ def _simulate(ctl, n, bandwidth, true_throughput, rng, t_slo=1e6, kv=10**9):
 
 
 def test_bandit_converges_to_the_truly_fastest_under_injected_drift():
-    ctl = Controller(PROFILES, ControllerConfig(epsilon=0.1, residual_alpha=0.3, seed=1))
+    ctl = Controller(PROFILES, ControllerConfig(epsilon=0.1, residual_alpha=0.3, seed=1, overlap_push=False))
     rng = random.Random(0)
     bandwidth = 2.5 * GB  # model-optimal: mid (T~ = 0.125 + 0.1) vs fast (0.05 + 0.2)
     ctx = Context("code", 1e6, 0.95, 10**9, bandwidth_Bps=bandwidth)
@@ -131,13 +131,13 @@ def test_bandit_converges_to_the_truly_fastest_under_injected_drift():
 
 
 def test_without_exploration_a_drifted_arm_is_still_abandoned():
-    ctl = Controller(PROFILES, ControllerConfig(epsilon=0.0))
+    ctl = Controller(PROFILES, ControllerConfig(epsilon=0.0, overlap_push=False))
     chosen = _simulate(ctl, 20, 2.5 * GB, {"mid": 1 * GB}, random.Random(0))
     assert chosen[0] == "mid" and set(chosen[-10:]) == {"fast"}
 
 
 def test_guardrail_uses_a_neighbour_that_meets_the_slo_else_the_fallback():
-    ctl = Controller(PROFILES, ControllerConfig(epsilon=0.0))
+    ctl = Controller(PROFILES, ControllerConfig(epsilon=0.0, overlap_push=False))
     b = 0.5 * GB  # envelope optimum: strong (0.5 + 0.25 = 0.75 s/GB) vs mid (0.125 + 0.5)
     ctx = dict(workload="code", q_min=0.95, kv_bytes=10**9, t_model_s=0.1, bandwidth_Bps=b)
     assert ctl.decide(Context(t_slo_s=10, **ctx)).profile.name == "mid"  # mid 0.725 s beats strong 0.85 s
@@ -146,7 +146,7 @@ def test_guardrail_uses_a_neighbour_that_meets_the_slo_else_the_fallback():
     assert d.profile.name == "mid" and "strong" not in d.candidates
     d = ctl.decide(Context(t_slo_s=0.5, **ctx))  # nothing can make it
     assert d.profile.name == BASELINE and d.reason.startswith("fallback") and d.candidates == ()
-    ctl2 = Controller(PROFILES, ControllerConfig(epsilon=0.0, fallback="strong"))
+    ctl2 = Controller(PROFILES, ControllerConfig(epsilon=0.0, fallback="strong", overlap_push=False))
     assert ctl2.decide(Context(t_slo_s=0.5, **ctx)).profile.name == "strong"
     with pytest.raises(ValueError, match="fallback profile"):
         Controller(PROFILES, ControllerConfig(fallback="nope"))
@@ -209,3 +209,66 @@ def test_from_profile_files_and_validation():
     with pytest.raises(ValueError):
         Context("code", t_slo_s=0, q_min=0.9, kv_bytes=1)
     assert math.isclose(BASELINE_PROFILE.intercept, 0.0)
+
+
+def _pipelined_jct(t_model, codec_s, link_s, layers=30):
+    """Ground truth of a layer-wise push: layer l's prefill (+ its inline codec share) ends at
+    (l+1)(t_model + codec_s)/L, then its KV (link_s / L) queues on the link behind the previous layer's."""
+    step, done = (t_model + codec_s) / layers, 0.0
+    for layer in range(layers):
+        done = max(done, (layer + 1) * step) + link_s / layers
+    return done
+
+
+def test_overlap_aware_prediction_skips_compression_that_eq1_would_pick_on_a_fast_link():
+    # The JCT sweep's 100 Gbit/s-eq point: V = 11.8 MB, Tp = 0.22 s, V/B = 0.355 s, the profile's cr 7.66
+    # and its codec 0.15 s in place. Eq. 1 adds Tp to the transfer and predicts a 1.4x gain; the push
+    # overlaps the prefill, so compression is in truth slower.
+    v, tp, codec_s, cr = 11_800_000, 0.22, 0.15, 7.66
+    prof = {"code": [Profile("kivi4", cr=cr, throughput_Bps=v / codec_s, quality=0.95)]}
+    fast, slow = v / 0.355, v / 7.1
+    truth = {b: (_pipelined_jct(tp, 0.0, v / b), _pipelined_jct(tp, codec_s, v / (b * cr))) for b in (fast, slow)}
+    assert truth[fast][1] > truth[fast][0] and truth[slow][1] < truth[slow][0] / 5
+    ctx = dict(workload="code", t_slo_s=1e6, q_min=0.9, kv_bytes=v, t_model_s=tp)
+    eq1 = Controller(prof, ControllerConfig(epsilon=0.0, overlap_push=False))
+    overlap = Controller(prof, ControllerConfig(epsilon=0.0))
+    assert eq1.decide(Context(bandwidth_Bps=fast, **ctx)).profile.name == "kivi4"  # the additive model's mistake
+    d = overlap.decide(Context(bandwidth_Bps=fast, **ctx))
+    assert d.profile.name == BASELINE and d.predicted_s == pytest.approx(0.355)
+    assert d.predicted_s == pytest.approx(truth[fast][0], rel=0.05)  # within the last layer's share
+    d = overlap.decide(Context(bandwidth_Bps=slow, **ctx))
+    assert d.profile.name == "kivi4" and d.predicted_s == pytest.approx(truth[slow][1], rel=0.05)
+
+
+def test_overlap_aware_decision_is_the_best_predicted_and_eq1_without_t_model():
+    ctl = Controller(PROFILES, ControllerConfig(epsilon=0.0))
+    lines = [BASELINE_PROFILE, FAST, MID, STRONG]
+    for b in np.geomspace(0.1 * GB, 100 * GB, 60):
+        ctx = Context("code", t_slo_s=1e6, q_min=0.95, kv_bytes=10**9, t_model_s=0.5, bandwidth_Bps=b)
+        d = ctl.decide(ctx)
+        t0 = predicted_time(BASELINE_PROFILE, ctx, b, overlap=True)
+        assert t0 == pytest.approx(max(0.5, 1e9 / b))
+        assert d.predicted_s <= t0 and (d.profile.name == BASELINE or d.predicted_s < t0)
+        # Never worse than the envelope neighbourhood's best under the overlap model.
+        env = ctl.envelope("code", 0.95)
+        i = env.index(1 / b)
+        near = env.profiles[max(0, i - 1):i + 2] + (BASELINE_PROFILE,)
+        assert d.predicted_s == pytest.approx(min(predicted_time(p, ctx, b, overlap=True) for p in near))
+    # T_model unknown (0): Eq. 1's sum, the conservative additive charge.
+    ctx = Context("code", t_slo_s=1e6, q_min=0.95, kv_bytes=10**9, bandwidth_Bps=GB)
+    assert predicted_time(MID, ctx, GB, overlap=True) == predicted_time(MID, ctx, GB) == pytest.approx(0.125 + 0.25)
+
+
+def test_overlap_margin_keeps_break_even_requests_uncompressed():
+    prof = {"code": [Profile("p", cr=8.0, throughput_Bps=10 * GB, quality=0.95)]}
+    # V = 1 GB, T_model 0.1 s, codec V/s = 0.1 s: T_p = max(0.2, V/(8B)).
+    ctx = dict(workload="code", t_slo_s=1e6, q_min=0.9, kv_bytes=10**9, t_model_s=0.1)
+    b = GB / 0.42  # T_0 = 0.42 s, T_p = max(0.2, 0.0525) = 0.2 s: a 2x gain, compress
+    assert Controller(prof, ControllerConfig(epsilon=0.0)).decide(Context(bandwidth_Bps=b, **ctx)).profile.name == "p"
+    b = GB / 0.205  # T_0 = 0.205 s vs T_p = 0.2 s: a 2.4 % predicted gain, inside the 5 % margin
+    d = Controller(prof, ControllerConfig(epsilon=0.0)).decide(Context(bandwidth_Bps=b, **ctx))
+    assert d.profile.name == BASELINE
+    assert Controller(prof, ControllerConfig(epsilon=0.0, min_gain=0.0)).decide(
+        Context(bandwidth_Bps=b, **ctx)).profile.name == "p"
+    with pytest.raises(ValueError, match="min_gain"):
+        ControllerConfig(min_gain=1.0)

@@ -16,8 +16,8 @@ def profile_file(s_p: float, cr: float = 3.6) -> ProfileFile:
 
 
 def decide(profiles, bandwidth_Bps: float) -> str:
-    ctl = Controller({"continuation": profiles})
-    return ctl.decide(Context("continuation", 1e9, 0.9, 12 << 20, 0.2, bandwidth_Bps)).profile.name
+    ctl = Controller({"continuation": profiles})  # T_model unknown (0): Eq. 1's additive accounting
+    return ctl.decide(Context("continuation", 1e9, 0.9, 12 << 20, 0.0, bandwidth_Bps)).profile.name
 
 
 def test_path_cost_flips_a_round_trip_compress_decision_at_high_bandwidth():
