@@ -185,12 +185,19 @@ def test_infinigen_float16_partial_keys_select_like_float32():
         get_selector("quest", metadata_dtype="float64")
 
 
-def test_quest_selects_the_page_of_the_planted_token_and_skips_padding():
-    n_cap = 64
-    K = random_kv(n_cap, seed=1) * 0.1
-    K[:, :, 21, 0] = 6.0
+def planted_case(n_cap: int, seed: int, token: int):
+    """Small random keys K: [B, H_kv, n_cap, D] with one planted token whose channel 0 is large, and
+    a query q: [B, H, D] that reads channel 0, so the planted token has the top score everywhere."""
+    K = random_kv(n_cap, seed=seed) * 0.1
+    K[:, :, token, 0] = 6.0
     q = np.zeros((B, H, D), np.float32)
     q[:, :, 0] = 1.0
+    return K, q
+
+
+def test_quest_selects_the_page_of_the_planted_token_and_skips_padding():
+    n_cap = 64
+    K, q = planted_case(n_cap, seed=1, token=21)
     lengths = jnp.asarray([64, 56])
     sel = get_selector("quest", max_ratio=0.4, page_size=16, **NO_KEEP)
     index = sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths)
@@ -211,11 +218,8 @@ def test_quest_always_keeps_the_newest_page():
     # that bounds the last page lowest (its keys point away) must still get it, and with a
     # one-page budget it gets only that page.
     n_cap = 64
-    K = random_kv(n_cap, seed=2) * 0.1
-    K[:, :, 5, 0] = 6.0
+    K, q = planted_case(n_cap, seed=2, token=5)
     K[:, :, 32:49, 0] = -6.0
-    q = np.zeros((B, H, D), np.float32)
-    q[:, :, 0] = 1.0
     lengths = jnp.asarray([48, 37])
     one_page = get_selector("quest", max_ratio=0.2, page_size=16, **NO_KEEP)
     sets = rows_as_sets(one_page.select(LAYER, jnp.asarray(q), one_page.prepare(LAYER, K, lengths), lengths))
@@ -372,10 +376,7 @@ def test_sinks_and_recent_window_are_kept_inside_the_budget(name):
 
 def test_quest_keeps_the_pages_of_sinks_and_recent_tokens():
     n_cap = 64
-    K = random_kv(n_cap, seed=8) * 0.1
-    K[:, :, 30, 0] = 6.0
-    q = np.zeros((B, H, D), np.float32)
-    q[:, :, 0] = 1.0
+    K, q = planted_case(n_cap, seed=8, token=30)
     lengths = jnp.asarray([64, 50])
     sel = get_selector("quest", max_ratio=0.25, page_size=4, keep_sinks=1, keep_recent=6, group_score="mass")
     sets = rows_as_sets(sel.select(LAYER, jnp.asarray(q), sel.prepare(LAYER, K, lengths), lengths))
