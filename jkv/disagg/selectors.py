@@ -40,11 +40,12 @@ def build_selector(model, name: str, **options):
 
 
 def save_selector(selector, path) -> None:
+    """Pickles what a prefill worker needs to rebuild `selector`: its config plus InfiniGen's
+    skew or HATA's trained hash projection (f32[L, H_kv, D, bits]), so no worker needs the
+    weights directory of the process that trained them."""
     state = dict(name=selector.name, config=dataclasses.asdict(selector.config),
-                 skew=[np.asarray(s) for s in selector.skew] if hasattr(selector, "skew") else None)
-    if selector.name == "hata":
-        raise ValueError("shipping HATA weights to workers is not supported yet; use infinigen, quest, oracle, "
-                         "streamingllm, sequential, random or dense")
+                 skew=[np.asarray(s) for s in selector.skew] if hasattr(selector, "skew") else None,
+                 projection=np.asarray(selector.projection) if selector.name == "hata" else None)
     with open(path, "wb") as f:
         pickle.dump(state, f)
 
@@ -55,6 +56,9 @@ def load_selector(path):
     config = dict(state["config"])
     if state["skew"] is not None:
         return get_selector(state["name"], skew=state["skew"], **config)
+    if state.get("projection") is not None:  # HATA: the shipped weights, not a local weights_path
+        config.pop("weights_path", None)
+        return get_selector(state["name"], projection=state["projection"], **config)
     if state["name"] == "dense":
         config.pop("max_ratio", None)
     return get_selector(state["name"], **config)
