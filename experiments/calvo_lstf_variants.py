@@ -24,7 +24,6 @@ Writes experiments/results/calvo_lstf_variants_sigma<sigma>.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import pathlib
 import sys
@@ -42,6 +41,7 @@ from jkv.scheduling.policies import Policy  # noqa: E402
 from jkv.scheduling.simulator import (StageTimes, profile_cost_model,  # noqa: E402
                                       simulate_pipelined)
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
+from jkv.eval.harness import write_csv  # noqa: E402
 
 VARIANTS = ("edf", "lstf-static", "lstf", "lstf-margin", "lstf-freeze", "lstf-mono")
 
@@ -152,10 +152,7 @@ def main(argv=None) -> None:
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = f"calvo_lstf_variants_sigma{args.sigma:g}.csv"
-    with open(out / name, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / name, rows)
     print(f"wrote {out / name}")
 
 

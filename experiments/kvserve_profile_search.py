@@ -14,7 +14,6 @@ search's own overhead (GP fits), and their cost in objective time is evaluations
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from jkv.compression import (CodecSpec, FidelityObjective, QuantizerSpec, Search
                              bayesian_search, build_profile, enumerate_space, exhaustive_search, nominal_cr,
                              save_profile)
 from kvserve_real_kv import document_tokens
+from jkv.eval.harness import write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -84,10 +84,7 @@ def main():
         print(f"{r['method']:28s} evals {r['evaluations']:3d}/{len(space)}  best {r['best']:28s} "
               f"CR {r['best_cr']:6.3f} ({ratio:.3f} of exhaustive)  acc {r['best_acc']:.4f}  (search {r['wall_s']} s)")
     out = ROOT / "experiments" / "results" / "kvserve_profile_search.csv"
-    with open(out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out, rows)
     print(f"wrote {out}")
 
 

@@ -21,7 +21,6 @@ Writes experiments/results/kvserve_real_kv.csv. Usage:
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 
 from jkv.compression import Calibration, Pipeline, PipelineSpec, decode_block
 from jkv.compression.heads import observation_scores
+from jkv.eval.harness import write_csv
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ["identity+none+zstd3", "identity+kivi8g32+none", "identity+kivi4g32+none", "identity+kivi4g32+zstd3",
@@ -195,10 +195,7 @@ def main():
     rows += layer_sensitivity(model, kv16, next_tokens, n, ref_logits, raw_bytes)
     rows += streaming_rows(model, ids[:n], kv16, next_tokens, n, ref_logits, raw_bytes)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out, rows)
     print(f"wrote {args.out}")
 
 

@@ -11,7 +11,6 @@ per token per sparse layer.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import time
 
@@ -24,6 +23,7 @@ from jkv.selection import get_selector
 from jkv.selection.calibration import calibration_tokens, collect_calibration
 from jkv.selection.simple import Dense
 from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host
+from jkv.eval.harness import write_csv
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -86,10 +86,7 @@ def main() -> int:
               f"{row['metadata_bytes_per_token']:>13.1f}")
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, "metadata_dtype.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(path, rows)
     print(f"wrote {path}")
     return 0
 
