@@ -269,14 +269,14 @@ class Controller:
             self._decisions += 1
             scored = []
             for p in candidates:
-                if p.name != BASELINE and (  # Theorem 6.1, or its overlap-aware form with the break-even margin
-                        predicted_time(p, ctx, bandwidth, True) > (1 - self.config.min_gain) * t_base if overlap
-                        else bandwidth >= p.threshold_Bps):
+                t_hat = predicted_time(p, ctx, bandwidth, overlap)
+                # Theorem 6.1, or its overlap-aware form with the break-even margin
+                pays_off = (t_hat <= (1 - self.config.min_gain) * t_base) if overlap else bandwidth < p.threshold_Bps
+                if p.name != BASELINE and not pays_off:
                     continue
                 health = self._health.get(p.name)
                 if health is not None and health.cooldown_until > now:
                     continue
-                t_hat = predicted_time(p, ctx, bandwidth, overlap)
                 if t_hat > ctx.t_slo_s:  # guardrail: predicted T must meet the SLO
                     continue
                 arm = self._arms.get(key + (p.name,))
