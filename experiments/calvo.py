@@ -44,6 +44,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.kvpool.hashing import ChunkNamespace, chunk_keys  # noqa: E402
 from jkv.kvpool.remote_pool import RemoteKVPool  # noqa: E402
 from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig,  # noqa: E402
@@ -54,6 +55,9 @@ from jkv.scheduling.pool_stages import pool_fetch, write_back  # noqa: E402
 from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_shape,  # noqa: E402
                                            split_chunks)
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
+
+from experiments.calvo_capacity import (highest_sustained_load, probe_baseline,  # noqa: E402
+                                        sustain_check)
 
 POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf")
 # The same policies ordered by the paper's plain cost lines (A/B for the bucketed compute part).
@@ -249,12 +253,17 @@ def warm_up(engine: Engine, requests: list[PipelineRequest]) -> None:
         pp(kv, prefix, np.ones(suffix, np.int32))
 
 
-def build_requests(engine: Engine, workload, cost_model: CostModel):
+def build_requests(engine: Engine, workload, cost_model: CostModel,
+                   isolated_s: dict | None = None):
+    """Pipeline requests with deadline = arrival + SLO factor x interference-free TTFT: the
+    measured one (`isolated_s`, by request id: the baseline probe, §4) or, without it, the
+    cost model's T."""
     requests, slo = [], {}
     for w in workload:
         info = w.info()
         request = engine.request(w.request_id, w.tokens(), w.cached_tokens, info)
-        isolated = cost_model.cost(request.info.cached_tokens, request.info.compute_tokens)
+        isolated = (isolated_s[w.request_id] if isolated_s is not None else
+                    cost_model.cost(request.info.cached_tokens, request.info.compute_tokens))
         deadline = w.arrival_s + w.slo_factor * isolated
         request = dataclasses.replace(request, info=dataclasses.replace(request.info,
                                                                         deadline_s=deadline))
@@ -274,16 +283,23 @@ def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
     return [r for r in old if ident(r) not in fresh] + list(new)
 
 
-def read_rows(path: pathlib.Path) -> list[dict]:
+def read_csv(path: pathlib.Path) -> list[dict]:
     if not path.exists():
         return []
     with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+        return list(csv.DictReader(f))
+
+
+def read_rows(path: pathlib.Path) -> list[dict]:
+    rows = read_csv(path)
     for r in rows:
-        for k in ("load", "qps", "fit_median_error", "loadavg") + SUMMARY_METRICS:
+        for k in ("load", "qps", "fit_median_error", "loadavg", "capacity_measured_qps",
+                  "capacity_modelled_qps", "baseline_throughput_ratio",
+                  "baseline_ttft_trend") + SUMMARY_METRICS:
             if r.get(k, "") != "":
                 r[k] = float(r[k])
-        for k in ("seed", "count", "token_mismatches", "demoted", "demoted_met_slo"):
+        for k in ("seed", "count", "token_mismatches", "demoted", "demoted_met_slo",
+                  "baseline_sustained"):
             if r.get(k, "") != "":
                 r[k] = int(r[k])
     return rows
@@ -320,6 +336,13 @@ def aggregate(rows: list[dict]) -> list[dict]:
                           x["slo_attainment"] - y["slo_attainment"])),
                       "slo_vs_edf_pts": ("edf", lambda x, y: 100 * (
                           x["slo_attainment"] - y["slo_attainment"]))}
+            checks = [r["baseline_sustained"] for _, r in mine
+                      if r.get("baseline_sustained", "") != ""]
+            row["baseline_sustained_seeds"] = sum(checks) if checks else None
+            for k in ("baseline_throughput_ratio", "baseline_ttft_trend",
+                      "capacity_measured_qps"):
+                vals = [r[k] for _, r in mine if r.get(k, "") != ""]
+                row[f"{k}_mean"] = float(np.mean(vals)) if vals else None
             counts = [(r.get("demoted"), r.get("demoted_met_slo")) for _, r in mine
                       if r.get("demoted", "") != ""]
             row["demoted_total"] = sum(c[0] for c in counts) if counts else None
@@ -432,7 +455,17 @@ def report(summary: list[dict]) -> None:
               f"{pm(l, 'slo_vs_edf_pts')} pts; LSTF - baseline {pm(l, 'slo_vs_baseline_pts')} pts"
               + (f"; LSTF demoted {l['demoted_total']} requests as hopeless over the seeds, "
                  f"{l['demoted_met_slo_total']} of them met their SLO anyway"
-                 if l and l.get("demoted_total") is not None else ""))
+                 if l and l.get("demoted_total") is not None else "")
+              + (f"; baseline sustained in {b['baseline_sustained_seeds']} of {seeds} seeds "
+                 f"(throughput {b['baseline_throughput_ratio_mean']:.2f} of offered, TTFT trend "
+                 f"{b['baseline_ttft_trend_mean']:.2f}x)"
+                 if b and b.get("baseline_sustained_seeds") not in (None, "") else ""))
+    for scenario in sorted({r["scenario"] for r in summary}):
+        load = highest_sustained_load(
+            [dict(r, seed=0, baseline_sustained=int(r["baseline_sustained_seeds"] == r["seeds"]))
+             for r in summary if r["scenario"] == scenario
+             and r.get("baseline_sustained_seeds") not in (None, "")], scenario)
+        print(f"{scenario}: highest swept load the baseline sustains in every seed: {load}")
 
 
 def main(argv=None) -> None:
@@ -459,6 +492,12 @@ def main(argv=None) -> None:
                              "link rows are replaced): split the seeds across several runs")
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: rebuild calvo_summary.csv / calvo.png from calvo.csv")
+    parser.add_argument("--load-basis", choices=("measured", "modelled"), default="measured",
+                        help="loads are fractions of the baseline's capacity measured by a "
+                             "back-to-back probe in this run (default) or of the cost model's")
+    parser.add_argument("--slo-from", choices=("measured", "modelled"), default="measured",
+                        help="SLO base: each request's interference-free TTFT measured by the "
+                             "probe (§4, default) or the cost model's T")
     parser.add_argument("--host-slots", type=int, default=32, help="L2 capacity in chunks")
     parser.add_argument("--device-slots", type=int, default=64, help="L1 capacity in chunks")
     parser.add_argument("--pool-capacity", default="2GiB")
@@ -490,7 +529,7 @@ def main(argv=None) -> None:
     started = time.perf_counter()
     secret = secrets.token_hex(16)
     proc, address = start_pool(args, secret)
-    rows = []
+    rows, request_rows = [], []
     try:
         engine = Engine(args, secret, address)
         tokenizer = engine.model.tokenizer
@@ -532,19 +571,28 @@ def main(argv=None) -> None:
             print(f"\n== {scenario}: {base[scenario, seeds[0]].num_requests} requests per run; "
                   f"seeds {seeds} ==")
             print(f"{'load':>5} {'seed':>4} {'QPS':>6} " + " ".join(f"{p:>21}" for p in policies))
-            for load in loads[scenario]:
-                for seed in seeds:
-                    workload = build_workload(base[scenario, seed], tokenize)
-                    requests, _ = build_requests(engine, workload, cost_model)
-                    # the baseline's capacity: 1 / mean modelled service time of this workload
-                    capacity = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
-                                                                    r.info.compute_tokens)
-                                                    for r in requests]))
+            for seed in seeds:
+                workload = build_workload(base[scenario, seed], tokenize)
+                requests, _ = build_requests(engine, workload, cost_model)
+                warm_up(engine, requests)
+                # the modelled capacity (1 / mean modelled service time) and the measured one:
+                # every request back to back on the serialized baseline (calvo_capacity.py)
+                modelled = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
+                                                                r.info.compute_tokens)
+                                                for r in requests]))
+                probe = probe_baseline(lambda r: run_serialized(
+                    [r], engine.functions, args.host_slots, args.device_slots), requests)
+                capacity = probe.capacity_qps if args.load_basis == "measured" else modelled
+                print(f"seed {seed}: baseline capacity measured {probe.capacity_qps:.2f} QPS "
+                      f"(mean isolated TTFT {probe.mean_service_s:.3f} s), modelled "
+                      f"{modelled:.2f} QPS; loads are fractions of the {args.load_basis} one; "
+                      f"load average {os.getloadavg()[0]:.1f}", flush=True)
+                isolated = probe.service_s if args.slo_from == "measured" else None
+                for load in loads[scenario]:
                     qps = load * capacity
                     workload = build_workload(dataclasses.replace(base[scenario, seed], qps=qps),
                                               tokenize)
-                    requests, slo = build_requests(engine, workload, cost_model)
-                    warm_up(engine, requests)
+                    requests, slo = build_requests(engine, workload, cost_model, isolated)
                     first = None
                     cells = []
                     for policy in policies:
@@ -559,18 +607,42 @@ def main(argv=None) -> None:
                             first = tokens
                         mismatched = sum(a != b for a, b in zip(tokens, first))
                         summary = summarize([res[i][0] for i in ids], [slo[i] for i in ids])
-                        rows.append(dict(scenario=scenario, load=load, seed=seed, qps=qps,
-                                         policy=policy, link=args.link,
-                                         token_mismatches=mismatched,
-                                         fit_median_error=fit_error, loadavg=os.getloadavg()[0],
-                                         demoted=len(demoted), demoted_met_slo=met_anyway,
-                                         **summary.as_row()))
+                        row = dict(scenario=scenario, load=load, seed=seed, qps=qps,
+                                   policy=policy, link=args.link, load_basis=args.load_basis,
+                                   slo_from=args.slo_from,
+                                   capacity_measured_qps=probe.capacity_qps,
+                                   capacity_modelled_qps=modelled,
+                                   token_mismatches=mismatched,
+                                   fit_median_error=fit_error, loadavg=os.getloadavg()[0],
+                                   demoted=len(demoted), demoted_met_slo=met_anyway,
+                                   **summary.as_row())
+                        if policy == "serialized-fifo":
+                            check = sustain_check([r.info.arrival_s for r in requests],
+                                                  [res[i][0] for i in ids])
+                            row.update(check.as_row())
+                        rows.append(row)
+                        request_rows.extend(
+                            dict(scenario=scenario, load=load, seed=seed, policy=policy,
+                                 link=args.link, request_id=r.request_id,
+                                 arrival_s=r.info.arrival_s, cached_tokens=r.info.cached_tokens,
+                                 compute_tokens=r.info.compute_tokens,
+                                 modelled_s=cost_model.cost(r.info.cached_tokens,
+                                                            r.info.compute_tokens),
+                                 isolated_s=probe.service_s[r.request_id], slo_s=slo[i],
+                                 ttft_s=res[i][0], demoted=int(i in demoted))
+                            for r, i in zip(requests, ids))
                         cells.append(f"{summary.mean_s:>9.3f}s / "
                                      f"{100 * summary.slo_attainment:>5.1f}%  ")
                         if mismatched:
                             print(f"WARNING: {policy} produced {mismatched} first tokens "
                                   "different from the baseline's")
-                    print(f"{load:>5.2f} {seed:>4} {qps:>6.2f} " + " ".join(cells), flush=True)
+                    sustained = next((f" baseline throughput {r['baseline_throughput_ratio']:.2f}"
+                                      f" of offered, TTFT trend {r['baseline_ttft_trend']:.2f}x:"
+                                      f" {'sustained' if r['baseline_sustained'] else 'NOT'}"
+                                      for r in rows[-len(policies):]
+                                      if "baseline_sustained" in r), "")
+                    print(f"{load:>5.2f} {seed:>4} {qps:>6.2f} " + " ".join(cells) + sustained,
+                          flush=True)
     finally:
         if "engine" in locals():
             engine.pool.close()
@@ -579,6 +651,8 @@ def main(argv=None) -> None:
 
     if args.append:
         rows = merge_rows(read_rows(out / "calvo.csv"), rows)
+        request_rows = merge_rows(read_csv(out / "calvo_requests.csv"), request_rows)
+    write_csv(out / "calvo_requests.csv", request_rows)
     report(write_outputs(rows, out))
     print(f"first-token mismatches vs the baseline: {sum(r['token_mismatches'] for r in rows)}")
     print(f"\nwrote {out / 'calvo.csv'}, {out / 'calvo_summary.csv'}, {out / 'calvo.png'} in "
