@@ -10,14 +10,19 @@ benchmark measures the baseline instead, in the same run as the comparison:
   baseline. Completed requests per second is the baseline's capacity; each request's own
   service time is its interference-free TTFT, the paper's SLO base (§4: "scaling its TTFT
   measured under interference-free conditions with a factor ... {2x, 4x, 8x}").
-* `sustain_check`: whether one real-time baseline run kept its queue bounded. Operationally:
-  (a) throughput: it finished the run at >= `min_throughput` (0.9) of the offered rate, i.e.
-  arrival span / (last completion - first arrival) >= 0.9 (a growing backlog drains after the
-  last arrival and stretches the denominator), and (b) no trend: the mean TTFT of the last
-  quarter of arrivals is <= `max_trend` (2.0) x that of the first quarter (an unbounded queue
-  makes TTFT grow with arrival index; the first quarter starts on an empty queue, hence some
-  slack). Both must hold; `highest_sustained_load` is the highest swept load at which every
-  seed's baseline run passes.
+* `sustain_check`: whether the baseline kept up with one real-time run. Operationally,
+  "throughput >= arrival rate" over the run's steady part: of the requests that arrive in the
+  window from the end of the first quarter of arrivals (the queue starts empty) to the last
+  arrival, how many requests complete in that same window (`completed / arrived`; a bounded
+  queue completes as many as arrive, up to its length fluctuation; an overloaded one completes
+  capacity / arrival rate of them). A point (all seeds of one load) is sustained when the
+  ratio pooled over its seeds is >= `MIN_THROUGHPUT` (0.95); `highest_sustained_load` is the
+  highest swept load that is. Why pooled and 0.95: on a simulated FIFO server with this
+  benchmark's service-time spread (3 seeds x 64 requests) the rule passes 97% of points at 70%
+  utilisation, 77% at 85%, 52% at 95%, 25% at 105% and 2% at 120%; requiring every seed to
+  pass, or adding the TTFT-trend test below, rejected 40% of points at 70% (the first quarter's
+  TTFT is near zero on an empty queue, so its ratio is noisy). The trend (mean TTFT of the last
+  quarter of arrivals / of the first) is reported alongside as a diagnostic.
 
 No threads, no model: pure functions of timings (the caller serves the requests).
 """
@@ -29,8 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import numpy as np
 
-MIN_THROUGHPUT = 0.9
-MAX_TREND = 2.0
+MIN_THROUGHPUT = 0.95
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,21 +72,29 @@ def probe_baseline(serve: Callable[[object], None], requests: Sequence,
 
 @dataclasses.dataclass(frozen=True)
 class SustainCheck:
-    """throughput_ratio: arrival span / (last completion - first arrival) (1.0: kept up);
-    trend: last-quarter mean TTFT / first-quarter mean TTFT; sustained: both within limits."""
+    """completed / arrived: requests completing / arriving in the steady window (after the
+    first quarter of arrivals, up to the last arrival); throughput_ratio = completed / arrived;
+    trend: last-quarter mean TTFT / first-quarter mean TTFT (diagnostic)."""
 
-    throughput_ratio: float
+    completed: int
+    arrived: int
     trend: float
-    sustained: bool
+
+    @property
+    def throughput_ratio(self) -> float:
+        return self.completed / self.arrived
+
+    @property
+    def sustained(self) -> bool:
+        return self.throughput_ratio >= MIN_THROUGHPUT
 
     def as_row(self) -> dict:
-        return {"baseline_throughput_ratio": self.throughput_ratio,
-                "baseline_ttft_trend": self.trend, "baseline_sustained": int(self.sustained)}
+        return {"baseline_completed": self.completed, "baseline_arrived": self.arrived,
+                "baseline_throughput_ratio": self.throughput_ratio,
+                "baseline_ttft_trend": self.trend}
 
 
-def sustain_check(arrival_s: Sequence[float], ttft_s: Sequence[float],
-                  min_throughput: float = MIN_THROUGHPUT,
-                  max_trend: float = MAX_TREND) -> SustainCheck:
+def sustain_check(arrival_s: Sequence[float], ttft_s: Sequence[float]) -> SustainCheck:
     """arrival_s, ttft_s: f[n] per request (same order, any order of arrivals); n >= 8."""
     arrival = np.asarray(arrival_s, dtype=np.float64)
     ttft = np.asarray(ttft_s, dtype=np.float64)
@@ -91,23 +103,33 @@ def sustain_check(arrival_s: Sequence[float], ttft_s: Sequence[float],
                          f">= 2), got {arrival.shape} and {ttft.shape}")
     order = np.argsort(arrival, kind="stable")
     arrival, ttft = arrival[order], ttft[order]
-    span = arrival[-1] - arrival[0]
-    busy = (arrival + ttft).max() - arrival[0]
-    ratio = float(span / busy) if busy > 0 else 1.0
     q = arrival.size // 4
+    start, end = arrival[q], arrival[-1]
+    completion = arrival + ttft
+    completed = int(((completion > start) & (completion <= end)).sum())
+    arrived = int(((arrival > start) & (arrival <= end)).sum())
     first, last = ttft[:q].mean(), ttft[-q:].mean()
     trend = float(last / first) if first > 0 else float("inf")
-    return SustainCheck(ratio, trend, ratio >= min_throughput and trend <= max_trend)
+    return SustainCheck(completed, max(arrived, 1), trend)
+
+
+def pooled_throughput_ratio(rows: Sequence[dict]) -> float | None:
+    """sum(completed) / sum(arrived) over baseline rows carrying the check (None: none do)."""
+    rows = [r for r in rows if r.get("baseline_arrived", "") != ""]
+    if not rows:
+        return None
+    return (sum(int(r["baseline_completed"]) for r in rows)
+            / sum(int(r["baseline_arrived"]) for r in rows))
 
 
 def highest_sustained_load(rows: Sequence[dict], scenario: str,
                            baseline: str = "serialized-fifo") -> float | None:
-    """The highest load of `scenario` at which every seed's baseline row has
-    baseline_sustained == 1 (None: no swept load qualifies, or no row carries the check)."""
+    """The highest load of `scenario` whose baseline rows' pooled throughput ratio is
+    >= MIN_THROUGHPUT (None: no swept load qualifies, or no row carries the check)."""
     by_load: dict = {}
     for r in rows:
-        if (r["scenario"] == scenario and r["policy"] == baseline
-                and r.get("baseline_sustained", "") != ""):
-            by_load.setdefault(float(r["load"]), []).append(int(r["baseline_sustained"]))
-    ok = [load for load, flags in by_load.items() if flags and all(flags)]
+        if r["scenario"] == scenario and r["policy"] == baseline:
+            by_load.setdefault(float(r["load"]), []).append(r)
+    ok = [load for load, mine in by_load.items()
+          if (ratio := pooled_throughput_ratio(mine)) is not None and ratio >= MIN_THROUGHPUT]
     return max(ok) if ok else None
