@@ -10,18 +10,23 @@ SmolLM2-135M (`PrefixPrefill`). Compared side by side on the same requests:
 
 Workload: long-context / short-query requests built from local documents (tokenized with the
 model's tokenizer), Poisson arrivals, SLO = {2, 4, 8} x the request's interference-free TTFT
-(from the fitted cost model). Scenarios: `full-hit` (every context cached: Figs. 7, 8) and
+(§4: measured, by serving every request alone on the baseline; `--slo-from modelled`: the
+fitted cost model's T). Scenarios: `full-hit` (every context cached: Figs. 7, 8) and
 `mixed-hit` (each request's cached share drawn from {75, 87.5, 100}%: Fig. 10). QPS is swept as
-a fraction of the baseline's measured capacity.
+a fraction of the baseline's capacity measured in the same run by that back-to-back probe
+(`--load-basis modelled`: of 1 / mean modelled T); whether the baseline sustained each load is
+checked from its run (experiments/calvo_capacity.py) and the highest sustained load reported.
 
 Order of work: start the pool, cache every context (prefill once, write chunks back), profile
 isolated requests on the pipelined engine and fit the cost model T = a*ctx + b + c*query + d
-(§3.2), then run every (scenario, load, policy) point in real time. First tokens of every run
+(§3.2), then per (scenario, seed) probe the baseline and run every (load, policy) point in
+real time on the same requests (same arrivals for every policy). First tokens of every run
 are checked against the baseline's (the schedule must not change results).
 
     python experiments/calvo.py [--quick] [--link 2gbit]
 
-Writes experiments/results/calvo.csv, calvo.png, calvo_cost_model.json (the bucketed fit),
+Writes experiments/results/calvo.csv, calvo_summary.csv, calvo_requests.csv (per request),
+calvo.png, calvo_cost_model.json (the bucketed fit),
 calvo_cost_model_plain.json (the paper's plain lines) and calvo_profile.csv (profiling samples).
 """
 from __future__ import annotations
