@@ -2,7 +2,7 @@
 the CSV round trip and the figure (no model: synthetic rows)."""
 import pytest
 
-from experiments.calvo import aggregate, merge_rows, read_rows, write_outputs
+from experiments.calvo_report import aggregate, merge_rows, read_rows, write_outputs
 
 POLICY_TTFT = {"serialized-fifo": (2.0, 0.5), "fifo": (1.0, 0.7), "sjf-pt": (0.9, 0.8),
                "sjf": (0.6, 0.9), "edf": (0.8, 0.85), "lstf": (0.7, 0.95)}

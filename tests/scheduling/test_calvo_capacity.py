@@ -80,7 +80,7 @@ def test_highest_sustained_load_pools_the_seeds():
     assert highest_sustained_load(rows, "full-hit") == 0.85
     assert highest_sustained_load(rows, "mixed-hit") is None
     # the benchmark's summary carries the same pooled ratio and picks the same load
-    from experiments.calvo import aggregate, sustained_load
+    from experiments.calvo_report import aggregate, sustained_load
     full = [dict(r, qps=1.0, link="1gbit", mean_s=1.0, p50_s=1.0, p99_s=1.0,
                  slo_attainment=1.0) for r in rows if r["policy"] == "serialized-fifo"]
     assert sustained_load(aggregate(full), "full-hit") == 0.85
