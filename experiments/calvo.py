@@ -305,6 +305,9 @@ def main(argv=None) -> None:
     parser.add_argument("--slo-from", choices=("measured", "modelled"), default="measured",
                         help="SLO base: each request's interference-free TTFT measured by the "
                              "probe (§4, default) or the cost model's T")
+    parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                        help="order sjf/lstf by the profiled model as fitted (default: rescaled "
+                             "per seed to the probe's measured isolated times)")
     parser.add_argument("--host-slots", type=int, default=32, help="L2 capacity in chunks")
     parser.add_argument("--device-slots", type=int, default=64, help="L1 capacity in chunks")
     parser.add_argument("--pool-capacity", default="2GiB")
@@ -395,16 +398,27 @@ def main(argv=None) -> None:
                       f"{modelled:.2f} QPS; loads are fractions of the {args.load_basis} one; "
                       f"load average {os.getloadavg()[0]:.1f}", flush=True)
                 isolated = probe.service_s if args.slo_from == "measured" else None
+                # the profile ran minutes earlier under another box load; the probe timed every
+                # request of this workload alone: rescale the model to it (median ratio), so
+                # LSTF's slack and the measured deadlines share one time scale (SJF's order is
+                # unchanged by a uniform scale)
+                scale = 1.0
+                if args.calibrate:
+                    scale = float(np.median([probe.service_s[r.request_id] / cost_model.cost(
+                        r.info.cached_tokens, r.info.compute_tokens) for r in requests]))
+                    print(f"seed {seed}: cost model rescaled x{scale:.3f} to the probe")
+                seed_model = cost_model.scaled(scale)
+                seed_plain = plain_model.scaled(scale)
                 for load in loads[scenario]:
                     qps = load * capacity
                     workload = build_workload(dataclasses.replace(base[scenario, seed], qps=qps),
                                               tokenize)
-                    requests, slo = build_requests(engine, workload, cost_model, isolated)
+                    requests, slo = build_requests(engine, workload, seed_model, isolated)
                     first = None
                     cells = []
                     for policy in policies:
                         demoted: set = set()
-                        res = run_realtime(engine, requests, policy, cost_model, plain_model,
+                        res = run_realtime(engine, requests, policy, seed_model, seed_plain,
                                            demoted)
                         ids = [r.request_id for r in requests]
                         # hopeless by the model (demoted) yet on time: a prediction error
@@ -418,7 +432,7 @@ def main(argv=None) -> None:
                                    policy=policy, link=args.link, load_basis=args.load_basis,
                                    slo_from=args.slo_from,
                                    capacity_measured_qps=probe.capacity_qps,
-                                   capacity_modelled_qps=modelled,
+                                   capacity_modelled_qps=modelled, model_scale=scale,
                                    token_mismatches=mismatched,
                                    fit_median_error=fit_error, loadavg=os.getloadavg()[0],
                                    demoted=len(demoted), demoted_met_slo=met_anyway,
@@ -433,7 +447,7 @@ def main(argv=None) -> None:
                                  link=args.link, request_id=r.request_id,
                                  arrival_s=r.info.arrival_s, cached_tokens=r.info.cached_tokens,
                                  compute_tokens=r.info.compute_tokens,
-                                 modelled_s=cost_model.cost(r.info.cached_tokens,
+                                 modelled_s=seed_model.cost(r.info.cached_tokens,
                                                             r.info.compute_tokens),
                                  isolated_s=probe.service_s[r.request_id], slo_s=slo[i],
                                  ttft_s=res[i][0], demoted=int(i in demoted))

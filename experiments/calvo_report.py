@@ -42,7 +42,7 @@ def read_rows(path: pathlib.Path) -> list[dict]:
     for r in rows:
         for k in ("load", "qps", "fit_median_error", "loadavg", "capacity_measured_qps",
                   "capacity_modelled_qps", "baseline_throughput_ratio",
-                  "baseline_ttft_trend") + SUMMARY_METRICS:
+                  "baseline_ttft_trend", "model_scale") + SUMMARY_METRICS:
             if r.get(k, "") != "":
                 r[k] = float(r[k])
         for k in ("seed", "count", "token_mismatches", "demoted", "demoted_met_slo",

@@ -153,6 +153,14 @@ class CostModel:
         (a, c, intercept), *_ = np.linalg.lstsq(design, total, rcond=None)
         return cls(float(a), float(intercept), float(c), 0.0, deployment)
 
+    def scaled(self, factor: float) -> "CostModel":
+        """The same model with every time coefficient multiplied by `factor` (> 0): a profile
+        recalibrated to measured isolated times taken under different conditions (e.g. another
+        load on a shared box); orders by cost are unchanged, slack changes."""
+        if not (np.isfinite(factor) and factor > 0):
+            raise ValueError(f"scale factor {factor} must be finite and > 0")
+        return dataclasses.replace(self, **{k: getattr(self, k) * factor for k in "abcdef"})
+
     def save(self, path: str | pathlib.Path) -> None:
         fields = dataclasses.asdict(self)
         fields["query_buckets"] = list(self.query_buckets)

@@ -115,3 +115,15 @@ def test_compute_fit_is_non_negative_and_optimal_where_least_squares_goes_negati
     # and where least squares is already feasible the constraint changes nothing
     plain = CostModel.fit(ctx, query, 3.7e-4 * ctx, 0.05 + 1e-3 * query, relative=True)
     assert (plain.c, plain.d) == (pytest.approx(1e-3), pytest.approx(0.05))
+
+
+def test_scaled_model_multiplies_every_time_and_keeps_the_sjf_order():
+    scaled = TRUE.scaled(1.25)
+    ctx, query = np.array([0, 512, 1024, 1536]), np.array([700, 40, 300, 16])
+    np.testing.assert_allclose(scaled.cost(ctx, query), 1.25 * TRUE.cost(ctx, query))
+    np.testing.assert_allclose(scaled.t_load(ctx), 1.25 * TRUE.t_load(ctx))
+    assert scaled.query_buckets == TRUE.query_buckets
+    order = lambda m: np.argsort(m.cost(ctx, query)).tolist()
+    assert order(scaled) == order(TRUE)
+    with pytest.raises(ValueError, match="must be finite and > 0"):
+        TRUE.scaled(0.0)
