@@ -1,4 +1,4 @@
-"""The serialized baseline's measured capacity and whether it sustains a load (experiments/calvo.py).
+"""The serialized baseline's measured capacity and whether it sustains a load (calvo.py).
 
 CALVO's goals are stated "at the highest load the baseline sustains" (§4: Figs. 7, 8 sweep QPS
 up to where vLLM + LMCache saturates). A load defined from the *modelled* capacity (1 / mean
