@@ -63,8 +63,8 @@ from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
 
 from experiments.calvo_capacity import probe_baseline, sustain_check  # noqa: E402
 from experiments.calvo_report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa: E402,F401
-                                      aggregate, merge_rows, read_csv, read_rows, report,
-                                      write_outputs)
+                                      aggregate, markdown_tables, merge_rows, read_csv,
+                                      read_rows, report, write_outputs)
 
 
 
@@ -334,7 +334,10 @@ def main(argv=None) -> None:
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        report(write_outputs(read_rows(out / "calvo.csv"), out))
+        rows = read_rows(out / "calvo.csv")
+        summary = write_outputs(rows, out)
+        report(summary)
+        print("\n" + markdown_tables(summary, rows))
         return
     started = time.perf_counter()
     secret = secrets.token_hex(16)

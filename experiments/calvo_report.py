@@ -218,3 +218,77 @@ def sustained_load(summary: list[dict], scenario: str) -> float | None:
           and r.get("baseline_throughput_pooled") not in (None, "")
           and float(r["baseline_throughput_pooled"]) >= MIN_THROUGHPUT]
     return max(ok) if ok else None
+
+
+def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
+    """docs/calvo.md's result tables: per point (mean ± std over seeds), the goals' paired
+    comparisons with the baseline's sustain check, and one line per seed."""
+    def get(point, policy):
+        return next((r for r in summary if (r["scenario"], r["load"]) == point
+                     and r["policy"] == policy), None)
+
+    def pm(r, key, fmt="{:.2f}", unit=""):
+        if r is None or r.get(f"{key}_mean") in (None, ""):
+            return "n/a"
+        return f"{fmt.format(r[key + '_mean'])} ± {fmt.format(r[key + '_std'])}{unit}"
+
+    points = sorted({(r["scenario"], r["load"]) for r in summary},
+                    key=lambda p: (list(SCENARIOS).index(p[0]), p[1]))
+    names = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf")
+    heads = ("baseline", "pipelined FIFO", "SJF-PT", "SJF", "EDF", "LSTF")
+    out = ["Mean TTFT and SLO attainment (mean ± std over seeds):", "",
+           "| scenario @ load | seeds × requests | QPS | " + " | ".join(heads) + " |",
+           "| --- " * (3 + len(heads)) + "|"]
+    counts = {(r["scenario"], float(r["load"])): int(r["count"]) for r in rows if "count" in r}
+    for point in points:
+        b = get(point, "serialized-fifo")
+        cells = [f"{pm(get(point, n), 'mean_s', unit=' s')} / "
+                 f"{pm(get(point, n), 'slo_attainment', '{:.0%}')}" if get(point, n) else "—"
+                 for n in names]
+        out.append(f"| {point[0]} @ {point[1]} | {b['seeds'] if b else 0} × "
+                   f"{counts.get(point, '?')} | {b['qps'] if b else 0:.2f} | "
+                   + " | ".join(cells) + " |")
+    out += ["", "The goals' comparisons, paired per seed (mean ± std over seeds); baseline "
+            "sustained = its completions / arrivals in the steady window, pooled over seeds "
+            f"(>= {MIN_THROUGHPUT}: sustained):", "",
+            "| scenario @ load | baseline sustained | SJF vs baseline | pipelined FIFO vs "
+            "baseline | SJF-PT / SJF | LSTF − EDF | LSTF − baseline | LSTF demoted (met SLO "
+            "anyway) |",
+            "| --- " * 8 + "|"]
+    for point in points:
+        b, s, f = get(point, "serialized-fifo"), get(point, "sjf"), get(point, "fifo")
+        pt, l = get(point, "sjf-pt"), get(point, "lstf")
+        pooled = b.get("baseline_throughput_pooled") if b else None
+        sustained = ("n/a" if pooled in (None, "") else
+                     f"{pooled:.2f} ({'yes' if pooled >= MIN_THROUGHPUT else 'no'})")
+        demoted = (f"{l['demoted_total']} ({l['demoted_met_slo_total']})"
+                   if l and l.get("demoted_total") not in (None, "") else "n/a")
+        out.append(f"| {point[0]} @ {point[1]} | {sustained}"
+                   f" | {pm(s, 'vs_baseline_pct', '{:.1f}', '%')}"
+                   f" | {pm(f, 'vs_baseline_pct', '{:.1f}', '%')} | {pm(pt, 'vs_sjf_x', unit='×')}"
+                   f" | {pm(l, 'slo_vs_edf_pts', '{:.1f}', ' pts')}"
+                   f" | {pm(l, 'slo_vs_baseline_pts', '{:.1f}', ' pts')} | {demoted} |")
+    out += ["", "Per seed (load avg: mean 1-minute load average over the seed's policy runs):", "",
+            "| scenario @ load | seed | QPS (capacity) | load avg | baseline completed / arrived |"
+            " baseline | SJF | SJF vs baseline | SJF-PT / SJF | SLO EDF / LSTF / baseline |",
+            "| --- " * 10 + "|"]
+    by_run: dict = {}
+    for r in rows:
+        by_run.setdefault((r["scenario"], float(r["load"]), int(r["seed"])), {})[r["policy"]] = r
+    for (scenario, load, seed), runs in sorted(
+            by_run.items(), key=lambda kv: (list(SCENARIOS).index(kv[0][0]), kv[0][1:])):
+        b, s = runs.get("serialized-fifo"), runs.get("sjf")
+        if not (b and s):
+            continue
+        pt, e, l = runs.get("sjf-pt"), runs.get("edf"), runs.get("lstf")
+        slo = " / ".join(f"{100 * x['slo_attainment']:.0f}" if x else "—" for x in (e, l, b))
+        cap = b.get("capacity_measured_qps", "")
+        ratio = f"{pt['mean_s'] / s['mean_s']:.2f}×" if pt else "—"
+        out.append(" | ".join([
+            f"| {scenario} @ {load}", str(seed),
+            f"{b['qps']:.2f}" + (f" ({cap:.2f})" if cap != "" else ""),
+            f"{np.mean([x['loadavg'] for x in runs.values()]):.1f}",
+            f"{b.get('baseline_completed', '?')} / {b.get('baseline_arrived', '?')}",
+            f"{b['mean_s']:.2f} s", f"{s['mean_s']:.2f} s",
+            f"{100 * (s['mean_s'] / b['mean_s'] - 1):.0f}%", ratio, f"{slo}% |"]))
+    return "\n".join(out) + "\n"
