@@ -31,7 +31,8 @@ def run(policy_name: str, model: CostModel, requests: int) -> tuple[float, float
             for i in range(requests)]
     cpu, wall = time.process_time(), time.perf_counter()
     t0 = time.monotonic()
-    with LoadingPipeline(stages.functions(), PipelineConfig(32, 64), make_policy(policy_name, model),
+    policy = make_policy(policy_name, model)
+    with LoadingPipeline(stages.functions(), PipelineConfig(32, 64), policy,
                          clock=lambda: time.monotonic() - t0) as pipeline:
         for future in [pipeline.submit(r) for r in reqs]:
             future.result(timeout=120)
