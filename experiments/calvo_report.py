@@ -102,31 +102,37 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 
 def plot(summary: list[dict], path: pathlib.Path) -> None:
-    """Figs. 7 (mean TTFT vs QPS), 8 (SLO attainment vs QPS) per scenario, and Fig. 10 (mixed
-    hits: SJF-PT vs SJF mean TTFT, EDF vs LSTF SLO attainment); error bars: std over seeds."""
+    """Figs. 7 (mean TTFT vs load), 8 (SLO attainment vs load) per scenario, and Fig. 10 (mixed
+    hits: SJF-PT vs SJF mean TTFT, EDF vs LSTF SLO attainment); error bars: std over seeds.
+    x is the offered load (fraction of the baseline's capacity, measured per seed), not QPS:
+    QPS differs per seed and run with the measured capacity, so its mean is no common axis."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     scenarios = sorted({r["scenario"] for r in summary}, key=list(SCENARIOS).index)
     fig, axes = plt.subplots(3, len(scenarios), figsize=(6 * len(scenarios), 12), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]   # one colour per policy
     for col, scenario in enumerate(scenarios):
         mine = [r for r in summary if r["scenario"] == scenario]
         for policy in POLICIES + PLAIN_POLICIES:
-            pts = sorted((r["qps"], r["mean_s_mean"], r["mean_s_std"], r["slo_attainment_mean"],
-                          r["slo_attainment_std"]) for r in mine if r["policy"] == policy)
+            pts = sorted((r["load"], r["mean_s_mean"], r["mean_s_std"],
+                          r["slo_attainment_mean"], r["slo_attainment_std"])
+                         for r in mine if r["policy"] == policy)
             if not pts:
                 continue
-            qps, mean, mean_sd, slo, slo_sd = map(np.array, zip(*pts))
+            load, mean, mean_sd, slo, slo_sd = map(np.array, zip(*pts))
             style = "--" if policy == "serialized-fifo" else ":" if "plain" in policy else "-"
-            axes[0][col].errorbar(qps, mean, yerr=mean_sd, fmt=style, marker="o", capsize=3,
-                                  label=policy)
-            axes[1][col].errorbar(qps, 100 * slo, yerr=100 * slo_sd, fmt=style, marker="o",
-                                  capsize=3, label=policy)
+            color = colors[(POLICIES + PLAIN_POLICIES).index(policy) % len(colors)]
+            axes[0][col].errorbar(load, mean, yerr=mean_sd, fmt=style, marker="o", capsize=3,
+                                  label=policy, color=color)
+            axes[1][col].errorbar(load, 100 * slo, yerr=100 * slo_sd, fmt=style, marker="o",
+                                  capsize=3, label=policy, color=color)
         seeds = max((r["seeds"] for r in mine), default=0)
+        xlabel = "offered load (x the baseline's capacity)"
         axes[0][col].set(title=f"{scenario}: mean TTFT (Fig. 7), mean ± std of {seeds} seeds",
-                         xlabel="QPS", ylabel="mean TTFT (s)", yscale="log")
-        axes[1][col].set(title=f"{scenario}: SLO attainment (Fig. 8)", xlabel="QPS",
+                         xlabel=xlabel, ylabel="mean TTFT (s)", yscale="log")
+        axes[1][col].set(title=f"{scenario}: SLO attainment (Fig. 8)", xlabel=xlabel,
                          ylabel="SLO attainment (%)", ylim=(0, 102))
         axes[0][col].legend(fontsize=8)
         # Fig. 10: at each load, SJF-PT / FIFO / SJF mean TTFT and EDF / LSTF SLO attainment.
