@@ -10,18 +10,23 @@ SmolLM2-135M (`PrefixPrefill`). Compared side by side on the same requests:
 
 Workload: long-context / short-query requests built from local documents (tokenized with the
 model's tokenizer), Poisson arrivals, SLO = {2, 4, 8} x the request's interference-free TTFT
-(from the fitted cost model). Scenarios: `full-hit` (every context cached: Figs. 7, 8) and
+(§4: measured, by serving every request alone on the baseline; `--slo-from modelled`: the
+fitted cost model's T). Scenarios: `full-hit` (every context cached: Figs. 7, 8) and
 `mixed-hit` (each request's cached share drawn from {75, 87.5, 100}%: Fig. 10). QPS is swept as
-a fraction of the baseline's measured capacity.
+a fraction of the baseline's capacity measured in the same run by that back-to-back probe
+(`--load-basis modelled`: of 1 / mean modelled T); whether the baseline sustained each load is
+checked from its run (experiments/calvo_capacity.py) and the highest sustained load reported.
 
 Order of work: start the pool, cache every context (prefill once, write chunks back), profile
 isolated requests on the pipelined engine and fit the cost model T = a*ctx + b + c*query + d
-(§3.2), then run every (scenario, load, policy) point in real time. First tokens of every run
+(§3.2), then per (scenario, seed) probe the baseline and run every (load, policy) point in
+real time on the same requests (same arrivals for every policy). First tokens of every run
 are checked against the baseline's (the schedule must not change results).
 
     python experiments/calvo.py [--quick] [--link 2gbit]
 
-Writes experiments/results/calvo.csv, calvo.png, calvo_cost_model.json (the bucketed fit),
+Writes experiments/results/calvo.csv, calvo_summary.csv, calvo_requests.csv (per request),
+calvo.png, calvo_cost_model.json (the bucketed fit),
 calvo_cost_model_plain.json (the paper's plain lines) and calvo_profile.csv (profiling samples).
 """
 from __future__ import annotations
@@ -44,6 +49,7 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.kvpool.hashing import ChunkNamespace, chunk_keys  # noqa: E402
 from jkv.kvpool.remote_pool import RemoteKVPool  # noqa: E402
 from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig,  # noqa: E402
@@ -55,10 +61,11 @@ from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_sha
                                            split_chunks)
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
 
-POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf")
-# The same policies ordered by the paper's plain cost lines (A/B for the bucketed compute part).
-PLAIN_POLICIES = ("sjf-plain", "lstf-plain")
-SCENARIOS = {"full-hit": (1.0,), "mixed-hit": (0.75, 0.875, 1.0)}
+from experiments.calvo_capacity import probe_baseline, sustain_check  # noqa: E402
+from experiments.calvo_report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa: E402,F401
+                                      aggregate, markdown_tables, merge_rows, read_csv,
+                                      read_rows, report, write_outputs)
+
 
 
 class Engine:
@@ -249,190 +256,23 @@ def warm_up(engine: Engine, requests: list[PipelineRequest]) -> None:
         pp(kv, prefix, np.ones(suffix, np.int32))
 
 
-def build_requests(engine: Engine, workload, cost_model: CostModel):
+def build_requests(engine: Engine, workload, cost_model: CostModel,
+                   isolated_s: dict | None = None):
+    """Pipeline requests with deadline = arrival + SLO factor x interference-free TTFT: the
+    measured one (`isolated_s`, by request id: the baseline probe, §4) or, without it, the
+    cost model's T."""
     requests, slo = [], {}
     for w in workload:
         info = w.info()
         request = engine.request(w.request_id, w.tokens(), w.cached_tokens, info)
-        isolated = cost_model.cost(request.info.cached_tokens, request.info.compute_tokens)
+        isolated = (isolated_s[w.request_id] if isolated_s is not None else
+                    cost_model.cost(request.info.cached_tokens, request.info.compute_tokens))
         deadline = w.arrival_s + w.slo_factor * isolated
         request = dataclasses.replace(request, info=dataclasses.replace(request.info,
                                                                         deadline_s=deadline))
         requests.append(request)
         slo[w.request_id] = w.slo_factor * isolated
     return requests, slo
-
-
-SUMMARY_METRICS = ("mean_s", "p50_s", "p99_s", "slo_attainment")
-
-
-def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """old rows (e.g. an earlier held run's calvo.csv) plus new ones; a new row replaces an old
-    one of the same (scenario, load, seed, policy, link)."""
-    ident = lambda r: (r["scenario"], float(r["load"]), int(r["seed"]), r["policy"], r["link"])
-    fresh = {ident(r) for r in new}
-    return [r for r in old if ident(r) not in fresh] + list(new)
-
-
-def read_rows(path: pathlib.Path) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for r in rows:
-        for k in ("load", "qps", "fit_median_error", "loadavg") + SUMMARY_METRICS:
-            if r.get(k, "") != "":
-                r[k] = float(r[k])
-        for k in ("seed", "count", "token_mismatches", "demoted", "demoted_met_slo"):
-            if r.get(k, "") != "":
-                r[k] = int(r[k])
-    return rows
-
-
-def aggregate(rows: list[dict]) -> list[dict]:
-    """One row per (scenario, link, load, policy): mean, std (ddof 0), min and max over seeds of
-    each metric, plus the per-seed paired comparisons the goals are stated in (each seed's
-    policy against the same seed's baseline / SJF / EDF, then mean and std over seeds):
-    `vs_baseline_pct` (mean TTFT change vs serialized-fifo, %), `vs_sjf_x` (mean TTFT / SJF's),
-    `slo_vs_baseline_pts`, `slo_vs_edf_pts` (SLO attainment difference, points)."""
-    by_point: dict = {}
-    for r in rows:
-        by_point.setdefault((r["scenario"], r["link"], float(r["load"])), []).append(r)
-    out = []
-    for (scenario, link, load), point in sorted(by_point.items()):
-        per_seed = {}
-        for r in point:
-            per_seed.setdefault(int(r["seed"]), {})[r["policy"]] = r
-        policies = list(dict.fromkeys(r["policy"] for r in point))
-        for policy in policies:
-            mine = [(seed, runs[policy]) for seed, runs in sorted(per_seed.items())
-                    if policy in runs]
-            row = dict(scenario=scenario, link=link, load=load, policy=policy,
-                       seeds=len(mine), qps=float(np.mean([r["qps"] for _, r in mine])))
-            for metric in SUMMARY_METRICS:
-                vals = np.array([r[metric] for _, r in mine], dtype=np.float64)
-                row.update({f"{metric}_mean": vals.mean(), f"{metric}_std": vals.std(),
-                            f"{metric}_min": vals.min(), f"{metric}_max": vals.max()})
-            paired = {"vs_baseline_pct": ("serialized-fifo", lambda x, y: 100 * (
-                          x["mean_s"] / y["mean_s"] - 1)),
-                      "vs_sjf_x": ("sjf", lambda x, y: x["mean_s"] / y["mean_s"]),
-                      "slo_vs_baseline_pts": ("serialized-fifo", lambda x, y: 100 * (
-                          x["slo_attainment"] - y["slo_attainment"])),
-                      "slo_vs_edf_pts": ("edf", lambda x, y: 100 * (
-                          x["slo_attainment"] - y["slo_attainment"]))}
-            counts = [(r.get("demoted"), r.get("demoted_met_slo")) for _, r in mine
-                      if r.get("demoted", "") != ""]
-            row["demoted_total"] = sum(c[0] for c in counts) if counts else None
-            row["demoted_met_slo_total"] = sum(c[1] for c in counts) if counts else None
-            for name, (ref, fn) in paired.items():
-                vals = np.array([fn(r, per_seed[seed][ref]) for seed, r in mine
-                                 if ref in per_seed[seed]], dtype=np.float64)
-                row[f"{name}_mean"] = vals.mean() if vals.size else float("nan")
-                row[f"{name}_std"] = vals.std() if vals.size else float("nan")
-            out.append(row)
-    return out
-
-
-def plot(summary: list[dict], path: pathlib.Path) -> None:
-    """Figs. 7 (mean TTFT vs QPS), 8 (SLO attainment vs QPS) per scenario, and Fig. 10 (mixed
-    hits: SJF-PT vs SJF mean TTFT, EDF vs LSTF SLO attainment); error bars: std over seeds."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    scenarios = sorted({r["scenario"] for r in summary}, key=list(SCENARIOS).index)
-    fig, axes = plt.subplots(3, len(scenarios), figsize=(6 * len(scenarios), 12), squeeze=False)
-    for col, scenario in enumerate(scenarios):
-        mine = [r for r in summary if r["scenario"] == scenario]
-        for policy in POLICIES + PLAIN_POLICIES:
-            pts = sorted((r["qps"], r["mean_s_mean"], r["mean_s_std"], r["slo_attainment_mean"],
-                          r["slo_attainment_std"]) for r in mine if r["policy"] == policy)
-            if not pts:
-                continue
-            qps, mean, mean_sd, slo, slo_sd = map(np.array, zip(*pts))
-            style = "--" if policy == "serialized-fifo" else ":" if "plain" in policy else "-"
-            axes[0][col].errorbar(qps, mean, yerr=mean_sd, fmt=style, marker="o", capsize=3,
-                                  label=policy)
-            axes[1][col].errorbar(qps, 100 * slo, yerr=100 * slo_sd, fmt=style, marker="o",
-                                  capsize=3, label=policy)
-        seeds = max((r["seeds"] for r in mine), default=0)
-        axes[0][col].set(title=f"{scenario}: mean TTFT (Fig. 7), mean ± std of {seeds} seeds",
-                         xlabel="QPS", ylabel="mean TTFT (s)", yscale="log")
-        axes[1][col].set(title=f"{scenario}: SLO attainment (Fig. 8)", xlabel="QPS",
-                         ylabel="SLO attainment (%)", ylim=(0, 102))
-        axes[0][col].legend(fontsize=8)
-        # Fig. 10: at each load, SJF-PT / FIFO / SJF mean TTFT and EDF / LSTF SLO attainment.
-        ax = axes[2][col]
-        loads = sorted({r["load"] for r in mine})
-        bars = [("serialized-fifo", "mean_s", "baseline TTFT"), ("fifo", "mean_s", "FIFO TTFT"),
-                ("sjf-pt", "mean_s", "SJF-PT TTFT"), ("sjf", "mean_s", "SJF TTFT")]
-        width = 0.8 / len(bars)
-        for i, (policy, metric, label) in enumerate(bars):
-            vals = [next((r for r in mine if r["load"] == load and r["policy"] == policy), None)
-                    for load in loads]
-            x = np.arange(len(loads)) + i * width
-            ax.bar(x, [v[f"{metric}_mean"] if v else 0 for v in vals], width,
-                   yerr=[v[f"{metric}_std"] if v else 0 for v in vals], capsize=3, label=label)
-        ax.set(xticks=np.arange(len(loads)) + 0.4 - width / 2,
-               xticklabels=[f"load {load}" for load in loads], ylabel="mean TTFT (s)",
-               title=f"{scenario}: Fig. 10 (bars: TTFT; dots: SLO EDF vs LSTF)")
-        ax.legend(fontsize=8, loc="upper left")
-        twin = ax.twinx()
-        for policy, marker in (("edf", "s"), ("lstf", "D")):
-            vals = [next((r for r in mine if r["load"] == load and r["policy"] == policy), None)
-                    for load in loads]
-            x = [i + 0.4 - width / 2 for i, v in enumerate(vals) if v]
-            twin.errorbar(x, [100 * v["slo_attainment_mean"] for v in vals if v],
-                          yerr=[100 * v["slo_attainment_std"] for v in vals if v], fmt=marker,
-                          color="k" if policy == "edf" else "r", capsize=3,
-                          label=f"{policy.upper()} SLO")
-        twin.set(ylabel="SLO attainment (%)", ylim=(0, 102))
-        twin.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-
-
-def write_outputs(rows: list[dict], out: pathlib.Path) -> list[dict]:
-    """calvo.csv (one row per scenario, load, seed, policy), calvo_summary.csv (over seeds) and
-    calvo.png; returns the summary rows."""
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / "calvo.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    summary = aggregate(rows)
-    with open(out / "calvo_summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(summary[0]))
-        writer.writeheader()
-        writer.writerows(summary)
-    plot(summary, out / "calvo.png")
-    return summary
-
-
-def report(summary: list[dict]) -> None:
-    """The goals' figures (mean ± std over seeds, paired per seed) at every swept load."""
-    def get(scenario, load, policy):
-        return next((r for r in summary if r["scenario"] == scenario and r["load"] == load
-                     and r["policy"] == policy), None)
-
-    pm = lambda r, k, fmt="{:.1f}": (f"{fmt.format(r[k + '_mean'])} ± "
-                                     f"{fmt.format(r[k + '_std'])}") if r else "n/a"
-    print("\n== goals per point: mean ± std over seeds (paired per seed) ==")
-    for scenario, link, load in sorted({(r["scenario"], r["link"], r["load"]) for r in summary}):
-        b, s = get(scenario, load, "serialized-fifo"), get(scenario, load, "sjf")
-        e, l = get(scenario, load, "edf"), get(scenario, load, "lstf")
-        pt, f = get(scenario, load, "sjf-pt"), get(scenario, load, "fifo")
-        seeds = b["seeds"] if b else 0
-        print(f"{scenario} @ load {load} ({link}, {seeds} seeds, {b['qps'] if b else 0:.2f} QPS): "
-              f"SJF vs baseline {pm(s, 'vs_baseline_pct')}% (mean TTFT {pm(s, 'mean_s', '{:.3f}')}"
-              f" s vs {pm(b, 'mean_s', '{:.3f}')} s); pipelined FIFO {pm(f, 'vs_baseline_pct')}%"
-              f"; SJF-PT / SJF {pm(pt, 'vs_sjf_x', '{:.2f}')}x; SLO LSTF "
-              f"{pm(l, 'slo_attainment', '{:.3f}')} EDF {pm(e, 'slo_attainment', '{:.3f}')} "
-              f"baseline {pm(b, 'slo_attainment', '{:.3f}')}; LSTF - EDF "
-              f"{pm(l, 'slo_vs_edf_pts')} pts; LSTF - baseline {pm(l, 'slo_vs_baseline_pts')} pts"
-              + (f"; LSTF demoted {l['demoted_total']} requests as hopeless over the seeds, "
-                 f"{l['demoted_met_slo_total']} of them met their SLO anyway"
-                 if l and l.get("demoted_total") is not None else ""))
 
 
 def main(argv=None) -> None:
@@ -459,6 +299,15 @@ def main(argv=None) -> None:
                              "link rows are replaced): split the seeds across several runs")
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: rebuild calvo_summary.csv / calvo.png from calvo.csv")
+    parser.add_argument("--load-basis", choices=("measured", "modelled"), default="measured",
+                        help="loads are fractions of the baseline's capacity measured by a "
+                             "back-to-back probe in this run (default) or of the cost model's")
+    parser.add_argument("--slo-from", choices=("measured", "modelled"), default="measured",
+                        help="SLO base: each request's interference-free TTFT measured by the "
+                             "probe (§4, default) or the cost model's T")
+    parser.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                        help="order sjf/lstf by the profiled model as fitted (default: rescaled "
+                             "per seed to the probe's measured isolated times)")
     parser.add_argument("--host-slots", type=int, default=32, help="L2 capacity in chunks")
     parser.add_argument("--device-slots", type=int, default=64, help="L1 capacity in chunks")
     parser.add_argument("--pool-capacity", default="2GiB")
@@ -485,12 +334,15 @@ def main(argv=None) -> None:
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if args.report_only:
-        report(write_outputs(read_rows(out / "calvo.csv"), out))
+        rows = read_rows(out / "calvo.csv")
+        summary = write_outputs(rows, out)
+        report(summary)
+        print("\n" + markdown_tables(summary, rows))
         return
     started = time.perf_counter()
     secret = secrets.token_hex(16)
     proc, address = start_pool(args, secret)
-    rows = []
+    rows, request_rows = [], []
     try:
         engine = Engine(args, secret, address)
         tokenizer = engine.model.tokenizer
@@ -532,24 +384,44 @@ def main(argv=None) -> None:
             print(f"\n== {scenario}: {base[scenario, seeds[0]].num_requests} requests per run; "
                   f"seeds {seeds} ==")
             print(f"{'load':>5} {'seed':>4} {'QPS':>6} " + " ".join(f"{p:>21}" for p in policies))
-            for load in loads[scenario]:
-                for seed in seeds:
-                    workload = build_workload(base[scenario, seed], tokenize)
-                    requests, _ = build_requests(engine, workload, cost_model)
-                    # the baseline's capacity: 1 / mean modelled service time of this workload
-                    capacity = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
-                                                                    r.info.compute_tokens)
-                                                    for r in requests]))
+            for seed in seeds:
+                workload = build_workload(base[scenario, seed], tokenize)
+                requests, _ = build_requests(engine, workload, cost_model)
+                warm_up(engine, requests)
+                # the modelled capacity (1 / mean modelled service time) and the measured one:
+                # every request back to back on the serialized baseline (calvo_capacity.py)
+                modelled = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
+                                                                r.info.compute_tokens)
+                                                for r in requests]))
+                probe = probe_baseline(lambda r: run_serialized(
+                    [r], engine.functions, args.host_slots, args.device_slots), requests)
+                capacity = probe.capacity_qps if args.load_basis == "measured" else modelled
+                print(f"seed {seed}: baseline capacity measured {probe.capacity_qps:.2f} QPS "
+                      f"(mean isolated TTFT {probe.mean_service_s:.3f} s), modelled "
+                      f"{modelled:.2f} QPS; loads are fractions of the {args.load_basis} one; "
+                      f"load average {os.getloadavg()[0]:.1f}", flush=True)
+                isolated = probe.service_s if args.slo_from == "measured" else None
+                # the profile ran minutes earlier under another box load; the probe timed every
+                # request of this workload alone: rescale the model to it (median ratio), so
+                # LSTF's slack and the measured deadlines share one time scale (SJF's order is
+                # unchanged by a uniform scale)
+                scale = 1.0
+                if args.calibrate:
+                    scale = float(np.median([probe.service_s[r.request_id] / cost_model.cost(
+                        r.info.cached_tokens, r.info.compute_tokens) for r in requests]))
+                    print(f"seed {seed}: cost model rescaled x{scale:.3f} to the probe")
+                seed_model = cost_model.scaled(scale)
+                seed_plain = plain_model.scaled(scale)
+                for load in loads[scenario]:
                     qps = load * capacity
                     workload = build_workload(dataclasses.replace(base[scenario, seed], qps=qps),
                                               tokenize)
-                    requests, slo = build_requests(engine, workload, cost_model)
-                    warm_up(engine, requests)
+                    requests, slo = build_requests(engine, workload, seed_model, isolated)
                     first = None
                     cells = []
                     for policy in policies:
                         demoted: set = set()
-                        res = run_realtime(engine, requests, policy, cost_model, plain_model,
+                        res = run_realtime(engine, requests, policy, seed_model, seed_plain,
                                            demoted)
                         ids = [r.request_id for r in requests]
                         # hopeless by the model (demoted) yet on time: a prediction error
@@ -559,18 +431,42 @@ def main(argv=None) -> None:
                             first = tokens
                         mismatched = sum(a != b for a, b in zip(tokens, first))
                         summary = summarize([res[i][0] for i in ids], [slo[i] for i in ids])
-                        rows.append(dict(scenario=scenario, load=load, seed=seed, qps=qps,
-                                         policy=policy, link=args.link,
-                                         token_mismatches=mismatched,
-                                         fit_median_error=fit_error, loadavg=os.getloadavg()[0],
-                                         demoted=len(demoted), demoted_met_slo=met_anyway,
-                                         **summary.as_row()))
+                        row = dict(scenario=scenario, load=load, seed=seed, qps=qps,
+                                   policy=policy, link=args.link, load_basis=args.load_basis,
+                                   slo_from=args.slo_from,
+                                   capacity_measured_qps=probe.capacity_qps,
+                                   capacity_modelled_qps=modelled, model_scale=scale,
+                                   token_mismatches=mismatched,
+                                   fit_median_error=fit_error, loadavg=os.getloadavg()[0],
+                                   demoted=len(demoted), demoted_met_slo=met_anyway,
+                                   **summary.as_row())
+                        if policy == "serialized-fifo":
+                            check = sustain_check([r.info.arrival_s for r in requests],
+                                                  [res[i][0] for i in ids])
+                            row.update(check.as_row())
+                        rows.append(row)
+                        request_rows.extend(
+                            dict(scenario=scenario, load=load, seed=seed, policy=policy,
+                                 link=args.link, request_id=r.request_id,
+                                 arrival_s=r.info.arrival_s, cached_tokens=r.info.cached_tokens,
+                                 compute_tokens=r.info.compute_tokens,
+                                 modelled_s=seed_model.cost(r.info.cached_tokens,
+                                                            r.info.compute_tokens),
+                                 isolated_s=probe.service_s[r.request_id], slo_s=slo[i],
+                                 ttft_s=res[i][0], demoted=int(i in demoted))
+                            for r, i in zip(requests, ids))
                         cells.append(f"{summary.mean_s:>9.3f}s / "
                                      f"{100 * summary.slo_attainment:>5.1f}%  ")
                         if mismatched:
                             print(f"WARNING: {policy} produced {mismatched} first tokens "
                                   "different from the baseline's")
-                    print(f"{load:>5.2f} {seed:>4} {qps:>6.2f} " + " ".join(cells), flush=True)
+                    sustained = next((f" baseline completed {r['baseline_completed']} of "
+                                      f"{r['baseline_arrived']} arrivals in the window, TTFT "
+                                      f"trend {r['baseline_ttft_trend']:.2f}x"
+                                      for r in rows[-len(policies):]
+                                      if "baseline_arrived" in r), "")
+                    print(f"{load:>5.2f} {seed:>4} {qps:>6.2f} " + " ".join(cells) + sustained,
+                          flush=True)
     finally:
         if "engine" in locals():
             engine.pool.close()
@@ -579,6 +475,8 @@ def main(argv=None) -> None:
 
     if args.append:
         rows = merge_rows(read_rows(out / "calvo.csv"), rows)
+        request_rows = merge_rows(read_csv(out / "calvo_requests.csv"), request_rows)
+    write_csv(out / "calvo_requests.csv", request_rows)
     report(write_outputs(rows, out))
     print(f"first-token mismatches vs the baseline: {sum(r['token_mismatches'] for r in rows)}")
     print(f"\nwrote {out / 'calvo.csv'}, {out / 'calvo_summary.csv'}, {out / 'calvo.png'} in "

@@ -110,6 +110,13 @@ class CostModel:
         on the padded counts q', ctx' (what the engine really computes).
         context_terms: also fit e (ctx' x q') and f (ctx') of T_comp; needs samples whose
         prefix lengths and query lengths vary independently.
+
+        The compute part's coefficients (c, d and e, f) are fitted non-negative: compute time
+        cannot fall with more query or prefix tokens, and an unconstrained fit on a small noisy
+        profile did return negative terms (SmolLM2, 16 samples: c = -1.6 ms per query token,
+        f = -0.87 ms per prefix token, d = +427 ms), which predicted *negative* compute time for
+        a short query on a 1K-token prefix and misordered SJF/LSTF. The loading line stays
+        unconstrained (its small negative intercept is real: Fig. 6 is linear).
         """
         ctx, query, load, comp = (np.asarray(x, dtype=np.float64).reshape(-1)
                                   for x in (ctx_tokens, query_tokens, t_load, t_comp))
@@ -122,11 +129,11 @@ class CostModel:
                     prefix_bucket=prefix_bucket)
         q, pctx = shape.padded_query(query), shape.padded_ctx(ctx)
         if not context_terms:
-            c, d = _line(q, comp, "query_tokens", relative)
+            c, d = _line(q, comp, "query_tokens", relative, nonneg=True)
             return dataclasses.replace(shape, c=c, d=d, deployment=deployment)
         design = np.stack([q, pctx * q, pctx, np.ones_like(q)], axis=1)
         c, e, f, d = _solve(design, comp, "query_tokens and ctx_tokens (independently)",
-                            relative)
+                            relative, nonneg=True)
         return dataclasses.replace(shape, c=c, d=d, e=e, f=f, deployment=deployment)
 
     @classmethod
@@ -146,6 +153,14 @@ class CostModel:
         (a, c, intercept), *_ = np.linalg.lstsq(design, total, rcond=None)
         return cls(float(a), float(intercept), float(c), 0.0, deployment)
 
+    def scaled(self, factor: float) -> "CostModel":
+        """The same model with every time coefficient multiplied by `factor` (> 0): a profile
+        recalibrated to measured isolated times taken under different conditions (e.g. another
+        load on a shared box); orders by cost are unchanged, slack changes."""
+        if not (np.isfinite(factor) and factor > 0):
+            raise ValueError(f"scale factor {factor} must be finite and > 0")
+        return dataclasses.replace(self, **{k: getattr(self, k) * factor for k in "abcdef"})
+
     def save(self, path: str | pathlib.Path) -> None:
         fields = dataclasses.asdict(self)
         fields["query_buckets"] = list(self.query_buckets)
@@ -160,20 +175,41 @@ class CostModel:
         return cls(**raw)
 
 
-def _line(x: np.ndarray, y: np.ndarray, what: str, relative: bool = False) -> tuple[float, float]:
-    slope, intercept = _solve(np.stack([x, np.ones_like(x)], axis=1), y, what, relative)
+def _line(x: np.ndarray, y: np.ndarray, what: str, relative: bool = False,
+          nonneg: bool = False) -> tuple[float, float]:
+    slope, intercept = _solve(np.stack([x, np.ones_like(x)], axis=1), y, what, relative, nonneg)
     return slope, intercept
 
 
-def _solve(design: np.ndarray, y: np.ndarray, what: str, relative: bool) -> tuple[float, ...]:
-    """Least squares design @ coef ~= y (relative: rows weighted by 1 / y)."""
+def _solve(design: np.ndarray, y: np.ndarray, what: str, relative: bool,
+           nonneg: bool = False) -> tuple[float, ...]:
+    """Least squares design @ coef ~= y (relative: rows weighted by 1 / y; nonneg: coef >= 0)."""
     _check_rank(design, what)
     if relative:
         if (y <= 0).any():
             raise ValueError(f"a relative fit needs positive times; got min {y.min()} s for {what}")
         design, y = design / y[:, None], np.ones_like(y)
-    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    coef = _nnls(design, y) if nonneg else np.linalg.lstsq(design, y, rcond=None)[0]
     return tuple(float(x) for x in coef)
+
+
+def _nnls(design: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min ||design @ coef - y|| subject to coef >= 0, exactly, for the few columns here: the
+    optimum is the unconstrained least-squares solution on its support, so try every support
+    (2^k - 1 subsets, k <= 4) and keep the best feasible one."""
+    k = design.shape[1]
+    best, best_err = np.zeros(k), float(np.sum(y ** 2))
+    for mask in range(1, 2 ** k):
+        cols = [i for i in range(k) if mask >> i & 1]
+        sub, *_ = np.linalg.lstsq(design[:, cols], y, rcond=None)
+        if (sub < 0).any():
+            continue
+        err = float(np.sum((design[:, cols] @ sub - y) ** 2))
+        if err < best_err - 1e-15 * max(1.0, best_err):
+            best = np.zeros(k)
+            best[cols] = sub
+            best_err = err
+    return best
 
 
 def _check_rank(design: np.ndarray, what: str) -> None:

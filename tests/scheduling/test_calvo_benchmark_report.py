@@ -2,7 +2,7 @@
 the CSV round trip and the figure (no model: synthetic rows)."""
 import pytest
 
-from experiments.calvo import aggregate, merge_rows, read_rows, write_outputs
+from experiments.calvo_report import aggregate, merge_rows, read_rows, write_outputs
 
 POLICY_TTFT = {"serialized-fifo": (2.0, 0.5), "fifo": (1.0, 0.7), "sjf-pt": (0.9, 0.8),
                "sjf": (0.6, 0.9), "edf": (0.8, 0.85), "lstf": (0.7, 0.95)}
@@ -96,3 +96,14 @@ def test_lstf_variants_experiment_runs_and_variants_behave(tmp_path, capsys):
         rows = list(csv.DictReader(f))
     assert {row["policy"] for row in rows} == set(VARIANTS)
     assert "minus EDF" in capsys.readouterr().out
+
+
+def test_markdown_tables_carry_the_paired_figures_and_the_sustain_check():
+    from experiments.calvo_report import markdown_tables
+    rows = [dict(r, baseline_completed=30, baseline_arrived=32, capacity_measured_qps=2.0)
+            if r["policy"] == "serialized-fifo" else r
+            for r in rows_for(0, 1.0) + rows_for(1, 2.0)]
+    text = markdown_tables(aggregate(rows), rows)
+    point = next(line for line in text.splitlines() if line.startswith("| mixed-hit @ 0.7 | 0.94"))
+    assert "(no)" in point and "-70.0 ± 0.0%" in point and "1.50 ± 0.00×" in point
+    assert "| mixed-hit @ 0.7 | 1 | 2.00 (2.00) |" in text and "| 30 / 32 |" in text

@@ -79,3 +79,51 @@ def test_sjf_and_lstf_see_the_prefix_cost_of_compute():
     lstf = make_policy("lstf", TRUE)
     slack = lstf.progress_key(long, 0, 0.0)[1]
     assert slack == pytest.approx(10.0 - TRUE.t_comp(40, 1536))
+
+
+def test_compute_fit_is_non_negative_and_optimal_where_least_squares_goes_negative():
+    # A small profile like calvo.py's (4 contexts: full hits with 16/64-token queries, 75% and
+    # 87.5% hits) on an engine whose compute grows faster than the model's features (q'^2):
+    # unconstrained least squares answers with a negative per-prefix-token cost.
+    rng = np.random.default_rng(0)
+    ctx, query = [], []
+    for n in (256, 448, 704, 1024):
+        for cached, q in ((n, 16), (n, 64), (n * 3 // 4 // 64 * 64, 32),
+                          (n * 7 // 8 // 64 * 64, 48)):
+            ctx.append(cached)
+            query.append(n - cached + q)
+    ctx, query = np.array(ctx), np.array(query)
+    shape = CostModel(0, 0, 0, 0, query_buckets=BUCKETS, prefix_bucket=512)
+    q, p = shape.padded_query(query), shape.padded_ctx(ctx)
+    t_comp = (0.04 + 2e-6 * p * q + 4e-6 * q ** 2) * rng.lognormal(0, 0.05, len(q))
+    design = np.stack([q, p * q, p, np.ones_like(q)], axis=1) / t_comp[:, None]
+    unconstrained = np.linalg.lstsq(design, np.ones_like(t_comp), rcond=None)[0]
+    assert (unconstrained < 0).any()                     # the failure this guards against
+    fitted = CostModel.fit(ctx, query, 3.7e-4 * ctx, t_comp, relative=True,
+                           query_buckets=BUCKETS, prefix_bucket=512, context_terms=True)
+    coef = np.array([fitted.c, fitted.e, fitted.f, fitted.d])
+    assert (coef >= 0).all()
+    # optimal under the constraint (KKT): zero gradient on free coefficients, >= 0 on the
+    # ones held at the bound
+    grad = design.T @ (design @ coef - 1)
+    scale = np.abs(design).sum(axis=0)
+    assert np.all(np.abs(grad[coef > 0]) <= 1e-9 * scale[coef > 0])
+    assert np.all(grad[coef == 0] >= -1e-9 * scale[coef == 0])
+    # so every request shape has a positive compute time, also beyond the profiled prefixes
+    grid_q, grid_ctx = np.meshgrid(np.arange(1, 1025, 7), np.arange(0, 4097, 64))
+    assert (fitted.t_comp(grid_q, grid_ctx) > 0).all()
+    # and where least squares is already feasible the constraint changes nothing
+    plain = CostModel.fit(ctx, query, 3.7e-4 * ctx, 0.05 + 1e-3 * query, relative=True)
+    assert (plain.c, plain.d) == (pytest.approx(1e-3), pytest.approx(0.05))
+
+
+def test_scaled_model_multiplies_every_time_and_keeps_the_sjf_order():
+    scaled = TRUE.scaled(1.25)
+    ctx, query = np.array([0, 512, 1024, 1536]), np.array([700, 40, 300, 16])
+    np.testing.assert_allclose(scaled.cost(ctx, query), 1.25 * TRUE.cost(ctx, query))
+    np.testing.assert_allclose(scaled.t_load(ctx), 1.25 * TRUE.t_load(ctx))
+    assert scaled.query_buckets == TRUE.query_buckets
+    order = lambda m: np.argsort(m.cost(ctx, query)).tolist()
+    assert order(scaled) == order(TRUE)
+    with pytest.raises(ValueError, match="must be finite and > 0"):
+        TRUE.scaled(0.0)

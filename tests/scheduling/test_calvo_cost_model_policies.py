@@ -168,3 +168,36 @@ def test_core_reorders_by_progress_key_as_chunks_reach_l1():
     assert core.next_task(Stage.FETCH).request.request_id == "B"
     with pytest.raises(ValueError, match="clock"):
         PipelineCore(8, 16, progress_key=make_policy("lstf", PAPER).progress_key)
+
+
+def test_lstf_fast_key_matches_the_model_and_computes_t_comp_once_per_request():
+    import dataclasses
+
+    calls = []
+
+    @dataclasses.dataclass(frozen=True)
+    class Counting(CostModel):
+        def t_comp(self, query_tokens, ctx_tokens=0):
+            calls.append(query_tokens)
+            return super().t_comp(query_tokens, ctx_tokens)
+
+    model = Counting(a=3.7e-4, b=-5e-3, c=9e-4, d=0.02, e=2e-6, f=1e-5,
+                     query_buckets=(32, 64, 128, 256, 512), prefix_bucket=512)
+    reference = CostModel(**{k: getattr(model, k) for k in
+                             ("a", "b", "c", "d", "e", "f", "query_buckets", "prefix_bucket")})
+    key = make_policy("lstf", model).progress_key
+    rng = np.random.default_rng(0)
+    infos = [RequestInfo(i, 0.0, int(rng.integers(0, 16)) * 64, int(rng.integers(1, 600)),
+                         deadline_s=float(rng.uniform(0.1, 3.0))) for i in range(20)]
+    calls.clear()
+    for _ in range(5):                         # every dispatch re-evaluates every request
+        for info in infos:
+            for remaining in (0.0, info.cached_tokens / 2, float(info.cached_tokens)):
+                now = float(rng.uniform(0, 2))
+                cost = (reference.t_load(remaining)
+                        + reference.t_comp(info.compute_tokens, info.cached_tokens))
+                lst = info.deadline_s - now - cost
+                want = (1, cost, 0.0) if lst < 0 else (0, lst, 0.0)
+                got = key(info, remaining, now)
+                assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-12)
+    assert len(calls) == len(infos)            # T_comp once per request, not per dispatch
