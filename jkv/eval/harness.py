@@ -210,11 +210,12 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 
 def format_table(summary: list[dict]) -> str:
-    header = f"{'task':<18}{'len':>6} {'selector':<13}{'ratio':>6}{'score':>8}{'rel':>8}{'kv':>7}" \
-             f"{'KL':>8}{'ppl×':>7}{'sel ms':>8}{'step ms':>8}"
+    header = f"{'task':<18}{'len':>6} {'selector':<13}{'ratio':>6}{'n':>5}{'score':>8}{'rel':>8}{'kv':>7}" \
+             f"{'meta B/tok':>11}{'KL':>8}{'ppl×':>7}{'sel ms':>8}{'step ms':>8}"
     lines = [header, "-" * len(header)]
     for s in summary:
-        lines.append(f"{s['task']:<18}{s['length']:>6} {s['selector']:<13}{s['max_ratio']:>6.2f}{s['score']:>8.3f}"
-                     f"{s['relative_score']:>8.3f}{s['kv_fraction']:>7.3f}{s.get('kl', float('nan')):>8.4f}"
+        lines.append(f"{s['task']:<18}{s['length']:>6} {s['selector']:<13}{s['max_ratio']:>6.2f}{s['samples']:>5}"
+                     f"{s['score']:>8.3f}{s['relative_score']:>8.3f}{s['kv_fraction']:>7.3f}"
+                     f"{s.get('metadata_bytes_per_token', float('nan')):>11.1f}{s.get('kl', float('nan')):>8.4f}"
                      f"{s.get('ppl_ratio', float('nan')):>7.3f}{s['select_ms']:>8.1f}{s['step_ms']:>8.1f}")
     return "\n".join(lines)
