@@ -21,6 +21,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--selectors", type=_csv(str), default=("oracle", "infinigen", "quest", "hata", "streamingllm"))
     parser.add_argument("--ratios", type=_csv(float), default=(0.2,), help="max selection ratios, e.g. 0.1,0.2")
     parser.add_argument("--limit", type=int, default=5, help="samples per task and length")
+    parser.add_argument("--batch", type=int, default=1, help="samples decoded together (one prefill per batch)")
     parser.add_argument("--fidelity-tokens", type=int, default=32)
     parser.add_argument("--hata-weights", default=None, help="dir from `jkv train-hata` (default: train now)")
     parser.add_argument("--hata-train-steps", type=int, default=200)
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = EvalConfig(tasks=args.tasks, lengths=args.lengths, selectors=args.selectors, ratios=args.ratios,
-                        limit=args.limit, fidelity_tokens=args.fidelity_tokens, seed=args.seed,
+                        limit=args.limit, batch=args.batch, fidelity_tokens=args.fidelity_tokens, seed=args.seed,
                         hata_weights=args.hata_weights, hata_train_steps=args.hata_train_steps)
     model = load_model(args.model)
     rows = evaluate(model, config, progress=not args.no_progress)

@@ -1,11 +1,17 @@
 """The accuracy harness: every task × length × sample × selector, prefilled once per sample.
 
-For each sample the prompt is prefilled once into a host pool (`prefill_to_host`); the dense
-decode (every token, same host path) and each selector's sparse decode then run from that
-pool, so all selectors see identical KV. Per row: the task score, the relative KV size actually
-used (selected / cached entries over all layers, SmartGen Fig. 17's x-axis), and selection
-overhead (time in `select` / step time). `summarize` averages per (task, length, selector,
-ratio) and divides by the dense score.
+Samples of one (task, length) run in batches of `EvalConfig.batch` requests: each batch is
+prefilled once into a host pool (`prefill_to_host`, per-request lengths); the dense decode
+(every token, same host path) and each selector's sparse decode then run from that pool, so
+all selectors see identical KV and each dense reference is computed once for all of them.
+Requests of a batch are independent (selectors and attention honour each request's length);
+a batch decodes the longest `max_tokens` of its samples and each sample keeps its own prefix,
+which greedy decoding makes identical to decoding it alone. Per row: the task score, the
+relative KV size actually used (selected / cached entries over all layers, SmartGen Fig. 17's
+x-axis; for a batch, over its requests), the selector's metadata bytes per token per sparse
+layer (what the prefill side ships), and selection overhead (time in `select` / step time,
+per batched step). `summarize` averages per (task, length, selector, ratio) and divides by the
+dense score.
 """
 from __future__ import annotations
 
@@ -14,13 +20,15 @@ import dataclasses
 import logging
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
 from jkv.eval.tasks import TASKS
 from jkv.selection import get_selector
 from jkv.selection.calibration import calibration_tokens, collect_calibration
-from jkv.selection.simple import Dense
+from jkv.selection.simple import Dense, _LengthOnly
 from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host
 
 log = logging.getLogger(__name__)
@@ -37,6 +45,7 @@ class EvalConfig:
     ratios: tuple[float, ...] = (0.2,)
     limit: int = 5  # samples per (task, length)
     first: int = 0  # index of the first sample (samples first .. first + limit - 1)
+    batch: int = 1  # samples of one (task, length) decoded together (one prefill, one pool)
     fidelity_tokens: int = 32  # teacher-forced continuation length
     seed: int = 0
     hata_weights: str | None = None  # trained weights dir; None trains on the calibration data
@@ -59,6 +68,8 @@ class EvalConfig:
             raise ValueError(f"lengths={self.lengths} must each be >= 64 tokens")
         if self.limit < 1 or self.fidelity_tokens < 2:
             raise ValueError(f"limit={self.limit} must be >= 1 and fidelity_tokens={self.fidelity_tokens} >= 2")
+        if not (isinstance(self.batch, int) and self.batch >= 1):
+            raise ValueError(f"batch={self.batch!r} must be an int >= 1 (samples decoded together)")
         if self.first < 0:
             raise ValueError(f"first={self.first} must be >= 0 (index of the first sample)")
 
@@ -97,48 +108,74 @@ def _text(tokenizer, ids: np.ndarray, eos: int | None) -> str:
     return tokenizer.decode(ids)
 
 
-def _row(task, length, prompt_tokens, index, name, ratio, score, result, **extra) -> dict:
+def metadata_bytes_per_token(selector, cfg, num_tokens: int = 1024) -> float:
+    """Bytes of `selector`'s metadata per token per sparse layer (all KV heads) for a
+    `num_tokens` prompt, from the shapes `prepare` returns (what the prefill side ships; the
+    same count as DecodeWorker._metadata_bytes). Oracle's metadata is K itself; selectors that
+    rebuild their metadata from lengths alone (StreamingLLM, Sequential, Random) ship nothing."""
+    if selector.is_dense or isinstance(selector, _LengthOnly):
+        return 0.0
+    spec = jax.ShapeDtypeStruct((1, cfg.num_kv_heads, num_tokens, cfg.head_dim), jnp.float32)
+    out = jax.eval_shape(lambda K: selector.prepare(selector.config.dense_layers, K,
+                                                    jnp.asarray([num_tokens], jnp.int32)), spec)
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(out)) / num_tokens
+
+
+def _row(task, length, prompt_tokens, index, name, ratio, score, result, meta_bytes, batch, **extra) -> dict:
     return {"task": task, "length": length, "prompt_tokens": prompt_tokens, "index": index, "selector": name,
             "max_ratio": ratio, "score": score, "kv_fraction": result.mean("kv_fraction"),
-            "sparse_kv_fraction": result.mean("sparse_kv_fraction"), "select_ms": 1e3 * result.mean("select_s"),
-            "step_ms": 1e3 * result.mean("total_s"), **extra}
+            "sparse_kv_fraction": result.mean("sparse_kv_fraction"), "metadata_bytes_per_token": meta_bytes,
+            "select_ms": 1e3 * result.mean("select_s"), "step_ms": 1e3 * result.mean("total_s"), "batch": batch,
+            **extra}
 
 
 def evaluate(model, config: EvalConfig, selectors=None, progress: bool = True) -> list[dict]:
-    """Runs every (task, length, sample) with the dense path and every selector -> one row each."""
+    """Runs every (task, length, sample) with the dense path and every selector -> one row each
+    (samples of a (task, length) in batches of `config.batch`, see the module docstring)."""
     from tqdm import tqdm
 
     selectors = selectors if selectors is not None else build_selectors(model, config)
     tokenizer = model.tokenizer
     eos = getattr(tokenizer, "eos_id", None)
+    runs = [("dense", 1.0, Dense())] + [(n, r, s) for (n, r), s in selectors.items()]
+    meta_bytes = {id(s): metadata_bytes_per_token(s, model.cfg) for _, _, s in runs}
     rows = []
-    samples = range(config.first, config.first + config.limit)
-    jobs = [(task, length, i) for task in config.tasks for length in config.lengths for i in samples]
-    for task, length, index in tqdm(jobs, desc="eval", disable=not progress):
+    samples = list(range(config.first, config.first + config.limit))
+    chunks = [samples[i:i + config.batch] for i in range(0, len(samples), config.batch)]
+    jobs = [(task, length, chunk) for task in config.tasks for length in config.lengths for chunk in chunks]
+    bar = tqdm(total=len(config.tasks) * len(config.lengths) * len(samples), desc="eval", disable=not progress)
+    for task, length, chunk in jobs:
         if task == "fidelity":
-            prompt, targets = fidelity_sample(tokenizer, length, config.fidelity_tokens, index)
-            max_tokens, forced = len(targets), targets[None, :]
+            pairs = [fidelity_sample(tokenizer, length, config.fidelity_tokens, i) for i in chunk]
+            prompts = [p for p, _ in pairs]
+            targets = np.stack([t for _, t in pairs])  # i32[b, fidelity_tokens]
+            max_tokens, forced = targets.shape[1], targets
         else:
-            sample = TASKS[task](tokenizer, length, index, seed=config.seed)
-            prompt, max_tokens, forced = sample.prompt, sample.max_tokens, None
-        host = prefill_to_host(model, [prompt], pool_capacity([prompt], max_tokens))
-        runs = [("dense", 1.0, Dense())] + [(n, r, s) for (n, r), s in selectors.items()]
+            tasks = [TASKS[task](tokenizer, length, i, seed=config.seed) for i in chunk]
+            prompts = [t.prompt for t in tasks]
+            max_tokens, forced = max(t.max_tokens for t in tasks), None
+        host = prefill_to_host(model, prompts, pool_capacity(prompts, max_tokens))
         dense_logits = None
         for name, ratio, selector in runs:
-            if index == config.first:  # compile this shape outside the timed run
+            if chunk[0] == config.first:  # compile this shape outside the timed run
                 decode(model, host, selector, 2, forced_tokens=forced)
             result = decode(model, host, selector, max_tokens, forced_tokens=forced, keep_logits=forced is not None)
-            if task == "fidelity":
-                if dense_logits is None:
-                    dense_logits = result.logits[0]
-                # Position 0 is the shared prefill's prediction: compare the decoded ones only.
-                metrics = fidelity_metrics(dense_logits[1:], result.logits[0][1:], targets[1:])
-                rows.append(_row(task, length, len(prompt), index, name, ratio, metrics["top1"], result,
-                                 kl=metrics["kl"], ppl_ratio=metrics["ppl_ratio"]))
-            else:
-                output = _text(tokenizer, result.tokens[0], eos)
-                rows.append(_row(task, length, len(prompt), index, name, ratio, sample.score(output), result,
-                                 output=output.strip()[:80], answer=sample.answer))
+            common = dict(result=result, meta_bytes=meta_bytes[id(selector)], batch=len(chunk))
+            for b, index in enumerate(chunk):
+                if task == "fidelity":
+                    if name == "dense":  # runs[0]: the reference of every selector below
+                        dense_logits = result.logits
+                    # Position 0 is the shared prefill's prediction: compare the decoded ones only.
+                    metrics = fidelity_metrics(dense_logits[b, 1:], result.logits[b, 1:], targets[b, 1:])
+                    rows.append(_row(task, length, len(prompts[b]), index, name, ratio, metrics["top1"], **common,
+                                     kl=metrics["kl"], ppl_ratio=metrics["ppl_ratio"]))
+                else:
+                    sample = tasks[b]
+                    output = _text(tokenizer, result.tokens[b, :sample.max_tokens], eos)
+                    rows.append(_row(task, length, len(prompts[b]), index, name, ratio, sample.score(output), **common,
+                                     output=output.strip()[:80], answer=sample.answer))
+        bar.update(len(chunk))
+    bar.close()
     return rows
 
 
@@ -152,8 +189,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     summary = []
     for (task, length, name, ratio), group in groups.items():
         mean = {k: float(np.mean([r[k] for r in group])) for k in
-                ("score", "kv_fraction", "sparse_kv_fraction", "select_ms", "step_ms", "kl", "ppl_ratio")
-                if k in group[0]}
+                ("score", "kv_fraction", "sparse_kv_fraction", "metadata_bytes_per_token", "select_ms", "step_ms",
+                 "kl", "ppl_ratio") if k in group[0]}
         paired = [dense[(task, length, r["index"])] for r in group if (task, length, r["index"]) in dense]
         reference = float(np.mean(paired)) if len(paired) == len(group) else None
         mean["relative_score"] = mean["score"] / reference if reference else float("nan")
@@ -173,11 +210,12 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 
 def format_table(summary: list[dict]) -> str:
-    header = f"{'task':<18}{'len':>6} {'selector':<13}{'ratio':>6}{'score':>8}{'rel':>8}{'kv':>7}" \
-             f"{'KL':>8}{'ppl×':>7}{'sel ms':>8}{'step ms':>8}"
+    header = f"{'task':<18}{'len':>6} {'selector':<13}{'ratio':>6}{'n':>5}{'score':>8}{'rel':>8}{'kv':>7}" \
+             f"{'meta B/tok':>11}{'KL':>8}{'ppl×':>7}{'sel ms':>8}{'step ms':>8}"
     lines = [header, "-" * len(header)]
     for s in summary:
-        lines.append(f"{s['task']:<18}{s['length']:>6} {s['selector']:<13}{s['max_ratio']:>6.2f}{s['score']:>8.3f}"
-                     f"{s['relative_score']:>8.3f}{s['kv_fraction']:>7.3f}{s.get('kl', float('nan')):>8.4f}"
+        lines.append(f"{s['task']:<18}{s['length']:>6} {s['selector']:<13}{s['max_ratio']:>6.2f}{s['samples']:>5}"
+                     f"{s['score']:>8.3f}{s['relative_score']:>8.3f}{s['kv_fraction']:>7.3f}"
+                     f"{s.get('metadata_bytes_per_token', float('nan')):>11.1f}{s.get('kl', float('nan')):>8.4f}"
                      f"{s.get('ppl_ratio', float('nan')):>7.3f}{s['select_ms']:>8.1f}{s['step_ms']:>8.1f}")
     return "\n".join(lines)

@@ -9,8 +9,8 @@ index) always yields the same sample.
 - kv_retrieval: a JSON object of random hex keys -> hex values; return the value of one key.
 - variable_tracking: a chain of assignments VAR A = 12345, VAR B = VAR A, ... hidden in filler;
   name every variable that holds the value (score = recall of the chain).
-- code_completion: a real stdlib .py file, truncated before a non-trivial line; score = edit
-  similarity of the generated next line (LongBench LCC's metric).
+- code_completion: a real stdlib .py file, truncated before a non-trivial line at a random point
+  past `length` tokens; score = edit similarity of the generated next line (LongBench LCC's metric).
 """
 from __future__ import annotations
 
@@ -160,18 +160,24 @@ def variable_tracking(tokenizer, length: int, index: int, seed: int = 0, hops: i
 
 def code_completion(tokenizer, length: int, index: int, seed: int = 0) -> Sample:
     """Raw (no chat template) source prefix of ~length tokens; the target is the next line."""
-    sources = stdlib_sources()
+    sources = list(stdlib_sources())
+    random.Random(f"code-{seed}").shuffle(sources)  # sample i reads file i (then i+1, ... if too short)
     rng = random.Random(f"code-{seed}-{length}-{index}")
-    for _ in range(50):
-        with open(rng.choice(sources), encoding="utf-8", errors="replace") as f:
+    for attempt in range(50):
+        with open(sources[(index + attempt) % len(sources)], encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines(keepends=True)
         candidates = [i for i in range(len(lines)) if len(lines[i].strip()) >= 12
                       and not lines[i].lstrip().startswith(("#", '"', "'"))]
         prefix_tokens = [len(tokenizer.encode(line)) for line in lines]
+        # Each sample its own file while there are files, cut at a random point past the first
+        # `length` tokens (the prompt is the last `length` tokens before it). Drawing files at
+        # random and cutting each at one fixed point made 96 samples hold only ~66 distinct ones.
+        spare = sum(prefix_tokens) - length
+        threshold = length + (rng.randrange(spare) if spare > 0 else 0)
         total, cut = 0, None
         for i, n in enumerate(prefix_tokens):
             total += n
-            if total >= length and i + 1 in candidates:
+            if total >= threshold and i + 1 in candidates:
                 cut = i + 1
                 break
         if cut is None:

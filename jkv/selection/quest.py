@@ -12,9 +12,19 @@ last one (its page budget counts it), because a partly filled page has a loose-l
 small bound while holding the tokens local attention heads need most.
 
 Metadata: (kmin, kmax), each [B, H_kv, P, D] with P = ceil(N_cap / page_size); empty slots hold
-+inf / -inf so they never tighten a bound. They are stored as `metadata_dtype` (float16 by
-default, half the bytes the prefill side ships) with outward rounding: kmin rounded toward -inf,
-kmax toward +inf, so the stored box still contains every key and the page bound stays >= q·k.
++inf / -inf so they never tighten a bound. They are stored as `metadata_dtype` with outward
+rounding: kmin rounded toward -inf, kmax toward +inf, so the stored box still contains every key
+and the page bound stays >= q·k. Float dtypes round the values themselves (`base.round_outward`).
+
+"int8" stores integer codes on a per-(request, KV head, channel) grid `scale: f32[B, H_kv, 1, D]`
+= max |K| over the prompt's keys / 126: kmin -> floor(kmin / scale), kmax -> ceil(kmax / scale)
+(each nudged one step outward where float rounding of code·scale crossed the value), so
+code·scale still brackets every key. Codes -126..126 are values; beyond them (a decoded key
+larger than every prompt key) kmin saturates to -127 = -inf and kmax to 127 = +inf, which keeps
+the bound an upper bound (it becomes +inf for a q of the matching sign). Empty pages hold
+kmin = 127 (+inf), kmax = -127 (-inf). The code order is the value order, so `append` still takes
+min / max of codes. Bytes: 2·D per page and KV head instead of 4·D at float16, so 2-token pages
+cost what 4-token float16 pages do (the scale adds 4·D bytes per KV head once per request).
 """
 from __future__ import annotations
 
@@ -23,9 +33,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jkv.selection.base import (Selector, SelectorConfig, check_group_score, check_metadata_dtype, group_queries,
+from jkv.selection.base import (METADATA_DTYPES, Selector, SelectorConfig, check_group_score, group_queries,
                                 reduce_group, round_outward, selection_budget, token_valid)
 from jkv.selection._ops import topk_select
+
+
+QUEST_METADATA_DTYPES = METADATA_DTYPES + ("int8",)
+INT8_LEVELS = 126  # codes -126..126 are values; -127 / 127 are the -inf / +inf sentinels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +47,16 @@ class QuestConfig(SelectorConfig):
     # Quest uses 16-token pages at 8K-32K contexts, where a 1K-4K token budget spans 64-256
     # pages. At the 0.5-2K prompts we evaluate, a 20% budget is 100-400 tokens: 16-token pages
     # would leave 6-26 pages and coarse bounds (attention mass kept 0.87 vs Oracle's 0.97 on
-    # SmolLM2-135M at 1K); 4-token pages give the budget 25-100 pages, as in Quest's setting.
-    page_size: int = 4
+    # SmolLM2-135M at 1K). Smaller pages bound tighter but ship more min/max vectors; int8 codes
+    # (module docstring) halve their bytes, so 2-token int8 pages cost what 4-token float16 pages
+    # did. Measured (experiments/metadata_dtype.py --quest-only, fidelity @1K, ratio 0.2, samples
+    # 0-7, 248 decoded tokens; top-1 / KL / metadata bytes per token per sparse layer):
+    #   float16 page 4: 0.944 / 0.0131 / 193      int8 page 4: 0.944 / 0.0130 / 98
+    #   float16 page 2: 0.952 / 0.0100 / 385      int8 page 3: 0.956 / 0.0117 / 130
+    #   int8 page 2 (default): 0.952 / 0.0098 / 194 (int8 loses nothing against float16 at a page size)
+    page_size: int = 2
     keep_last_page: bool = True  # Quest always attends the newest (partly filled) page
-    metadata_dtype: str = "float16"  # page min/max storage, rounded outward (see module docstring)
+    metadata_dtype: str = "int8"  # page min/max storage, rounded outward (see module docstring)
     # Ranking of the pages (base.reduce_group over bound/√D) and the pages always kept (those
     # holding the first keep_sinks and the newest keep_recent tokens, inside the page budget).
     # Measured on SmolLM2-135M, fidelity @1K, ratio 0.2, samples 0-7 (248 decoded tokens; Oracle
@@ -50,7 +70,10 @@ class QuestConfig(SelectorConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_metadata_dtype(self.metadata_dtype)
+        if self.metadata_dtype not in QUEST_METADATA_DTYPES:
+            raise ValueError(f"metadata_dtype={self.metadata_dtype!r} must be one of {QUEST_METADATA_DTYPES}; "
+                             "float16 halves the page bounds the prefill side ships (SmartGen §4.4), int8 "
+                             "quarters them (outward-rounded codes on a per-channel grid), float32 keeps them exact")
         check_group_score(self.group_score)
         if not (isinstance(self.bound_temperature, (int, float)) and self.bound_temperature > 0):
             raise ValueError(f"bound_temperature={self.bound_temperature!r} must be > 0")
@@ -76,6 +99,48 @@ def page_bounds(K: jax.Array, lengths: jax.Array, page_size: int,
     return round_outward(kmin, dtype, "down"), round_outward(kmax, dtype, "up")
 
 
+def int8_scale(K: jax.Array, lengths: jax.Array) -> jax.Array:
+    """K: [B, H_kv, N_cap, D] -> f32[B, H_kv, 1, D]: the code step, max |K| over real tokens / 126
+    (1 where a channel is all zero, so every step is > 0)."""
+    valid = token_valid(lengths, K.shape[2])[:, None, :, None]
+    absmax = jnp.where(valid, jnp.abs(K.astype(jnp.float32)), 0.0).max(axis=2, keepdims=True)
+    return jnp.where(absmax > 0, absmax / INT8_LEVELS, 1.0)
+
+
+def quantize_outward(x: jax.Array, scale: jax.Array, direction: str) -> jax.Array:
+    """f32 x (±inf allowed) -> int8 codes c with c·scale <= x ("down", for kmin) or >= x ("up",
+    for kmax) in float32 arithmetic; out-of-range values take the outward sentinel (-127 = -inf
+    down, 127 = +inf up) or clip inward (still a bound). Empty (+inf down / -inf up) -> 127 / -127."""
+    x = x.astype(jnp.float32)
+    ratio = jnp.where(jnp.isfinite(x), x / scale, 0.0)
+    if direction == "down":
+        code = jnp.floor(ratio)
+        code = jnp.where(code * scale > x, code - 1, code)  # the division rounded up past x
+        code = jnp.where(code < -INT8_LEVELS, -INT8_LEVELS - 1, jnp.minimum(code, INT8_LEVELS))
+        code = jnp.where(x == jnp.inf, INT8_LEVELS + 1, jnp.where(x == -jnp.inf, -INT8_LEVELS - 1, code))
+    elif direction == "up":
+        code = jnp.ceil(ratio)
+        code = jnp.where(code * scale < x, code + 1, code)
+        code = jnp.where(code > INT8_LEVELS, INT8_LEVELS + 1, jnp.maximum(code, -INT8_LEVELS))
+        code = jnp.where(x == -jnp.inf, -INT8_LEVELS - 1, jnp.where(x == jnp.inf, INT8_LEVELS + 1, code))
+    else:
+        raise ValueError(f"direction={direction!r} must be 'down' or 'up'")
+    return code.astype(jnp.int8)
+
+
+def dequantize_bounds(kmin: jax.Array, kmax: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """int8 codes [B, H_kv, P, D] and scale f32[B, H_kv, 1, D] -> f32 (kmin, kmax) with the
+    sentinels as ±inf (the form `page_upper_bound` takes)."""
+    top, bottom = INT8_LEVELS + 1, -INT8_LEVELS - 1
+
+    def value(code):
+        return code.astype(jnp.float32) * scale
+
+    lo = jnp.where(kmin == bottom, -jnp.inf, jnp.where(kmin == top, jnp.inf, value(kmin)))
+    hi = jnp.where(kmax == top, jnp.inf, jnp.where(kmax == bottom, -jnp.inf, value(kmax)))
+    return lo, hi
+
+
 def page_upper_bound(q: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
     """q: [B, H_kv, G, D], kmin/kmax: [B, H_kv, P, D] (any float dtype) -> f32[B, H_kv, G, P]
     (>= q·k in the page). Empty pages (min=+inf) give -inf; a channel bound that saturated to
@@ -94,15 +159,34 @@ class Quest(Selector):
     name = "quest"
 
     def _prepare(self, state, K, lengths):
+        capacity = jnp.zeros((K.shape[2],), jnp.int8)
+        if self.config.metadata_dtype == "int8":
+            kmin, kmax = page_bounds(K, lengths, self.config.page_size)
+            scale = int8_scale(K, lengths)
+            return {"kmin": quantize_outward(kmin, scale, "down"), "kmax": quantize_outward(kmax, scale, "up"),
+                    "scale": scale, "capacity": capacity}
         kmin, kmax = page_bounds(K, lengths, self.config.page_size, self.config.metadata_dtype)
-        return {"kmin": kmin, "kmax": kmax, "capacity": jnp.zeros((K.shape[2],), jnp.int8)}
+        return {"kmin": kmin, "kmax": kmax, "capacity": capacity}
+
+    def bounds(self, metadata) -> tuple[jax.Array, jax.Array]:
+        """The stored page box as arrays `page_upper_bound` takes: (kmin, kmax) [B, H_kv, P, D]."""
+        if self.config.metadata_dtype == "int8":
+            return dequantize_bounds(metadata["kmin"], metadata["kmax"], metadata["scale"])
+        return metadata["kmin"], metadata["kmax"]
 
     def _append(self, state, metadata, k_new, positions):
         page = positions // self.config.page_size
-        # Rounding is monotone, so min(round_down(a), round_down(b)) = round_down(min(a, b)):
-        # appending keeps the metadata identical to preparing the longer sequence.
-        k_lo = round_outward(k_new.astype(jnp.float32), self.config.metadata_dtype, "down")
-        k_hi = round_outward(k_new.astype(jnp.float32), self.config.metadata_dtype, "up")
+        k_new = k_new.astype(jnp.float32)
+        if self.config.metadata_dtype == "int8":
+            # The grid stays the prompt's (the scale is fixed at prefill), so the codes stay
+            # comparable; a key beyond it takes the ±inf sentinel (see the module docstring).
+            scale = metadata["scale"][:, :, 0]
+            k_lo, k_hi = quantize_outward(k_new, scale, "down"), quantize_outward(k_new, scale, "up")
+        else:
+            # Rounding is monotone, so min(round_down(a), round_down(b)) = round_down(min(a, b)):
+            # appending keeps the metadata identical to preparing the longer sequence.
+            k_lo = round_outward(k_new, self.config.metadata_dtype, "down")
+            k_hi = round_outward(k_new, self.config.metadata_dtype, "up")
 
         def update(bounds, value, p, op):
             current = jax.lax.dynamic_slice_in_dim(bounds, p, 1, axis=1)[:, 0]
@@ -116,18 +200,23 @@ class Quest(Selector):
         return metadata["kmin"].shape[1], metadata["capacity"].shape[0]
 
     def _select(self, state, q, metadata, lengths):
-        kmin, kmax = metadata["kmin"], metadata["kmax"]
+        kmin, kmax = self.bounds(metadata)
         batch, num_kv_heads, num_pages, _ = kmin.shape
         capacity = metadata["capacity"].shape[0]
         page_size = self.config.page_size
         bound = page_upper_bound(group_queries(q, num_kv_heads), kmin, kmax)  # [B, H_kv, G, P]
+        # A +inf bound (a channel saturated: a decoded key beyond the int8 grid or float16's
+        # range) says nothing about the page: it ranks first, like the kept pages, and stays out
+        # of the softmax (where one +inf would turn the whole head's scores into NaN).
+        unbounded = (bound == jnp.inf).any(axis=2)  # [B, H_kv, P]
+        bound = jnp.where(bound == jnp.inf, -jnp.inf, bound)
         if self.config.group_score == "max":
             bound = bound.max(axis=2)  # Quest: a page counts if any head of the group wants it
         else:
             scale = 1.0 / (jnp.sqrt(jnp.float32(kmin.shape[-1])) * self.config.bound_temperature)
             bound = reduce_group(bound * scale, self.config.group_score)
         page = jnp.arange(num_pages, dtype=jnp.int32)[None, None, :]
-        protect = page * page_size < self.config.keep_sinks  # pages holding a sink token
+        protect = unbounded | (page * page_size < self.config.keep_sinks)  # and pages holding a sink token
         if self.config.keep_recent:  # pages holding one of the newest keep_recent tokens
             first_recent = jnp.maximum(lengths - self.config.keep_recent, 0) // page_size
             protect |= (page >= first_recent[:, None, None]) & (page * page_size < lengths[:, None, None])

@@ -11,7 +11,7 @@ from tests.selection.tiny import shared_tiny_model
 
 from jkv.eval import cli
 from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
-from jkv.eval.harness import EvalConfig, evaluate, format_table, summarize, write_csv
+from jkv.eval.harness import EvalConfig, evaluate, format_table, metadata_bytes_per_token, summarize, write_csv
 from jkv.eval.tasks import TASKS, edit_similarity
 from jkv.selection import get_selector
 from jkv.selection.calibration import collect_calibration
@@ -149,3 +149,32 @@ def test_eval_config_and_cli_errors():
                               "--limit", "3"])
     assert args.tasks == ("passkey", "fidelity") and args.lengths == (512, 1024) and args.ratios == (0.1, 0.2)
     assert args.func is cli.run and args.limit == 3
+
+
+def test_batched_samples_match_one_at_a_time_and_metadata_bytes_are_reported(tokenizer):
+    model = with_tokenizer(tokenizer)
+    cfg = model.cfg
+    selectors = {("quest", 0.3): get_selector("quest", max_ratio=0.3, metadata_dtype="int8", page_size=2),
+                 ("streamingllm", 0.3): get_selector("streamingllm", max_ratio=0.3)}
+    base = dict(tasks=("passkey", "fidelity"), lengths=(256,), limit=2, fidelity_tokens=4,
+                selectors=("quest", "streamingllm"), ratios=(0.3,))
+    single = evaluate(model, EvalConfig(**base), selectors, progress=False)
+    batched = evaluate(model, EvalConfig(**base, batch=2), selectors, progress=False)  # one chunk [0, 1]
+    key = lambda r: (r["task"], r["index"], r["selector"])  # noqa: E731
+    assert sorted(map(key, single)) == sorted(map(key, batched)) and len(single) == 2 * 2 * 3
+    by_key = {key(r): r for r in single}
+    for row in batched:
+        alone = by_key[key(row)]
+        assert row["batch"] == 2 and alone["batch"] == 1
+        if row["task"] == "fidelity":
+            assert row["score"] == alone["score"]
+            assert row["kl"] == pytest.approx(alone["kl"], abs=1e-5)
+        else:
+            assert row["output"] == alone["output"] and row["score"] == alone["score"]
+    per_token = {r["selector"]: r["metadata_bytes_per_token"] for r in batched}
+    assert per_token["dense"] == per_token["streamingllm"] == 0.0
+    kv_bytes = cfg.num_kv_heads * cfg.head_dim * 4  # one token's K, float32, all KV heads
+    assert metadata_bytes_per_token(get_selector("oracle"), cfg) == kv_bytes  # Oracle reads K itself
+    # int8 min + max per 2-token page: head_dim bytes per token and KV head (+ the grid, + 1 B capacity).
+    assert per_token["quest"] == pytest.approx(cfg.num_kv_heads * cfg.head_dim * (1 + 4 / 1024) + 1)
+    assert {s["selector"]: s["metadata_bytes_per_token"] for s in summarize(batched)} == per_token
