@@ -193,6 +193,11 @@ def test_bandwidth_estimator_ewma_and_controller_integration():
         est.observe(10, 0.0)
     with pytest.raises(ValueError):
         BandwidthEstimator(alpha=0)
+    est.reset(4e8)  # the link was re-paced to a known rate: start from it, samples forgotten
+    assert est.estimate() == 4e8 and est.samples == 0
+    assert ctl.decide(ctx).bandwidth_Bps == pytest.approx(4e8)
+    with pytest.raises(ValueError, match="initial_Bps"):
+        est.reset(0.0)
 
 
 def test_from_profile_files_and_validation():
