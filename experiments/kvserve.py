@@ -126,7 +126,7 @@ def table1(model, args, say):
              "hadamard+kivi2g128 (8x probe)": (PipelineSpec.parse("hadamard+kivi2g128+zstdh3"), None),
              # SnapKV-like: per head the 40 % most-attended middle tokens (+ sinks + recent) at 4 bits
              "SnapKV-40 + KIVI-4": (TierConfig(h4, None, 0.4, 0.0), None),
-             "SnapKV tiers 10 % @4 + 50 % @2": (TierConfig(h4, "hadamard+kivi2g128+zstdh3", 0.1, 0.5), None)}
+             "SnapKV-35 + KIVI-4 (8x probe)": (TierConfig(h4, None, 0.35, 0.0), None)}
     per_workload, spaces = {}, {}
     n_kv_heads = model.cfg.num_kv_heads
     sens_all = []
@@ -161,7 +161,8 @@ def table1(model, args, say):
                 reuse[key] = r
     rows = []
     for w, obj in objectives.items():
-        base = float(np.mean(obj.task_scores(None)))
+        base_scores = np.asarray(obj.task_scores(None))
+        base = float(np.mean(base_scores))
         todo = dict(methods)
         if per_workload[w].best:
             todo["jkv-per-workload"] = (spaces[w][per_workload[w].best.spec_id], None)
@@ -175,11 +176,14 @@ def table1(model, args, say):
                 rows.append(row)
                 continue
             r = obj.measure(spec, streaming)
-            score = float(np.mean(obj.task_scores(spec, streaming)))
+            scores = np.asarray(obj.task_scores(spec, streaming))
+            score = float(np.mean(scores))
+            # paired standard error of the relative score (same samples with and without compression)
+            se = float(np.std(scores - base_scores, ddof=1) / np.sqrt(len(scores)) / base) if len(scores) > 1 and base > 0 else float("nan")
             row = dict(workload=w, method=name, spec=sid, streaming=streaming.id if streaming else "",
                        cr_fp16=round(r.cr, 3), cr_wire_f32=round(2 * r.cr, 3), top1=round(r.accuracy, 3),
                        kl=round(r.kl, 4), task_score=round(score, 3), task_score_uncompressed=round(base, 3),
-                       rel_task_accuracy=round(score / base, 3) if base > 0 else float("nan"),
+                       rel_task_accuracy=round(score / base, 3) if base > 0 else float("nan"), rel_task_se=round(se, 3),
                        codec_MBps_fp16=round(obj.probe_bytes / r.latency_s / 1e6, 1),
                        samples=count[w], tokens=length[w], reused="no")
             rows.append(row)
@@ -284,9 +288,10 @@ def jct_sweep(model, args, say):
             policy.estimator.reset(bps / 8)  # the link was re-paced to a known rate; samples refine it
             load0 = os.getloadavg()[0]
             pctx = Context(policy.workload, math.inf, policy.config.q_min, kv_bytes, tp, bps / 8)
-            pred = policy.controller.decide(pctx)  # the analytical choice (no residual yet at this key)
+            pred = policy.controller.decide(pctx)  # the controller's choice as this point starts
             once(policy)  # warm-up: one request lets the estimator and the residual see this link
-            # Interleaved rounds, the order rotated each round (no position bias): uncompressed,
+            # Interleaved rounds, the order shuffled each round (a rotation gave every arm a fixed
+            # predecessor, and two identical uncompressed arms then differed by a median 9 %): uncompressed,
             # controller, and at the fastest point also a second uncompressed run (an A/A control: the
             # noise between two identical paths) and the profile forced on (what compressing would give).
             arms = ["unc", "ctl"] + (["unc2", "forced"] if b == BANDWIDTHS_GBIT[-1] else [])
@@ -295,9 +300,10 @@ def jct_sweep(model, args, say):
             forced = CompressionPolicy(CompressionConfig(used[-1] if used else max(profile.points, key=lambda p: p.cr).spec_id))
             runs = {a: [] for a in arms}
             n_rounds = args.jct_repeats_fast if b == BANDWIDTHS_GBIT[-1] else args.jct_repeats
-            for r in range(n_rounds):
-                for a in arms[r % len(arms):] + arms[:r % len(arms)]:
-                    runs[a].append(once({"ctl": policy, "forced": forced}.get(a)))
+            order_rng = np.random.default_rng(b)
+            for _ in range(n_rounds):
+                for a in order_rng.permutation(arms):  # shuffled: no fixed position or predecessor per arm
+                    runs[str(a)].append(once({"ctl": policy, "forced": forced}.get(str(a))))
             jct = {a: np.array([o.metrics.e2e for o in v]) for a, v in runs.items()}
             # Per-round ratio (uncompressed / controller of the same round): the median and its spread.
             speed = jct["unc"] / jct["ctl"]

@@ -10,10 +10,12 @@ cache; CR against fp16 with every byte counted):
 2. sink + recent at high precision: every middle token at the lo pipeline, sinks + recent at the
    hi one (`tokens.TierConfig(hi_frac=0, lo_frac=1)`) vs the lo pipeline everywhere;
 3. token tiers (SnapKV importance from the prompt's last 32 queries deciding bits and drops) at
-   several budgets, and with a per-layer `mixed-` table that gives the sensitive layers more bits;
-4. optionally (`--task`) the task score of each row (edit similarity / needle exact).
+   several budgets (`tiers`; `more`: 35-40 % kept; `long`: a few rows for longer prompts), and with a
+   per-layer `mixed-` table that gives the `--sensitive` layers more bits;
+4. optionally (`--task`) the task score of each row (edit similarity / needle exact) and its paired
+   standard error (same samples with and without compression).
 
-Writes experiments/results/kvserve_sensitivity_<workload>.csv.
+Writes experiments/results/kvserve_sensitivity_<workload>_<tokens>_<samples>.csv.
 Usage: nice -n 19 python experiments/kvserve_sensitivity.py [--workload code] [--samples 8] [--tokens 512]
 """
 from __future__ import annotations
@@ -50,7 +52,7 @@ def main():
     ap.add_argument("--workload", default="code")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--parts", default="layers,edges,tiers", help="comma list of layers, edges, tiers")
+    ap.add_argument("--parts", default="layers,edges,tiers", help="comma list of layers, edges, tiers, more, long")
     ap.add_argument("--task", action="store_true", help="also the task score of every row")
     ap.add_argument("--sensitive", default="", help="comma list of layer indices the tier tables give more bits")
     args = ap.parse_args()
@@ -60,7 +62,8 @@ def main():
     model = load_model("smollm2-135m-instruct")
     obj = ModelObjective(model, workload_samples(model.tokenizer, args.workload, args.samples, args.tokens))
     L, H = model.cfg.num_layers, model.cfg.num_kv_heads
-    base = float(np.mean(obj.task_scores(None))) if args.task else float("nan")
+    base_scores = np.asarray(obj.task_scores(None)) if args.task else None
+    base = float(np.mean(base_scores)) if args.task else float("nan")
     print(f"[{time.perf_counter() - t0:5.0f}s] {args.workload}: {args.samples} x {args.tokens} tokens; "
           f"task score uncompressed {base:.3f}; load {os.getloadavg()[0]:.1f}", flush=True)
     runs: list[tuple[str, object]] = []
@@ -99,10 +102,13 @@ def main():
     rows = []
     for name, spec in runs:
         r = obj.measure(spec)
-        score = float(np.mean(obj.task_scores(spec))) if args.task else float("nan")
+        scores = np.asarray(obj.task_scores(spec)) if args.task else None
+        score = float(np.mean(scores)) if args.task else float("nan")
+        se = float(np.std(scores - base_scores, ddof=1) / np.sqrt(len(scores)) / base) if args.task and base > 0 else float("nan")
         row = dict(workload=args.workload, tokens=args.tokens, samples=args.samples, name=name,
                    cr_fp16=round(r.cr, 3), top1=round(r.accuracy, 3), kl=round(r.kl, 4),
-                   task_score=round(score, 3), rel_task=round(score / base, 3) if base > 0 else float("nan"))
+                   task_score=round(score, 3), rel_task=round(score / base, 3) if base > 0 else float("nan"),
+                   rel_task_se=round(se, 3))
         rows.append(row)
         print(f"[{time.perf_counter() - t0:5.0f}s] " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     write_csv(RESULTS / f"kvserve_sensitivity_{args.workload}_{args.tokens}_{args.samples}.csv", rows)

@@ -13,7 +13,10 @@ entropy-coded (`ec40g128`, `ec80g128`) quantizers, per-layer mixed precision (th
 the retrieval heads kept at higher precision: MixHQ written out as an explicit "mixed-..." table so
 no calibration state travels with the profile) x codecs none / zstdh3. Retrieval heads are scored
 DuoAttention-style from the first sample's real observation-window queries (its last 32 prompt
-tokens replayed through the model).
+tokens replayed through the model). Plus token tiers (`tokens.TierConfig`, `tier_space`): per head
+the SnapKV-most-attended tokens kept at 4 / 3 bits, optionally a 2-bit tier, the rest dropped, with
+per-layer tables that give the more sensitive half of the layers (`workloads.layer_sensitivity`)
+one more bit; `--no-tiers` leaves them out (they are Table-1 methods: the serving path skips them).
 """
 from __future__ import annotations
 
