@@ -366,9 +366,9 @@ def plot(table, jct, path):
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for w, marker in zip(WORKLOADS, "os^"):
         rows = [r for r in table if r["workload"] == w]
-        a.scatter([r["cr_fp16"] for r in rows], [r["rel_task_accuracy"] for r in rows], marker=marker, label=w)
+        a.scatter([float(r["cr_fp16"]) for r in rows], [float(r["rel_task_accuracy"]) for r in rows], marker=marker, label=w)
         for r in rows:
-            a.annotate(r["method"].split(" ")[0], (r["cr_fp16"], r["rel_task_accuracy"]), fontsize=7)
+            a.annotate(r["method"].split(" ")[0], (float(r["cr_fp16"]), float(r["rel_task_accuracy"])), fontsize=7)
     a.axhline(0.97, ls=":", c="gray")
     a.axvline(8, ls=":", c="gray")
     a.set_xlabel("CR vs fp16 KV (all container bytes)")
