@@ -14,7 +14,11 @@ retrieval, continuation of local documents), `--samples` prompts of `--tokens` t
 - >= 8x probe: Hadamard + KIVI-2 with group 128 + zstdh (the cheapest quantization-only point);
 - jkv-unified: Algorithm 1 (`bayesian_search`) over the `jkv compress-profile` space on all
   workloads' samples at once — one pipeline for everything;
-- jkv-per-workload: Algorithm 1 per workload, its best feasible pipeline.
+- SnapKV + KIVI-4: token tiers (`jkv.compression.tokens`): per head the 40 % / 35 % most-attended
+  middle tokens (observation window of the prompt's last 32 queries) + sinks + recent at 4 bits, the
+  rest dropped;
+- jkv-per-workload: Algorithm 1 per workload (on `--bo-samples` of its samples; the space includes
+  token tiers and per-layer tables from `layer_sensitivity`), its best feasible spec.
 Reported: CR vs fp16 KV (the papers' baseline, every container byte counted at the wire's chunk
 size) and vs the float32 rows jkv's uncompressed path actually sends (2x), top-1 agreement with the
 uncompressed cache over a teacher-forced continuation, and the relative task score (task score on
@@ -24,13 +28,16 @@ Part 2 (JCT vs bandwidth). One prefill worker (in process, real TCP on loopback,
 the decode worker, mode "full", dense decode (no selector metadata shares the link). DESIGN.md "Emulating the papers' testbed": measure Tp of the
 request here, then pace the link so that Tt / Tp = 6.5 x 25 / b (SmartGen's 6.5x stall at
 25 Gbit/s) for b = 5 ... 100 Gbit/s "equivalents". Side by side per b: uncompressed vs the online
-controller (`compression="auto"` with the continuation profile from part 1). JCT = time to the
-last token. The controller charges each profile's measured transfer-path cost (`calibrate_path` on
+controller (`compression="auto"` with the continuation profile from part 1, pipelines only:
+`kvserve_profile_continuation_serving.json`). JCT = time to the last token. One long-lived controller
+serves the whole sweep (its residual bandit learns as in serving); per b one warm-up request, then
+interleaved rounds in shuffled order, reported as the median / quartiles / range of the per-round ratio;
+at the fastest point each round adds a second uncompressed request (A/A control) and the profile forced on. The controller charges each profile's measured transfer-path cost (`calibrate_path` on
 this request's real KV: encode + prefill-side decode + framing + receiver decode), not the profile
 file's encode + decode round trip; every profile's codec path is compiled before the sweep.
 
 Writes experiments/results/kvserve_table1.csv, kvserve_jct.csv, kvserve.png, kvserve_profile_*.json.
-Usage: python experiments/kvserve.py [--quick] [--samples 8] [--limit 16] [--skip-jct | --jct-only]
+Usage: python experiments/kvserve.py [--quick] [--samples 8] [--code-samples 24] [--limit 12] [--skip-jct | --jct-only]
 """
 from __future__ import annotations
 
