@@ -15,6 +15,9 @@ same teacher-forced continuation on the decompressed cache. Accuracy = mean top-
 next-token predictions with the uncompressed cache's (the `jkv eval` fidelity metric:
 `jkv.eval.fidelity.fidelity_metrics`, which also gives KL and the perplexity ratio). `task_scores`
 additionally generates greedily and scores the text with the task's own scorer (Table-1 style).
+A spec may also be a token-tier config (`tokens.TierConfig`: per-head SnapKV token selection from the
+sample's own observation window, decoded with the per-head masked decoder), and `layer_sensitivity`
+measures how much loss each layer carries (the per-layer precision tables of the search space).
 
 Shapes: per layer K, V: [H_kv, N, D]. No threads.
 """
