@@ -39,6 +39,13 @@ class BandwidthEstimator:
             self._samples += 1
         return sample
 
+    def reset(self, initial_Bps: float | None) -> None:
+        """Forget the samples and start again from `initial_Bps` (a link re-paced to a known rate)."""
+        if initial_Bps is not None and not initial_Bps > 0:
+            raise ValueError(f"{initial_Bps=} must be > 0 (or None)")
+        with self._lock:
+            self._estimate, self._samples = initial_Bps, 0
+
     def estimate(self) -> float | None:
         """Current B in bytes/s, or None before any sample (and without an initial value)."""
         with self._lock:

@@ -13,7 +13,10 @@ entropy-coded (`ec40g128`, `ec80g128`) quantizers, per-layer mixed precision (th
 the retrieval heads kept at higher precision: MixHQ written out as an explicit "mixed-..." table so
 no calibration state travels with the profile) x codecs none / zstdh3. Retrieval heads are scored
 DuoAttention-style from the first sample's real observation-window queries (its last 32 prompt
-tokens replayed through the model).
+tokens replayed through the model). Plus token tiers (`tokens.TierConfig`, `tier_space`): per head
+the SnapKV-most-attended tokens kept at 4 / 3 bits, optionally a 2-bit tier, the rest dropped, with
+per-layer tables that give the more sensitive half of the layers (`workloads.layer_sensitivity`)
+one more bit; `--no-tiers` leaves them out (they are Table-1 methods: the serving path skips them).
 """
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ import numpy as np
 from jkv.compression.heads import attention_probs, classify_heads, observation_scores, retrieval_scores
 from jkv.compression.profiling import SearchConfig, bayesian_search, build_profile, nominal_cr, save_profile
 from jkv.compression.spec import CodecSpec, PipelineSpec, QuantizerSpec, TransformSpec
-from jkv.compression.workloads import WORKLOADS, ModelObjective, workload_samples
+from jkv.compression.tokens import TierConfig
+from jkv.compression.workloads import WORKLOADS, ModelObjective, layer_sensitivity, workload_samples
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +66,39 @@ def mixed_tables(scores: np.ndarray) -> dict[str, tuple[tuple[int, ...], ...]]:
     return {name: tuple(tuple(int(b) for b in row) for row in t) for name, t in tables.items()}
 
 
-def strategy_space(scores: np.ndarray, quick: bool) -> list[PipelineSpec]:
+def layer_table(n_heads: int, bits_per_layer) -> str:
+    """`mixed-` quantizer id with every head of layer l at bits_per_layer[l] (16 = unquantized)."""
+    return "mixed-" + ".".join(("f" if b == 16 else str(int(b))) * n_heads for b in bits_per_layer)
+
+
+def tier_space(sensitivity: np.ndarray | None, n_heads: int, quick: bool = False) -> list[TierConfig]:
+    """Token-tier points of the search (`tokens.TierConfig`): SnapKV-selected tokens kept at 4 / 3 bits
+    (sinks + recent always kept at the hi precision), optionally a 2-bit lo tier, and — given the
+    per-layer sensitivity f32[L] (`workloads.layer_sensitivity`) — tables giving the more sensitive
+    half of the layers one more bit (mixed precision by layer)."""
+    h4, h3, l2 = "hadamard+kivi4g128+zstdh3", "hadamard+kivi3g128+zstdh3", "hadamard+kivi2g128+zstdh3"
+    keeps = (0.3, 0.4) if quick else (0.3, 0.35, 0.4, 0.5)
+    space = [TierConfig(h4, None, f, 0.0) for f in keeps]
+    if not quick:
+        space += [TierConfig(h3, None, f, 0.0) for f in (0.4, 0.5)]
+        space += [TierConfig(h4, l2, hi, lo) for hi, lo in ((0.1, 0.5), (0.2, 0.3), (0.3, 0.15))]
+    if sensitivity is not None:
+        hot = np.asarray(sensitivity) >= np.median(sensitivity)
+        t43 = f"hadamard+{layer_table(n_heads, np.where(hot, 4, 3))}-g128+zstdh3"
+        t84 = f"hadamard+{layer_table(n_heads, np.where(hot, 8, 4))}-g128+zstdh3"
+        t32 = f"hadamard+{layer_table(n_heads, np.where(hot, 3, 2))}-g128+zstdh3"
+        space += [TierConfig(t43, None, f, 0.0) for f in ((0.45,) if quick else (0.4, 0.45, 0.5))]
+        if not quick:
+            space += [TierConfig(t84, t32, hi, lo) for hi, lo in ((0.1, 0.5), (0.2, 0.3))]
+    return space
+
+
+def strategy_space(scores: np.ndarray, quick: bool, tiers: list[TierConfig] | None = None) -> list:
+    """The search space: pipelines (below), plus `tiers` (token-tier points) when given."""
+    return _pipeline_space(scores, quick) + list(tiers or [])
+
+
+def _pipeline_space(scores: np.ndarray, quick: bool) -> list[PipelineSpec]:
     transforms = [TransformSpec("identity"), TransformSpec("hadamard")]
     codecs = [CodecSpec("zstdh", 3)] if quick else [CodecSpec("none"), CodecSpec("zstdh", 3)]
     groups = (32, 128)
@@ -92,6 +128,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--chunk-tokens", type=int, default=128, help="container size on the wire (default 128)")
     p.add_argument("--quick", action="store_true", help="1 sample of 256 tokens, a 16-spec space, <= 8 evaluations")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-tiers", action="store_true",
+                   help="leave token-tier points (SnapKV-selected tokens per head, dropped rest) out of the space: "
+                        "they are Table-1 methods; the serving KV path skips them")
     return p
 
 
@@ -116,8 +155,13 @@ def run(args) -> int:
         t0 = time.perf_counter()
         objective = ModelObjective(model, workload_samples(model.tokenizer, workload, samples, tokens,
                                                            args.continuation), chunk_tokens=args.chunk_tokens)
-        space = strategy_space(head_scores(objective.kv16[0], model, objective.samples[0].prompt), args.quick)
+        tiers = None
+        if not args.no_tiers:
+            sens = None if args.quick else layer_sensitivity(objective)
+            tiers = tier_space(sens, objective.kv16[0][0][0].shape[0], args.quick)
+        space = strategy_space(head_scores(objective.kv16[0], model, objective.samples[0].prompt), args.quick, tiers)
         shape = objective.kv16[0][0][0].shape
+        n_tokens = shape[1]
         shape = (shape[0], min(args.chunk_tokens, shape[1]), shape[2])
         with tqdm(total=limit, desc=f"compress-profile {workload}", unit="eval", file=sys.stderr) as bar:
             def evaluate(spec, _bar=bar):
@@ -128,7 +172,7 @@ def run(args) -> int:
 
             config = SearchConfig(acc_threshold=args.acc_threshold, max_iters=limit, n_init=min(6, limit),
                                   patience=max(4, limit // 3), seed=args.seed)
-            result = bayesian_search(space, evaluate, config, cr_prior=lambda s: nominal_cr(s, shape))
+            result = bayesian_search(space, evaluate, config, cr_prior=lambda s: nominal_cr(s, shape, n_tokens=n_tokens))
         profile = build_profile(result, workload, objective.probe_bytes)
         path = os.path.join(args.out, f"{workload}.json")
         save_profile(path, profile)

@@ -30,6 +30,7 @@ from jkv.compression.spec import PipelineSpec
 log = logging.getLogger(__name__)
 
 POOL_ITEMSIZE = 4  # the host pools hold float32 KV
+TIERS_PREFIX = "tiers:"  # `tokens.TierConfig` ids: Table-1 methods, not servable on the KV path
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,11 @@ def wire_profiles(profile: ProfileFile) -> list[Profile]:
     """Controller lines for float32 pools sending fp16 containers. Profile files count fp16 bytes;
     V is float32 bytes here, so both cr and s_p (bytes per second of codec time) scale by 4 / 2."""
     scale = POOL_ITEMSIZE / WIRE_ITEMSIZE
-    return [Profile(p.spec_id, p.cr * scale, p.throughput_Bps * scale, p.accuracy) for p in profile.points]
+    servable = [p for p in profile.points if not p.spec_id.startswith(TIERS_PREFIX)]
+    if len(servable) < len(profile.points):
+        log.info("profile %s: %d token-tier points skipped (they drop tokens per head; the disaggregated decode "
+                 "attends densely)", profile.workload, len(profile.points) - len(servable))
+    return [Profile(p.spec_id, p.cr * scale, p.throughput_Bps * scale, p.accuracy) for p in servable]
 
 
 def path_profiles(profile: ProfileFile, path_Bps: dict[str, float]) -> list[Profile]:
@@ -132,7 +137,7 @@ class CompressionPolicy:
         codec = codec or KVCodec(min_chunk_tokens=min_chunk_tokens)
         for f in self.files:
             for p in f.points:
-                if p.spec_id not in self.path_Bps:
+                if p.spec_id not in self.path_Bps and not p.spec_id.startswith(TIERS_PREFIX):
                     self.path_Bps[p.spec_id] = path_throughput_Bps(
                         codec.pipeline(p.spec_id), kv_probe, min_chunk_tokens=min_chunk_tokens,
                         blocks_per_layer=blocks_per_layer, repeats=repeats)

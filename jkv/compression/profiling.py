@@ -107,8 +107,10 @@ def encode_space(space: Sequence[PipelineSpec]) -> np.ndarray:
     """f32[len(space), F]: one-hot of every categorical feature, min-max of every numeric one."""
     feats = [s.features() for s in space]
     columns = []
-    for key in sorted(feats[0]):
-        values = [f[key] for f in feats]
+    keys = sorted({k for f in feats for k in f})  # a mixed space (pipelines + token tiers): the union
+    for key in keys:
+        kind = next(f[key] for f in feats if key in f)
+        values = [f.get(key, "-" if isinstance(kind, str) else 0.0) for f in feats]
         if isinstance(values[0], str):
             for cat in sorted(set(values)):
                 columns.append([float(v == cat) for v in values])
@@ -119,14 +121,18 @@ def encode_space(space: Sequence[PipelineSpec]) -> np.ndarray:
     return np.asarray(columns, dtype=np.float64).T
 
 
-def nominal_cr(spec: PipelineSpec, shape: tuple[int, int, int] = (3, 1024, 64), itemsize: int = 2) -> float:
+def nominal_cr(spec: PipelineSpec, shape: tuple[int, int, int] = (3, 1024, 64), itemsize: int = 2,
+               n_tokens: int | None = None) -> float:
     """CR of the transform + quantizer stages computed from the section layout (no data, no codec).
 
     For MixHQ, `retrieval_pct` % of heads at `bits` and the rest at `low_bits`; for a mixed table,
     the average over layers. A cheap CR prior for the search (the codec only adds to it) — except
     for the entropy-coded `ec` quantizer behind a codec, whose 4-bit codes are counted at the
-    Gaussian entropy estimate `ec_bits_estimate(step)` (the codec is what makes it pay).
+    Gaussian entropy estimate `ec_bits_estimate(step)` (the codec is what makes it pay). A token-tier
+    spec (`tokens.TierConfig`) weights its pipelines by their token shares at `n_tokens` per request.
     """
+    if hasattr(spec, "nominal_cr"):  # a request-level spec (token tiers) knows its own layout
+        return spec.nominal_cr(shape, itemsize, n=n_tokens or shape[1])
     h = shape[0]
     ec_code_frac = (ec_bits_estimate(spec.quantizer.step) / 4
                     if spec.quantizer.method == "ec" and spec.codec.name != "none" else 1.0)
@@ -211,7 +217,8 @@ def bayesian_search(space: Sequence[PipelineSpec], evaluate: Objective, config: 
     if prior is not None and not np.all(np.isfinite(prior) & (prior > 0)):
         raise ValueError("cr_prior must return finite CR > 0 for every spec")
     codecs = np.array([s.codec.id for s in space])
-    families = np.array([f"{s.transform.name}/{s.quantizer.method}" for s in space])
+    # A spec may name its own pruning family (token tiers: `tokens.TierConfig.family`).
+    families = np.array([getattr(s, "family", None) or f"{s.transform.name}/{s.quantizer.method}" for s in space])
     acc_model, cr_model = _Surrogate(x_all.shape[1], config.seed), _Surrogate(x_all.shape[1], config.seed)
     rng = np.random.default_rng(config.seed)
     remaining = np.ones(len(space), dtype=bool)

@@ -15,6 +15,9 @@ same teacher-forced continuation on the decompressed cache. Accuracy = mean top-
 next-token predictions with the uncompressed cache's (the `jkv eval` fidelity metric:
 `jkv.eval.fidelity.fidelity_metrics`, which also gives KL and the perplexity ratio). `task_scores`
 additionally generates greedily and scores the text with the task's own scorer (Table-1 style).
+A spec may also be a token-tier config (`tokens.TierConfig`: per-head SnapKV token selection from the
+sample's own observation window, decoded with the per-head masked decoder), and `layer_sensitivity`
+measures how much loss each layer carries (the per-layer precision tables of the search space).
 
 Shapes: per layer K, V: [H_kv, N, D]. No threads.
 """
@@ -31,6 +34,7 @@ from jkv.compression.pipeline import Calibration, Pipeline, decode_block
 from jkv.compression.spec import PipelineSpec
 from jkv.compression.streaming import (MaskedDecoder, StreamingConfig, StreamingPlan, decode_request,
                                        encode_request, request_bytes)
+from jkv.compression.tokens import TierConfig
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +214,30 @@ class ModelObjective:
             enc += request_bytes(blobs)
         return decoded, keeps, raw / enc, time.perf_counter() - t0
 
+    def token_importance(self, i: int, cfg: TierConfig) -> np.ndarray:
+        """f32[L, H_kv, N]: sample i's SnapKV importance from its own observation window (cached)."""
+        from jkv.compression.tokens import token_importance
+
+        key = ("tokens", i, cfg.window, cfg.pool)
+        if key not in self._scores:
+            self._scores[key] = token_importance(self.model, self.samples[i].prompt, self.kv16[i], cfg.window, cfg.pool)
+        return self._scores[key]
+
+    def tiered_roundtrip(self, cfg: TierConfig):
+        """Per sample: token tiers from the sample's own observation window, encode, decode.
+        Returns (decoded kv, keep masks, CR with every byte counted, seconds)."""
+        from jkv.compression import tokens
+
+        decoded, keeps, raw, enc, t0 = [], [], 0, 0, time.perf_counter()
+        for i, kv16 in enumerate(self.kv16):
+            blobs = tokens.encode_request(cfg, tokens.plan_tiers(self.token_importance(i, cfg), cfg), kv16)
+            kv, keep = tokens.decode_request(blobs)
+            decoded.append(kv)
+            keeps.append(None if keep.all() else keep)
+            raw += sum(k.nbytes + v.nbytes for k, v in kv16)
+            enc += tokens.request_bytes(blobs)
+        return decoded, keeps, raw / enc, time.perf_counter() - t0
+
     def roundtrip(self, spec: PipelineSpec):
         pipe = Pipeline(spec, self.calibration)
         decoded, raw, enc, latency = [], 0, 0, 0.0
@@ -219,14 +247,19 @@ class ModelObjective:
             raw, enc, latency = raw + r, enc + e, latency + t
         return decoded, raw / enc, latency
 
-    def _decoded(self, spec: PipelineSpec, streaming: StreamingConfig | None):
+    def _decoded(self, spec, streaming: StreamingConfig | None):
+        if isinstance(spec, TierConfig):
+            if streaming is not None:
+                raise ValueError(f"{spec.id}: token tiers already decide what each head keeps; no streaming config")
+            return self.tiered_roundtrip(spec)
         if streaming is None:
             decoded, cr, latency = self.roundtrip(spec)
             return decoded, [None] * len(decoded), cr, latency
         return self.streaming_roundtrip(spec, streaming)
 
-    def measure(self, spec: PipelineSpec, streaming: StreamingConfig | None = None) -> SpecResult:
-        """Fidelity and CR of `spec` (optionally after streaming-head pruning: `streaming`)."""
+    def measure(self, spec, streaming: StreamingConfig | None = None) -> SpecResult:
+        """Fidelity and CR of `spec` (a PipelineSpec, optionally after streaming-head pruning:
+        `streaming`; or a token-tier config `tokens.TierConfig`)."""
         from jkv.eval.fidelity import fidelity_metrics
 
         decoded, keeps, cr, latency = self._decoded(spec, streaming)
@@ -237,12 +270,12 @@ class ModelObjective:
         sid = spec.id if streaming is None else f"{streaming.id}:{spec.id}"
         return SpecResult(sid, mean["top1"], mean["kl"], mean["ppl_ratio"], cr, latency)
 
-    def __call__(self, spec: PipelineSpec) -> tuple[float, float, float]:
+    def __call__(self, spec) -> tuple[float, float, float]:
         r = self.measure(spec)
         log.info("%s: accuracy %.3f, CR %.2f, %.2fs", spec.id, r.accuracy, r.cr, r.latency_s)
         return r.accuracy, r.cr, r.latency_s
 
-    def task_scores(self, spec: PipelineSpec | None, streaming: StreamingConfig | None = None) -> list[float]:
+    def task_scores(self, spec, streaming: StreamingConfig | None = None) -> list[float]:
         """Per sample: the task's score of greedy text on the decompressed (None: original) cache;
         samples without a scorer (continuation) score min(1, exp(-mean NLL increase)) of the true tokens."""
         from jkv.eval.fidelity import fidelity_metrics
@@ -261,3 +294,22 @@ class ModelObjective:
                 continue
             scores.append(float(s.task.score(tok.decode(self.generate(kv, i, s.task.max_tokens, keep)))))
         return scores
+
+
+def layer_sensitivity(obj: ModelObjective, probe: str = "hadamard+kivi2g128+zstdh3", group: int = 5) -> np.ndarray:
+    """f32[L]: how much loss each layer carries — the KL of the teacher-forced continuation when only
+    the `group` layers around it are quantized by `probe` and the others are sent unquantized (an
+    explicit `mixed-` table; every layer gets its group's KL). Measured on the objective's samples."""
+    spec = PipelineSpec.parse(probe)
+    q = spec.quantizer
+    if q.method not in ("kivi", "tok", "ch") or group < 1:
+        raise ValueError(f"layer_sensitivity needs a kivi/tok/ch probe and group >= 1; got {probe!r}, {group=}")
+    n_layers, n_heads = len(obj.kv16[0]), obj.kv16[0][0][0].shape[0]
+    out = np.zeros(n_layers, np.float32)
+    for start in range(0, n_layers, group):
+        rows = ".".join(("f" if not start <= layer < start + group else str(q.bits)) * n_heads
+                        for layer in range(n_layers))
+        mixed = PipelineSpec.parse(f"{spec.transform.id}+mixed-{rows}-g{q.group}+{spec.codec.id}")
+        out[start:start + group] = obj.measure(mixed).kl
+    return out
+

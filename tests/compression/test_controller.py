@@ -193,6 +193,11 @@ def test_bandwidth_estimator_ewma_and_controller_integration():
         est.observe(10, 0.0)
     with pytest.raises(ValueError):
         BandwidthEstimator(alpha=0)
+    est.reset(4e8)  # the link was re-paced to a known rate: start from it, samples forgotten
+    assert est.estimate() == 4e8 and est.samples == 0
+    assert ctl.decide(ctx).bandwidth_Bps == pytest.approx(4e8)
+    with pytest.raises(ValueError, match="initial_Bps"):
+        est.reset(0.0)
 
 
 def test_from_profile_files_and_validation():
@@ -272,3 +277,47 @@ def test_overlap_margin_keeps_break_even_requests_uncompressed():
         Context(bandwidth_Bps=b, **ctx)).profile.name == "p"
     with pytest.raises(ValueError, match="min_gain"):
         ControllerConfig(min_gain=1.0)
+
+
+def test_identity_when_every_predicted_gain_is_below_min_gain_even_while_exploring():
+    # Profiles whose overlap-aware predicted gain over T_0 is below min_gain never pass the filter,
+    # so neither greedy choice nor epsilon exploration (among the filtered candidates) can pick them.
+    v, tp = 10**9, 0.2
+    prof = {"code": [Profile("a", cr=8.0, throughput_Bps=v / 0.01, quality=0.95),   # T_p = 0.21
+                     Profile("b", cr=4.0, throughput_Bps=v / 0.005, quality=0.95)]}  # T_p = 0.205
+    ctl = Controller(prof, ControllerConfig(epsilon=1.0, min_gain=0.05, seed=3))
+    b = v / 0.214  # T_0 = 0.214: gains 1.9 % and 4.2 %, both below 5 %
+    ctx = Context("code", t_slo_s=1e6, q_min=0.9, kv_bytes=v, t_model_s=tp, bandwidth_Bps=b)
+    for _ in range(50):
+        d = ctl.decide(ctx)
+        assert d.profile.name == BASELINE and d.candidates == (BASELINE,)
+        ctl.observe(d, d.predicted_s)
+    # Raise the gain above the margin: "b" (T_p 0.205 vs T_0 0.25, 18 %) becomes the greedy choice.
+    d = Controller(prof, ControllerConfig(epsilon=0.0, min_gain=0.05)).decide(
+        Context("code", t_slo_s=1e6, q_min=0.9, kv_bytes=v, t_model_s=tp, bandwidth_Bps=v / 0.25))
+    assert d.profile.name == "b"
+
+
+def test_long_lived_controller_abandons_a_profile_whose_codec_cost_was_underpredicted():
+    # The profile's charged codec cost is 0.01 s; in place it costs 0.08 s (shared cores). It passes
+    # the filter (T_p 0.21 vs T_0 0.25), is chosen once, and its residual (+0.07 s plus the shared
+    # 0.13 s tail) makes it lose to the baseline, whose own residual is only the tail: from then on a
+    # long-lived controller keeps the request uncompressed (the residual correction of Eqs. 7-8).
+    v, tp, tail = 10**9, 0.2, 0.13
+    prof = {"code": [Profile("p", cr=8.0, throughput_Bps=v / 0.01, quality=0.95)]}
+    ctl = Controller(prof, ControllerConfig(epsilon=0.0))
+    ctx = Context("code", t_slo_s=1e6, q_min=0.9, kv_bytes=v, t_model_s=tp, bandwidth_Bps=v / 0.25)
+
+    def truth(name):
+        return max(tp + 0.08, 0.25 / 8) + tail if name == "p" else max(tp, 0.25) + tail
+
+    chosen = []
+    for _ in range(20):
+        d = ctl.decide(ctx)
+        chosen.append(d.profile.name)
+        ctl.observe(d, truth(d.profile.name))
+    assert chosen[0] == "p" and set(chosen[1:]) == {BASELINE}
+    assert ctl.residual(d.env_key, "p") == pytest.approx(0.07 + tail)
+    assert ctl.residual(d.env_key, BASELINE) == pytest.approx(tail)
+    # A fresh controller per request (what the JCT sweep did before) repeats the mistake every time.
+    assert all(Controller(prof, ControllerConfig(epsilon=0.0)).decide(ctx).profile.name == "p" for _ in range(3))
