@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.disagg import protocol as proto
+from jkv.disagg.hint import make_hint
 from jkv.disagg.lookahead import LayerLookahead
 from jkv.disagg.selectors import needs_metadata
 from jkv.engine import Request, _StopChecker, check_context
@@ -109,11 +110,13 @@ class _Phases:
     Phases: qkv, select, split, remote_issue, local, remote_wait, scatter, attend, spec, logits.
     `remote_wait` is the time the step blocked on on-demand replies after the local lane.
     Counters (ints, keys ending in "_n"): od_bytes_n (on-demand reply bytes), selected_n,
-    remote_n (selected entries, all requests), fetches_n (fetch RPCs)."""
+    remote_n (selected entries, all requests), fetches_n (fetch RPCs), cpu_us_n (process CPU)."""
 
-    def __init__(self):
+    def __init__(self, probe=None):
+        self.probe = probe  # optional: () -> CPU seconds of other processes (a benchmark's prefill workers)
         self.steps: list[dict] = []
         self._t = time.perf_counter()
+        self._cpu = time.process_time()
 
     MAX_STEPS = 8192  # a server's running set may never empty: keep the latest steps only
 
@@ -122,6 +125,15 @@ class _Phases:
             del self.steps[:self.MAX_STEPS // 2]
         self.steps.append({})
         self._t = time.perf_counter()
+        self._cpu = time.process_time()
+        self._probed = self.probe() if self.probe is not None else None
+
+    def end_step(self) -> None:
+        """cpu_us_n: CPU time of this whole process (every thread: engine, lookahead helper,
+        transport, XLA) during the step, in microseconds; probe_cpu_us_n: the probe's."""
+        self.count("cpu_us_n", (time.process_time() - self._cpu) * 1e6)
+        if self.probe is not None and self._probed is not None:
+            self.count("probe_cpu_us_n", (self.probe() - self._probed) * 1e6)
 
     def count(self, key: str, n: int) -> None:
         if self.steps:
@@ -225,6 +237,7 @@ class DecodeWorker:
         self.phases = _Phases()
         self._split = _split_rows
         self._lookahead = LayerLookahead(self.endpoint, cfg.num_kv_heads, cfg.head_dim)
+        self._hint = make_hint(selector) if transfer.layer_lookahead else None  # None: the hint calls select
         # Continuous admission: submissions and cancels of queued ones cross threads via these;
         # everything below them is engine-thread state.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -522,7 +535,7 @@ class DecodeWorker:
         if not joined:
             return
         if not self._running:
-            self.phases = _Phases()
+            self.phases = _Phases(self.phases.probe)
         self._restack(self._running + joined)
         for lv in joined:
             self._maybe_release(lv)
@@ -713,6 +726,8 @@ class DecodeWorker:
                 else:
                     def make_hint(nxt=nxt, x_in=x, meta=metadata[nxt]):
                         q_hint = model.qkv(nxt, x_in, pos)[0]
+                        if self._hint is not None:  # the selected set only, no ordered top-k (hint.py)
+                            return self._hint(nxt, q_hint, meta, lengths_now), q_hint
                         return np.asarray(sel.select(nxt, q_hint, meta, lengths_now)), q_hint
                     hint_q[nxt] = lookahead.start(lives, nxt, make_hint, clock)
                 clock.lap("lookahead")
@@ -760,6 +775,7 @@ class DecodeWorker:
         else:
             current = np.asarray(jnp.argmax(logits, -1), np.int32)
         clock.lap("logits")
+        clock.end_step()
         for b, lv in enumerate(lives):
             lv.steps, lv.current = int(steps[b]), int(current[b])
             lv.position = min(lv.position + 1, lv.kv.capacity - 1)

@@ -86,6 +86,8 @@ class LayerLookahead:
         """Compute `make_hint() -> (hint i32[B*H_kv, k], extra)` and `issue` it, on the helper thread
         when threaded; `complete(layer)` joins it. Returns a callable giving `extra` (joins)."""
         gate = self._gates[layer] = threading.Event()
+        if not self.gated:
+            gate.set()
 
         def run():
             hint, extra = make_hint()
@@ -99,6 +101,7 @@ class LayerLookahead:
         fut = self._started[layer] = self._pool.submit(run)
         return fut.result
 
+    gated = True  # hold a prefetch until the previous layer's synchronous fetch is on the wire
     PREFETCH_TIMEOUT_S = 60.0  # a hint is never waited for without bound (the sync fetch takes over)
     GATE_TIMEOUT_S = 5.0  # a gate nobody opens (an aborted layer) delays the hint, never hangs it
 
@@ -111,15 +114,16 @@ class LayerLookahead:
             if not lv.active or lv.released or lv.owner is None:
                 continue
             mask, fetched, cap = lv.kv.mask[layer], lv.fetched[layer], lv.kv.capacity
-            counts, parts, segs = [], [], []
+            idx = hint[b * H:(b + 1) * H]  # [H_kv, w]: each row's positions are distinct
+            ok = (idx >= 0) & (idx < cap)
+            safe = np.where(ok, idx, 0)
+            want = ok & (mask[safe] == REMOTE) & ~np.take_along_axis(fetched, safe, axis=1)
+            counts, parts, segs = want.sum(axis=1).tolist(), [], []
             for h in range(H):
-                idx = hint[b * H + h]
-                idx = idx[(idx >= 0) & (idx < cap)]
-                want = np.unique(idx[(mask[idx] == REMOTE) & ~fetched[h, idx]]).astype(np.int32)
-                counts.append(int(want.size))
-                if want.size:
-                    parts.append(want)
-                    segs.append((b, h, want))
+                if counts[h]:
+                    rows = idx[h][want[h]].astype(np.int32)
+                    parts.append(rows)
+                    segs.append((b, h, rows))
             if segs:
                 items, all_parts, all_segs = by_owner.setdefault(lv.owner, ([], [], []))
                 items.append([lv.rid, counts])
