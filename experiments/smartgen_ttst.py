@@ -319,8 +319,9 @@ def write_modes(runs, modes, tag, max_tokens, tp, bw, same, args):
                   f" | od {ph.get('od_bytes_n', 0) / 1e6:.2f} MB, remote/selected "
                   f"{ph.get('remote_n', 0) / max(ph.get('selected_n', 1), 1):.3f}, prefetched "
                   f"{ph.get('prefetch_bytes_n', 0) / 1e6:.2f} MB, hits {ph.get('prefetch_hit_n', 0):.0f}/"
-                  f"{ph.get('remote_n', 0):.0f} remote | CPU s: decode process {ph.get('cpu_us_n', 0) / 1e6:.3f}, "
-                  f"prefill processes {ph.get('probe_cpu_us_n', 0) / 1e6:.3f}")
+                  f"{ph.get('remote_n', 0):.0f} remote | CPU s: decode process {ph.get('cpu_us_n', 0) / 1e6:.3f} "
+                  f"(engine thread {ph.get('engine_cpu_us_n', 0) / 1e6:.3f}, hint thread "
+                  f"{ph.get('hint_cpu_us_n', 0) / 1e6:.3f}), prefill processes {ph.get('probe_cpu_us_n', 0) / 1e6:.3f}")
     print(f"link bound: full TTST >= {figures['ttst_full_link_s']:.1f}s, smartgen TTST >= "
           f"{figures['ttst_smartgen_link_s']:.1f}s (metadata {figures['metadata_MB']:.1f} MB + proactive "
           f"{figures['smartgen_proactive_MB']:.1f} MB + step-1 on-demand {figures['smartgen_step1_on_demand_MB']:.1f} MB"

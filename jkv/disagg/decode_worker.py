@@ -126,12 +126,15 @@ class _Phases:
         self.steps.append({})
         self._t = time.perf_counter()
         self._cpu = time.process_time()
+        self._engine_cpu = time.thread_time()
         self._probed = self.probe() if self.probe is not None else None
 
     def end_step(self) -> None:
         """cpu_us_n: CPU time of this whole process (every thread: engine, lookahead helper,
-        transport, XLA) during the step, in microseconds; probe_cpu_us_n: the probe's."""
+        transport, XLA) during the step, in microseconds; engine_cpu_us_n: the calling (engine)
+        thread's; probe_cpu_us_n: the probe's. Called on the thread that called new_step."""
         self.count("cpu_us_n", (time.process_time() - self._cpu) * 1e6)
+        self.count("engine_cpu_us_n", (time.thread_time() - self._engine_cpu) * 1e6)
         if self.probe is not None and self._probed is not None:
             self.count("probe_cpu_us_n", (self.probe() - self._probed) * 1e6)
 
@@ -705,6 +708,11 @@ class DecodeWorker:
         lookahead = self._lookahead if self.transfer.layer_lookahead and not sel.is_dense else None
         hint_q: dict[int, object] = {}  # layer -> its speculative query, from the previous layer's input
         self._lookahead.clear()
+        # Gate the prefetches only in a request's first step: there a layer's prefetch is large
+        # (a whole layer's selection, ~0.6 s of link at 4 x 2K), and a row the hint missed would wait
+        # behind it. Later a prefetch is small and the hint misses ~0 rows (its margin): holding it
+        # until the select of the layer before has run would leave the link idle meanwhile.
+        self._lookahead.gated = any(lv.steps == 0 for lv in lives)
         # The hint selects with this step's lengths (current token included) although the metadata
         # lacks that token's key: budget k and the always-kept sink/recent tokens then match the real
         # selection's exactly (with the shorter length a kept-recent boundary token shifts and ~12%

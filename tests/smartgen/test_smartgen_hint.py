@@ -69,6 +69,7 @@ def test_step_cpu_counters_follow_the_process_and_the_probe():
     clock.end_step()
     step = clock.steps[-1]
     assert step["cpu_us_n"] > 1000 and step["probe_cpu_us_n"] == 250_000
+    assert 1000 < step["engine_cpu_us_n"] <= step["cpu_us_n"] + 10_000  # this thread's share (tick rounding)
     bare = _Phases()
     bare.new_step(), bare.end_step()
     assert "probe_cpu_us_n" not in bare.steps[-1] and "cpu_us_n" in bare.steps[-1]
