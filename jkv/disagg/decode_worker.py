@@ -240,7 +240,8 @@ class DecodeWorker:
         self.phases = _Phases()
         self._split = _split_rows
         self._lookahead = LayerLookahead(self.endpoint, cfg.num_kv_heads, cfg.head_dim)
-        self._hint = make_hint(selector) if transfer.layer_lookahead else None  # None: the hint calls select
+        self._hint = (make_hint(selector, transfer.hint_margin)  # None: the hint calls select
+                      if transfer.layer_lookahead and transfer.hint_margin is not None else None)
         # Continuous admission: submissions and cancels of queued ones cross threads via these;
         # everything below them is engine-thread state.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -712,7 +713,7 @@ class DecodeWorker:
         # (a whole layer's selection, ~0.6 s of link at 4 x 2K), and a row the hint missed would wait
         # behind it. Later a prefetch is small and the hint misses ~0 rows (its margin): holding it
         # until the select of the layer before has run would leave the link idle meanwhile.
-        self._lookahead.gated = any(lv.steps == 0 for lv in lives)
+        self._lookahead.gated = self.transfer.lookahead_gate == "always" or any(lv.steps == 0 for lv in lives)
         # The hint selects with this step's lengths (current token included) although the metadata
         # lacks that token's key: budget k and the always-kept sink/recent tokens then match the real
         # selection's exactly (with the shorter length a kept-recent boundary token shifts and ~12%

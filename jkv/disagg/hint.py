@@ -104,9 +104,9 @@ def _infinigen_rank(skew, q, metadata, lengths, *, alpha, max_ratio, group_score
     return rank.reshape(batch * num_kv_heads, capacity), jnp.repeat(keep, num_kv_heads)
 
 
-def make_hint(selector):
+def make_hint(selector, margin: int = InfiniGenHint.DEFAULT_MARGIN):
     """A cheap set-only hint for `selector`, or None (then the lookahead calls `select`)."""
     from jkv.selection.infinigen import InfiniGen
     if isinstance(selector, InfiniGen):
-        return InfiniGenHint(selector)
+        return InfiniGenHint(selector, margin)
     return None

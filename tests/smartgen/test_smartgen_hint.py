@@ -50,10 +50,18 @@ def test_only_infinigen_has_a_hint_and_the_decode_worker_uses_it_with_lookahead(
     on = DecodeWorker(model, selectors["infinigen"], TransferConfig(mode="smartgen", kr_fraction=0.3), secret=SECRET)
     off = DecodeWorker(model, selectors["infinigen"], TransferConfig(mode="smartgen", kr_fraction=0.3,
                                                                      lookahead=False), secret=SECRET)
+    plain = DecodeWorker(model, selectors["infinigen"], TransferConfig(mode="smartgen", kr_fraction=0.3,
+                                                                       hint_margin=None), secret=SECRET)
     try:
-        assert isinstance(on._hint, InfiniGenHint) and off._hint is None
+        assert isinstance(on._hint, InfiniGenHint) and on._hint.margin == 8 and off._hint is None
+        assert plain._hint is None  # hint_margin=None: the lookahead hints with the selector's select
     finally:
-        on.close(), off.close()
+        on.close(), off.close(), plain.close()
+    assert make_hint(selectors["infinigen"], 0).margin == 0
+    with pytest.raises(ValueError, match="hint_margin=-1"):
+        TransferConfig(hint_margin=-1)
+    with pytest.raises(ValueError, match="lookahead_gate='never'"):
+        TransferConfig(lookahead_gate="never")
 
 
 def test_step_cpu_counters_follow_the_process_and_the_probe():
