@@ -112,6 +112,17 @@ def main(argv=None) -> int:
     p.add_argument("--spec-without-full", action="store_true",
                    help="spec part alone: skip the full-transfer reference run (tokens are compared among the "
                         "spec runs; Fig. 14 has no full line)")
+    p.add_argument("--tp", type=float, default=None,
+                   help="batch prefill time Tp in seconds to pace from (default: the minimum of --tp-runs warm "
+                        "prefills); pass the Tp a first run printed to pace a second run the same way")
+    p.add_argument("--tp-runs", type=int, default=3, help="warm prefills whose minimum is Tp")
+    p.add_argument("--bandwidth-mbit", type=float, default=None,
+                   help="pace each prefill worker to this many Mbit/s instead of ratio x Tp")
+    p.add_argument("--save-runs", default=None,
+                   help="pickle the 'modes' part's runs and pace to this file (first half of a split run)")
+    p.add_argument("--merge-runs", default=None,
+                   help="a --save-runs file: pace exactly as it did (same Tp and Mbit/s), run only the --modes it "
+                        "lacks, and report all of them together (second half of a split run)")
     p.add_argument("--strategy-tokens", type=int, default=None, help="new tokens per strategy run (default 16/12)")
     args = p.parse_args(argv)
     prompt_len = args.prompt_len or (512 if args.quick else 2048)
@@ -120,26 +131,48 @@ def main(argv=None) -> int:
     os.makedirs(RESULTS, exist_ok=True)
     parts = set(filter(None, args.parts.split(","))) - set(filter(None, args.skip.split(",")))
     modes = tuple(m for m in args.modes.split(",") if m)
-    if "modes" in parts and not {"full", "smartgen"} <= set(modes):
+    saved = {}
+    if args.merge_runs:
+        import pickle
+        with open(args.merge_runs, "rb") as f:
+            saved = pickle.load(f)
+        if (saved["requests"], saved["prompt_len"], saved["max_tokens"]) != (args.requests, prompt_len, max_tokens):
+            raise SystemExit(f"--merge-runs {args.merge_runs}: saved with requests/prompt-len/max-tokens "
+                             f"{saved['requests']}/{saved['prompt_len']}/{saved['max_tokens']}; pass the same")
+        args.tp, args.bandwidth_mbit = saved["tp"], saved["bw"] / 1e6
+        modes = tuple(m for m in MODES if m in set(modes) | {k[1] for k in saved["runs"]})
+    if "modes" in parts and not {"full", "smartgen"} <= set(modes) and not args.save_runs:
         raise SystemExit("--modes must include full and smartgen (the ratios compare them)")
     common = {} if args.lookahead == "default" else dict(lookahead=args.lookahead == "on")
     fractions = [float(f) for f in args.strategy_fractions.split(",") if f]
     strategy_tokens = args.strategy_tokens or (12 if args.quick else 16)
     t_start = time.perf_counter()
     h = Harness(args.model, args.selector, args.workers, max_blocks=args.max_blocks)
-    runs = {}
+    runs = dict(saved.get("runs", {}))
     tp = bw = None
     try:
         prompts = h.eval_prompts(args.requests, prompt_len)
         h.build_profile(prompt_len)
         if parts & {"modes", "spec"}:
-            tp, bw = h.pace_link(prompts, args.ratio)
+            tp, bw = h.pace_link(prompts, args.ratio, tp_runs=args.tp_runs, tp=args.tp,
+                                 bandwidth_bps=None if args.bandwidth_mbit is None else args.bandwidth_mbit * 1e6)
+            args.tp_samples = list(saved.get("tp_samples", h.tp_samples))
+            args.pace_load = saved.get("pace_load", os.getloadavg()[0])
         if "modes" in parts:
             for mode in modes:
+                if ("mode", mode) in runs:  # from --merge-runs
+                    continue
                 t = time.perf_counter()
                 kw = common if mode != "full" else {}
                 runs[("mode", mode)] = h.run(mode, prompts, max_tokens, **kw)
                 print(f"  {mode:<10} {time.perf_counter() - t:6.1f}s  (load {os.getloadavg()[0]:.1f})", flush=True)
+        if args.save_runs and "modes" in parts:
+            import pickle
+            with open(args.save_runs, "wb") as f:
+                pickle.dump(dict(tp=tp, bw=bw, tp_samples=args.tp_samples, pace_load=args.pace_load,
+                                 requests=args.requests, prompt_len=prompt_len, max_tokens=max_tokens,
+                                 runs={k: v for k, v in runs.items() if k[0] == "mode"}), f)
+            print(f"saved the runs of {', '.join(modes)} to {args.save_runs}", flush=True)
         if "spec" in parts:
             for r in SPEC_RATIOS:
                 runs[("spec", r)] = (runs[("mode", "smartgen")] if r == 0.10 and ("mode", "smartgen") in runs
@@ -173,7 +206,7 @@ def main(argv=None) -> int:
         write_strategy(runs, tag, fractions)
     if "spec" in parts:
         write_spec(runs, tag)
-    if "modes" in parts:
+    if "modes" in parts and {("mode", "full"), ("mode", "smartgen")} <= set(runs):
         write_modes(runs, modes, tag, max_tokens, tp, bw, same, args)
     print(f"\nload average now {os.getloadavg()}")
     print(f"identical tokens in every run: {same and strategy_same}; total {time.perf_counter() - t_start:.0f}s")
@@ -229,7 +262,8 @@ def write_modes(runs, modes, tag, max_tokens, tp, bw, same, args):
         ttst_full_over_smartgen=summary["full"]["ttst"] / summary["smartgen"]["ttst"],
         tbt_smartgen_over_full_11_64=tbt_window(smart, 11, hi) / tbt_window(full, 11, hi),
         tbt_smartgen_3_10=tbt_window(smart, 3, 10), tp_s=tp, bandwidth_mbit=bw / 1e6, identical_tokens=same,
-        load_avg_1min=os.getloadavg()[0])
+        load_avg_1min=os.getloadavg()[0], tp_samples_s=" ".join(f"{t:.2f}" for t in args.tp_samples) or "given",
+        load_avg_at_pacing=args.pace_load)
     if ("mode", "partial") in runs:
         figures["tbt_partial_3_10"] = tbt_window(runs[("mode", "partial")], 3, 10)
     figures.update(link_bounds(runs, bw, args.workers, max_tokens))
@@ -265,7 +299,8 @@ def write_modes(runs, modes, tag, max_tokens, tp, bw, same, args):
                     w.writerow([mode, window, k, v])
     plot(runs, summary, modes, tag)
 
-    print(f"\nTp={tp:.2f}s, paced {bw / 1e6:.1f} Mbit/s per prefill worker, {args.requests} x "
+    print(f"\nTp={tp:.2f}s (samples: {figures['tp_samples_s']}, load {args.pace_load:.1f}), paced "
+          f"{bw / 1e6:.2f} Mbit/s per prefill worker ({figures['link_MBps']:.2f} MB/s for all), {args.requests} x "
           f"{len(full[0].prompt_token_ids)} tokens")
     print(f"{'mode':<10} {'TTFT':>6} {'TTST':>7} {'meanTBT ms':>10} {'on-demand':>9}")
     for mode in modes:
@@ -284,7 +319,9 @@ def write_modes(runs, modes, tag, max_tokens, tp, bw, same, args):
                   f" | od {ph.get('od_bytes_n', 0) / 1e6:.2f} MB, remote/selected "
                   f"{ph.get('remote_n', 0) / max(ph.get('selected_n', 1), 1):.3f}, prefetched "
                   f"{ph.get('prefetch_bytes_n', 0) / 1e6:.2f} MB, hits {ph.get('prefetch_hit_n', 0):.0f}/"
-                  f"{ph.get('remote_n', 0):.0f} remote")
+                  f"{ph.get('remote_n', 0):.0f} remote | CPU s: decode process {ph.get('cpu_us_n', 0) / 1e6:.3f} "
+                  f"(engine thread {ph.get('engine_cpu_us_n', 0) / 1e6:.3f}, hint thread "
+                  f"{ph.get('hint_cpu_us_n', 0) / 1e6:.3f}), prefill processes {ph.get('probe_cpu_us_n', 0) / 1e6:.3f}")
     print(f"link bound: full TTST >= {figures['ttst_full_link_s']:.1f}s, smartgen TTST >= "
           f"{figures['ttst_smartgen_link_s']:.1f}s (metadata {figures['metadata_MB']:.1f} MB + proactive "
           f"{figures['smartgen_proactive_MB']:.1f} MB + step-1 on-demand {figures['smartgen_step1_on_demand_MB']:.1f} MB"

@@ -68,6 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.disagg import protocol as proto
+from jkv.disagg.hint import make_hint
 from jkv.disagg.lookahead import LayerLookahead
 from jkv.disagg.selectors import needs_metadata
 from jkv.engine import Request, _StopChecker, check_context
@@ -109,11 +110,13 @@ class _Phases:
     Phases: qkv, select, split, remote_issue, local, remote_wait, scatter, attend, spec, logits.
     `remote_wait` is the time the step blocked on on-demand replies after the local lane.
     Counters (ints, keys ending in "_n"): od_bytes_n (on-demand reply bytes), selected_n,
-    remote_n (selected entries, all requests), fetches_n (fetch RPCs)."""
+    remote_n (selected entries, all requests), fetches_n (fetch RPCs), cpu_us_n (process CPU)."""
 
-    def __init__(self):
+    def __init__(self, probe=None):
+        self.probe = probe  # optional: () -> CPU seconds of other processes (a benchmark's prefill workers)
         self.steps: list[dict] = []
         self._t = time.perf_counter()
+        self._cpu = time.process_time()
 
     MAX_STEPS = 8192  # a server's running set may never empty: keep the latest steps only
 
@@ -122,6 +125,18 @@ class _Phases:
             del self.steps[:self.MAX_STEPS // 2]
         self.steps.append({})
         self._t = time.perf_counter()
+        self._cpu = time.process_time()
+        self._engine_cpu = time.thread_time()
+        self._probed = self.probe() if self.probe is not None else None
+
+    def end_step(self) -> None:
+        """cpu_us_n: CPU time of this whole process (every thread: engine, lookahead helper,
+        transport, XLA) during the step, in microseconds; engine_cpu_us_n: the calling (engine)
+        thread's; probe_cpu_us_n: the probe's. Called on the thread that called new_step."""
+        self.count("cpu_us_n", (time.process_time() - self._cpu) * 1e6)
+        self.count("engine_cpu_us_n", (time.thread_time() - self._engine_cpu) * 1e6)
+        if self.probe is not None and self._probed is not None:
+            self.count("probe_cpu_us_n", (self.probe() - self._probed) * 1e6)
 
     def count(self, key: str, n: int) -> None:
         if self.steps:
@@ -225,6 +240,8 @@ class DecodeWorker:
         self.phases = _Phases()
         self._split = _split_rows
         self._lookahead = LayerLookahead(self.endpoint, cfg.num_kv_heads, cfg.head_dim)
+        self._hint = (make_hint(selector, transfer.hint_margin)  # None: the hint calls select
+                      if transfer.layer_lookahead and transfer.hint_margin is not None else None)
         # Continuous admission: submissions and cancels of queued ones cross threads via these;
         # everything below them is engine-thread state.
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -522,7 +539,7 @@ class DecodeWorker:
         if not joined:
             return
         if not self._running:
-            self.phases = _Phases()
+            self.phases = _Phases(self.phases.probe)
         self._restack(self._running + joined)
         for lv in joined:
             self._maybe_release(lv)
@@ -692,6 +709,11 @@ class DecodeWorker:
         lookahead = self._lookahead if self.transfer.layer_lookahead and not sel.is_dense else None
         hint_q: dict[int, object] = {}  # layer -> its speculative query, from the previous layer's input
         self._lookahead.clear()
+        # Gate the prefetches only in a request's first step: there a layer's prefetch is large
+        # (a whole layer's selection, ~0.6 s of link at 4 x 2K), and a row the hint missed would wait
+        # behind it. Later a prefetch is small and the hint misses ~0 rows (its margin): holding it
+        # until the select of the layer before has run would leave the link idle meanwhile.
+        self._lookahead.gated = self.transfer.lookahead_gate == "always" or any(lv.steps == 0 for lv in lives)
         # The hint selects with this step's lengths (current token included) although the metadata
         # lacks that token's key: budget k and the always-kept sink/recent tokens then match the real
         # selection's exactly (with the shorter length a kept-recent boundary token shifts and ~12%
@@ -713,6 +735,8 @@ class DecodeWorker:
                 else:
                     def make_hint(nxt=nxt, x_in=x, meta=metadata[nxt]):
                         q_hint = model.qkv(nxt, x_in, pos)[0]
+                        if self._hint is not None:  # the selected set only, no ordered top-k (hint.py)
+                            return self._hint(nxt, q_hint, meta, lengths_now), q_hint
                         return np.asarray(sel.select(nxt, q_hint, meta, lengths_now)), q_hint
                     hint_q[nxt] = lookahead.start(lives, nxt, make_hint, clock)
                 clock.lap("lookahead")
@@ -760,6 +784,7 @@ class DecodeWorker:
         else:
             current = np.asarray(jnp.argmax(logits, -1), np.int32)
         clock.lap("logits")
+        clock.end_step()
         for b, lv in enumerate(lives):
             lv.steps, lv.current = int(steps[b]), int(current[b])
             lv.position = min(lv.position + 1, lv.kv.capacity - 1)

@@ -100,24 +100,39 @@ class Harness:
             peer.call("set_bandwidth", proto.pack(dict(bps=float(bits_per_s))), timeout=30)
         self.bandwidth_bps = float(bits_per_s)
 
-    def pace_link(self, prompts, ratio: float = 6.5, max_tokens: int = 3) -> tuple[float, float]:
+    def pace_link(self, prompts, ratio: float = 6.5, max_tokens: int = 3, tp_runs: int = 3,
+                  tp: float | None = None, bandwidth_bps: float | None = None) -> tuple[float, float]:
         """Warm up (compiles everything) with full transfer on the fast link, take the batch's
         prefill time Tp, then pace each worker so its share's full transfer takes ratio * Tp.
 
-        Tp comes from a run that pushes no KV (Kr = 0, one token): a full push over the
-        unpaced loopback competes with prefill for this machine's cores and inflated Tp by
-        up to ~1.3x at 4 x 1K tokens, while on the paced link the push costs almost no CPU."""
+        Tp is the *minimum* over `tp_runs` warm prefills that push no KV (Kr = 0, one token): the
+        pace must come from what a quiet box achieves, not from one sample taken while other
+        jobs share the cores (one such sample, 38.8 s against 13.5 s quiet at 4 x 2K, paced the
+        link 2.9x slower than intended and made smartgen's per-step on-demand rows 2.6x full's
+        TBT). Load only ever lengthens a prefill, so the minimum is the robust estimate. A full
+        push over the unpaced loopback competes with prefill for the cores (up to ~1.3x at
+        4 x 1K), so the warm-up's prefill time is not used. `tp` (seconds) skips the
+        measurement (e.g. to pace a second run like the first); `bandwidth_bps` (per worker)
+        skips the pacing formula as well."""
+        if tp_runs < 1:
+            raise ValueError(f"tp_runs={tp_runs!r} must be >= 1 (Tp is the minimum over that many prefills)")
         self.set_bandwidth(100e9)
         outs = self.run("full", prompts, max_tokens)
-        quiet = self.run("partial", prompts, 1, kr_fraction=0.0)
-        tp = max(o.metrics.extra["prefill_s"] for o in quiet)
         self.tp_loaded = max(o.metrics.extra["prefill_s"] for o in outs)
         cfg = self.model.cfg
         per_worker = {}
         for o in outs:
             nbytes = 2 * cfg.num_layers * cfg.num_kv_heads * o.metrics.prompt_tokens * cfg.head_dim * 4
             per_worker[o.metrics.extra["owner"]] = per_worker.get(o.metrics.extra["owner"], 0) + nbytes
-        bw = max(per_worker.values()) * 8 / (ratio * tp)
+        self.tp_samples = []
+        if tp is None and bandwidth_bps is None:
+            for _ in range(tp_runs):
+                quiet = self.run("partial", prompts, 1, kr_fraction=0.0)
+                self.tp_samples.append(max(o.metrics.extra["prefill_s"] for o in quiet))
+            tp = min(self.tp_samples)
+        elif tp is None:
+            tp = max(per_worker.values()) * 8 / (ratio * bandwidth_bps)
+        bw = float(bandwidth_bps) if bandwidth_bps is not None else max(per_worker.values()) * 8 / (ratio * tp)
         self.set_bandwidth(bw)
         self.tp = tp
         if self.profile is not None:
@@ -128,8 +143,11 @@ class Harness:
             factor = (tp / share) / self.profile.prefill_time(n)
             for b in self.profile.bins:
                 b.prefill_s *= factor
-        self.say(f"measured Tp={tp:.2f}s for the batch ({self.tp_loaded:.2f}s while pushing all KV unpaced); paced each prefill worker to {bw / 1e6:.1f} Mbit/s so "
-                 f"full transfer takes ~{ratio:g} x Tp")
+        how = (f"min of {len(self.tp_samples)} warm prefills: " + ", ".join(f"{t:.2f}" for t in self.tp_samples)
+               + " s") if self.tp_samples else "given"
+        self.say(f"Tp={tp:.2f}s for the batch ({how}; {self.tp_loaded:.2f}s while pushing all KV unpaced); paced "
+                 f"each prefill worker to {bw / 1e6:.2f} Mbit/s so full transfer takes ~"
+                 f"{max(per_worker.values()) * 8 / bw / tp:.3g} x Tp")
         return tp, bw
 
     # ------------------------------------------------------------------ runs
@@ -140,6 +158,7 @@ class Harness:
             raise ValueError("build_profile() first (or pass kr_fraction)")
         decode = DecodeWorker(self.model, self.selector, TransferConfig(**kw), secret=self._secret,
                               profile=self.profile, oracle_profile=getattr(self, "oracle_profile", None))
+        decode.phases.probe = self.prefill_cpu_s  # per step: the prefill processes' CPU (probe_cpu_us_n)
         try:
             decode.connect(self.workers.addresses)
             requests = [Request(f"{mode}-{i}", p, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
@@ -151,6 +170,18 @@ class Harness:
         if bad:
             raise RuntimeError(f"{mode}: {bad[0]}")
         return outs
+
+    def prefill_cpu_s(self) -> float:
+        """CPU seconds (user + system) the local prefill worker processes have used so far."""
+        total = 0
+        for proc in self.workers.procs:
+            try:
+                with open(f"/proc/{proc.pid}/stat") as f:
+                    fields = f.read().rpartition(")")[2].split()
+            except OSError:  # not Linux, or the process is gone
+                continue
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+        return total / os.sysconf("SC_CLK_TCK")
 
     def build_oracle_profile(self, prompts, steps: int = 16):
         """The 'oracle' proactive strategy: a profile fitted on the served prompts themselves."""

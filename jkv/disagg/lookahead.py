@@ -23,6 +23,13 @@ Threads: `start`, `complete` and `clear` run on the decode worker's engine threa
 compute overlaps layer l's on a second core; the helper touches only layer l+1's mask, fetched
 rows and metadata, which the engine thread leaves alone until `complete(l+1)` has joined it.
 The replies complete on transport threads through their `Transfer` futures.
+
+Gating: in a request's first decode step (`gated`, set per step by the decode worker) a
+prefetch leaves only after the previous layer's synchronous fetch is on the wire: the link is
+FIFO per owner and a first-step prefetch is a whole layer's selection, so a row the hint missed
+would wait behind it. Later steps send each prefetch as soon as its hint exists: the prefetch is
+small, the hint (with its margin) misses almost nothing, and holding it through the previous
+layer's select left the paced link idle for that long every layer.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -86,11 +94,17 @@ class LayerLookahead:
         """Compute `make_hint() -> (hint i32[B*H_kv, k], extra)` and `issue` it, on the helper thread
         when threaded; `complete(layer)` joins it. Returns a callable giving `extra` (joins)."""
         gate = self._gates[layer] = threading.Event()
+        if not self.gated:
+            gate.set()
 
         def run():
+            cpu = time.thread_time()
             hint, extra = make_hint()
+            cpu -= time.thread_time()
             gate.wait(self.GATE_TIMEOUT_S)  # after the engine thread issued layer-1's own fetch
+            cpu += time.thread_time()
             self.issue(lives, layer, hint, clock)
+            clock.count("hint_cpu_us_n", (time.thread_time() - cpu) * 1e6)  # this thread's CPU for the hint
             return extra
         if self._pool is None:
             gate.set()
@@ -99,6 +113,7 @@ class LayerLookahead:
         fut = self._started[layer] = self._pool.submit(run)
         return fut.result
 
+    gated = True  # hold a prefetch until the previous layer's synchronous fetch is on the wire (per step)
     PREFETCH_TIMEOUT_S = 60.0  # a hint is never waited for without bound (the sync fetch takes over)
     GATE_TIMEOUT_S = 5.0  # a gate nobody opens (an aborted layer) delays the hint, never hangs it
 
@@ -111,15 +126,16 @@ class LayerLookahead:
             if not lv.active or lv.released or lv.owner is None:
                 continue
             mask, fetched, cap = lv.kv.mask[layer], lv.fetched[layer], lv.kv.capacity
-            counts, parts, segs = [], [], []
+            idx = hint[b * H:(b + 1) * H]  # [H_kv, w]: each row's positions are distinct
+            ok = (idx >= 0) & (idx < cap)
+            safe = np.where(ok, idx, 0)
+            want = ok & (mask[safe] == REMOTE) & ~np.take_along_axis(fetched, safe, axis=1)
+            counts, parts, segs = want.sum(axis=1).tolist(), [], []
             for h in range(H):
-                idx = hint[b * H + h]
-                idx = idx[(idx >= 0) & (idx < cap)]
-                want = np.unique(idx[(mask[idx] == REMOTE) & ~fetched[h, idx]]).astype(np.int32)
-                counts.append(int(want.size))
-                if want.size:
-                    parts.append(want)
-                    segs.append((b, h, want))
+                if counts[h]:
+                    rows = idx[h][want[h]].astype(np.int32)
+                    parts.append(rows)
+                    segs.append((b, h, rows))
             if segs:
                 items, all_parts, all_segs = by_owner.setdefault(lv.owner, ([], [], []))
                 items.append([lv.rid, counts])

@@ -34,7 +34,8 @@ class TransferConfig:
     spec_ratio: at most this fraction of a request's blocks moves speculatively per decode step;
     max_blocks: M; kr_fraction: force Kr = ceil(kr_fraction * L * M_eff) (tests, sweeps) instead
     of Eq. 2; bandwidth_bps: the link estimate Tt is computed from (bytes/s * 8); lookahead: fetch
-    layer l+1's remote rows while layer l computes (None: on in smartgen mode only)."""
+    layer l+1's remote rows while layer l computes (None: on in smartgen mode only); hint_margin,
+    lookahead_gate: how the lookahead hints and when its prefetch leaves (see the fields)."""
 
     mode: str = "smartgen"
     strategy: str = "profile"
@@ -45,6 +46,13 @@ class TransferConfig:
     seed: int = 0
     spec_every_layer: bool = True  # DESIGN.md: trigger at each attention layer; False: once per step
     lookahead: bool | None = None  # layer lookahead (jkv/disagg/lookahead.py); None: on in smartgen mode
+    # The lookahead's hint (jkv/disagg/hint.py): the selected set plus this many next-ranked rows per
+    # row, by a linear-time partition where the selector has one (InfiniGen); None: the selector's
+    # own ordered `select` (no margin).
+    hint_margin: int | None = 8
+    # When a prefetch may leave: "first_step" holds it behind the previous layer's synchronous fetch
+    # only in a request's first decode step; "always" in every step.
+    lookahead_gate: str = "first_step"
 
     def __post_init__(self):
         object.__setattr__(self, "mode", _ALIASES.get(self.mode, self.mode))
@@ -62,6 +70,10 @@ class TransferConfig:
             raise ValueError(f"bandwidth_bps={self.bandwidth_bps!r} must be > 0 bits/s")
         if self.lookahead not in (None, True, False):
             raise ValueError(f"lookahead={self.lookahead!r} must be True, False or None (on in smartgen mode)")
+        if self.hint_margin is not None and not (isinstance(self.hint_margin, int) and self.hint_margin >= 0):
+            raise ValueError(f"hint_margin={self.hint_margin!r} must be an int >= 0 or None (the selector's select)")
+        if self.lookahead_gate not in ("first_step", "always"):
+            raise ValueError(f"lookahead_gate={self.lookahead_gate!r} must be 'first_step' or 'always'")
         if self.lookahead and self.mode == "full":
             raise ValueError("lookahead=True needs on-demand fetches; mode 'full' moves every block "
                              "proactively (use lookahead=None or a partial/smartgen mode)")

@@ -62,6 +62,7 @@ def test_lookahead_prefetches_rows_and_keeps_the_tokens(model, selectors, prompt
     rows, hits, od = _total(on, "prefetch_rows_n"), _total(on, "prefetch_hit_n"), _total(on, "od_bytes_n")
     assert rows > 0 and hits > 0 and _total(on, "prefetch_bytes_n") > 0
     assert _total(on, "prefetch_lost_n") == 0
+    assert _total(on, "hint_cpu_us_n") > 0 and _total(off, "hint_cpu_us_n") == 0  # the helper's CPU is counted
     assert od >= _total(on, "prefetch_bytes_n")  # prefetched bytes are on-demand bytes
     # prefetched rows that the real selection used count as on-demand entries
     assert _total(on, "remote_n") >= hits
