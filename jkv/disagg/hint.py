@@ -30,13 +30,13 @@ Selectors without a hint here (Oracle, Quest, HATA, ...) use their `select`.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.selection.base import group_queries, protected_tokens, reduce_group, selection_budget, token_valid
+from jkv.selection.base import protected_tokens, selection_budget, token_valid
+from jkv.selection.infinigen import InfiniGen, infinigen_rank
 
 
 class InfiniGenHint:
@@ -53,8 +53,7 @@ class InfiniGenHint:
         if not (isinstance(margin, int) and margin >= 0):
             raise ValueError(f"margin={margin!r} must be an int >= 0 (extra rows per hinted row)")
         self.selector, self.margin = selector, margin
-        cfg = selector.config
-        self._rank = _rank_jit(cfg.alpha, cfg.max_ratio, cfg.group_score, cfg.keep_sinks, cfg.keep_recent)
+        self._rank = _rank_jit(selector.config)
 
     def __call__(self, layer: int, q, metadata, lengths) -> np.ndarray:
         rank, keep = self._rank(self.selector.layer_state(layer), jnp.asarray(q), metadata,
@@ -63,7 +62,7 @@ class InfiniGenHint:
         rows, capacity = rank.shape
         width = selection_budget(capacity, self.selector.config.max_ratio) + self.margin
         out = np.full((rows, min(width, capacity)), -1, np.int32)
-        valid = np.isfinite(rank) | (rank > 0)  # -inf: invalid slots
+        valid = rank > -np.inf  # -inf: invalid slots
         for r in range(rows):
             c = min(int(keep[r]) + self.margin, int(valid[r].sum())) if keep[r] > 0 else 0
             if c <= 0:
@@ -76,37 +75,28 @@ class InfiniGenHint:
 
 
 @functools.lru_cache(maxsize=16)
-def _rank_jit(alpha, max_ratio, group_score, sinks, recent):
-    """One jit per setting, shared by every DecodeWorker (a benchmark makes one per run)."""
-    return jax.jit(functools.partial(_infinigen_rank, alpha=alpha, max_ratio=max_ratio, group_score=group_score,
-                                     sinks=sinks, recent=recent))
+def _rank_jit(config):
+    """One jit per selector config (frozen, hashable), shared by every DecodeWorker (a benchmark
+    makes one per run)."""
+    return jax.jit(functools.partial(_hint_rank, config))
 
 
-def _infinigen_rank(skew, q, metadata, lengths, *, alpha, max_ratio, group_score, sinks, recent):
-    """InfiniGen._select's ranking (jkv/selection/infinigen.py), without the ordered top-k:
+def _hint_rank(config, skew, q, metadata, lengths):
+    """InfiniGen's ranking (`infinigen_rank`, the selector's own) without the ordered top-k:
     rank f32[B*H_kv, N_cap] (+inf kept tokens, -inf invalid) and keep i32[B*H_kv] =
     min(within-alpha count, budget)."""
-    partial_keys = metadata.astype(jnp.float32)
-    batch, num_kv_heads, capacity, _ = partial_keys.shape
-    partial_q = jnp.einsum("bhgd,hdp->bhgp", group_queries(q, num_kv_heads).astype(jnp.float32), skew)
-    scores = jnp.einsum("bhgp,bhnp->bhgn", partial_q, partial_keys) / math.sqrt(skew.shape[1])
-    valid = token_valid(lengths, capacity)[:, None, None, :]
-    scores = jnp.where(valid, scores, -jnp.inf)
-    relative = (scores - scores.max(axis=-1, keepdims=True)).max(axis=2)
-    relative = jnp.where(valid[:, :, 0], relative, -jnp.inf)
-    count = jnp.ceil((relative > -alpha).sum(axis=2).mean(axis=1)).astype(jnp.int32)  # [B]
-    rank = relative if group_score == "max" else reduce_group(scores, group_score)
-    if sinks or recent:
-        rank = jnp.where(protected_tokens(lengths, capacity, sinks, recent)[:, None, :], jnp.inf, rank)
-    rank = jnp.where(valid[:, :, 0], rank, -jnp.inf)
-    budget = selection_budget(lengths.astype(jnp.int32), max_ratio)
-    keep = jnp.minimum(count, budget)
+    rank, count = infinigen_rank(config, skew, q, metadata, lengths)
+    batch, num_kv_heads, capacity = rank.shape
+    if config.keep_sinks or config.keep_recent:
+        protect = protected_tokens(lengths, capacity, config.keep_sinks, config.keep_recent)
+        rank = jnp.where(protect[:, None, :], jnp.inf, rank)
+    rank = jnp.where(token_valid(lengths, capacity)[:, None, :], rank, -jnp.inf)
+    keep = jnp.minimum(count, selection_budget(lengths.astype(jnp.int32), config.max_ratio))
     return rank.reshape(batch * num_kv_heads, capacity), jnp.repeat(keep, num_kv_heads)
 
 
 def make_hint(selector, margin: int = InfiniGenHint.DEFAULT_MARGIN):
     """A cheap set-only hint for `selector`, or None (then the lookahead calls `select`)."""
-    from jkv.selection.infinigen import InfiniGen
     if isinstance(selector, InfiniGen):
         return InfiniGenHint(selector, margin)
     return None

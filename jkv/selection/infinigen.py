@@ -130,20 +130,31 @@ class InfiniGen(Selector):
         return metadata.shape[1], metadata.shape[2]
 
     def _select(self, skew, q, metadata, lengths):
-        partial_keys = metadata.astype(jnp.float32)  # [B, H_kv, N_cap, d_p], stored as metadata_dtype
-        head_dim = skew.shape[1]
-        partial_q = jnp.einsum("bhgd,hdp->bhgp", group_queries(q, partial_keys.shape[1]).astype(jnp.float32), skew)
-        scores = jnp.einsum("bhgp,bhnp->bhgn", partial_q, partial_keys) / math.sqrt(head_dim)
-        valid = token_valid(lengths, partial_keys.shape[2])[:, None, None, :]
-        scores = jnp.where(valid, scores, -jnp.inf)
-        relative = (scores - scores.max(axis=-1, keepdims=True)).max(axis=2)  # [B, H_kv, N_cap], <= 0
-        relative = jnp.where(valid[:, :, 0], relative, -jnp.inf)
-        # InfiniGen's fetch count: tokens within alpha of the max, averaged over the request's
-        # heads, so peaky heads borrow budget from flat ones; capped by the max_ratio budget.
-        within = (relative > -self.config.alpha).sum(axis=2)  # [B, H_kv]
-        count = jnp.ceil(within.mean(axis=1)).astype(jnp.int32)  # [B]
-        rank = relative if self.config.group_score == "max" else reduce_group(scores, self.config.group_score)
+        rank, count = infinigen_rank(self.config, skew, q, metadata, lengths)
         index = scores_to_index(rank, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
                                 recent=self.config.keep_recent)
         slot = jnp.arange(index.shape[1], dtype=jnp.int32)[None, :]
-        return jnp.where(slot < jnp.repeat(count, partial_keys.shape[1])[:, None], index, -1)
+        return jnp.where(slot < jnp.repeat(count, rank.shape[1])[:, None], index, -1)
+
+
+def infinigen_rank(config: InfiniGenConfig, skew, q, metadata, lengths):
+    """InfiniGen's token ranking before the top-k (traceable; also the lookahead hint's, hint.py).
+
+    skew: f32[H_kv, D, d_p]; q: [B, H, D]; metadata: partial keys [B, H_kv, N_cap, d_p];
+    lengths: i32[B]. Returns rank f32[B, H_kv, N_cap] (-inf on invalid slots for "max") and the
+    fetch count i32[B] (tokens within alpha of the max, before the max_ratio cap).
+    """
+    partial_keys = metadata.astype(jnp.float32)  # [B, H_kv, N_cap, d_p], stored as metadata_dtype
+    head_dim = skew.shape[1]
+    partial_q = jnp.einsum("bhgd,hdp->bhgp", group_queries(q, partial_keys.shape[1]).astype(jnp.float32), skew)
+    scores = jnp.einsum("bhgp,bhnp->bhgn", partial_q, partial_keys) / math.sqrt(head_dim)
+    valid = token_valid(lengths, partial_keys.shape[2])[:, None, None, :]
+    scores = jnp.where(valid, scores, -jnp.inf)
+    relative = (scores - scores.max(axis=-1, keepdims=True)).max(axis=2)  # [B, H_kv, N_cap], <= 0
+    relative = jnp.where(valid[:, :, 0], relative, -jnp.inf)
+    # InfiniGen's fetch count: tokens within alpha of the max, averaged over the request's
+    # heads, so peaky heads borrow budget from flat ones; capped by the max_ratio budget.
+    within = (relative > -config.alpha).sum(axis=2)  # [B, H_kv]
+    count = jnp.ceil(within.mean(axis=1)).astype(jnp.int32)  # [B]
+    rank = relative if config.group_score == "max" else reduce_group(scores, config.group_score)
+    return rank, count
