@@ -112,33 +112,31 @@ def quantize_outward(x: jax.Array, scale: jax.Array, direction: str) -> jax.Arra
     for kmax) in float32 arithmetic; out-of-range values take the outward sentinel (-127 = -inf
     down, 127 = +inf up) or clip inward (still a bound). Empty (+inf down / -inf up) -> 127 / -127."""
     x = x.astype(jnp.float32)
-    ratio = jnp.where(jnp.isfinite(x), x / scale, 0.0)
     if direction == "down":
-        code = jnp.floor(ratio)
-        code = jnp.where(code * scale > x, code - 1, code)  # the division rounded up past x
-        code = jnp.where(code < -INT8_LEVELS, -INT8_LEVELS - 1, jnp.minimum(code, INT8_LEVELS))
-        code = jnp.where(x == jnp.inf, INT8_LEVELS + 1, jnp.where(x == -jnp.inf, -INT8_LEVELS - 1, code))
-    elif direction == "up":
-        code = jnp.ceil(ratio)
-        code = jnp.where(code * scale < x, code + 1, code)
-        code = jnp.where(code > INT8_LEVELS, INT8_LEVELS + 1, jnp.maximum(code, -INT8_LEVELS))
-        code = jnp.where(x == -jnp.inf, -INT8_LEVELS - 1, jnp.where(x == jnp.inf, INT8_LEVELS + 1, code))
+        code = _codes_down(x, scale)
+    elif direction == "up":  # ceil(r) = -floor(-r), and IEEE negation is exact: the mirror of "down"
+        code = -_codes_down(-x, scale)
     else:
         raise ValueError(f"direction={direction!r} must be 'down' or 'up'")
     return code.astype(jnp.int8)
 
 
+def _codes_down(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """f32 codes c = floor(x / scale) with c·scale <= x, clipped / saturated as `quantize_outward`."""
+    code = jnp.floor(jnp.where(jnp.isfinite(x), x / scale, 0.0))
+    code = jnp.where(code * scale > x, code - 1, code)  # the division rounded up past x
+    code = jnp.where(code < -INT8_LEVELS, -INT8_LEVELS - 1, jnp.minimum(code, INT8_LEVELS))
+    return jnp.where(x == jnp.inf, INT8_LEVELS + 1, jnp.where(x == -jnp.inf, -INT8_LEVELS - 1, code))
+
+
 def dequantize_bounds(kmin: jax.Array, kmax: jax.Array, scale: jax.Array) -> tuple[jax.Array, jax.Array]:
     """int8 codes [B, H_kv, P, D] and scale f32[B, H_kv, 1, D] -> f32 (kmin, kmax) with the
     sentinels as ±inf (the form `page_upper_bound` takes)."""
-    top, bottom = INT8_LEVELS + 1, -INT8_LEVELS - 1
-
     def value(code):
-        return code.astype(jnp.float32) * scale
+        v = code.astype(jnp.float32) * scale
+        return jnp.where(code == INT8_LEVELS + 1, jnp.inf, jnp.where(code == -INT8_LEVELS - 1, -jnp.inf, v))
 
-    lo = jnp.where(kmin == bottom, -jnp.inf, jnp.where(kmin == top, jnp.inf, value(kmin)))
-    hi = jnp.where(kmax == top, jnp.inf, jnp.where(kmax == bottom, -jnp.inf, value(kmax)))
-    return lo, hi
+    return value(kmin), value(kmax)
 
 
 def page_upper_bound(q: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
