@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import pathlib
 
 import numpy as np
@@ -80,6 +81,8 @@ class CostModel:
         return np.ceil(ctx / self.prefix_bucket) * self.prefix_bucket
 
     def t_load(self, ctx_tokens: int | np.ndarray) -> float | np.ndarray:
+        if isinstance(ctx_tokens, numbers.Real):  # scalar arithmetic: LSTF's key calls this per queued
+            return self.a * ctx_tokens + self.b if ctx_tokens > 0 else 0.0  # request at every dispatch
         ctx = np.asarray(ctx_tokens, dtype=np.float64)
         out = np.where(ctx > 0, self.a * ctx + self.b, 0.0)
         return float(out) if out.ndim == 0 else out

@@ -88,16 +88,14 @@ def lstf(cost_model: CostModel) -> Policy:
     # CALVO §3.2: LST = DDL - T_load - T_comp; here with `now` and the loading still to do (a
     # request whose prefix is half in L1 has half its T_load left), evaluated at each dispatch.
     # The key runs for every queued request at every dispatch, under the pipeline's lock and
-    # the GIL: T_comp (fixed per request) is computed once and cached, T_load is scalar
-    # arithmetic. (Through the numpy model it cost ~13 us per call; with 60 queued requests the
+    # the GIL: T_comp (fixed per request) is computed once and cached, T_load takes the cost
+    # model's scalar path. (Through numpy each key cost ~13 us; with 60 queued requests the
     # pipeline spent 10x EDF's CPU dispatching, CPU the fetch and compute stages needed.)
-    a, b = float(cost_model.a), float(cost_model.b)
     t_comp = functools.lru_cache(maxsize=1 << 16)(
         lambda r: float(cost_model.t_comp(r.compute_tokens, r.cached_tokens)))
 
     def slack(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
-        load = a * remaining_load_tokens + b if remaining_load_tokens > 0 else 0.0
-        remaining = load + t_comp(r)
+        remaining = cost_model.t_load(remaining_load_tokens) + t_comp(r)
         lst = r.deadline_s - now - remaining
         if lst < 0:                      # already hopeless: after every feasible request
             return (1, remaining, r.arrival_s)
