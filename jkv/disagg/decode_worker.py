@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.disagg import protocol as proto
-from jkv.disagg.hint import make_hint
+from jkv.disagg.hint import make_hint as make_set_hint
 from jkv.disagg.lookahead import LayerLookahead
 from jkv.disagg.selectors import needs_metadata
 from jkv.engine import Request, _StopChecker, check_context
@@ -240,7 +240,7 @@ class DecodeWorker:
         self.phases = _Phases()
         self._split = _split_rows
         self._lookahead = LayerLookahead(self.endpoint, cfg.num_kv_heads, cfg.head_dim)
-        self._hint = (make_hint(selector, transfer.hint_margin)  # None: the hint calls select
+        self._hint = (make_set_hint(selector, transfer.hint_margin)  # None: the hint calls select
                       if transfer.layer_lookahead and transfer.hint_margin is not None else None)
         # Continuous admission: submissions and cancels of queued ones cross threads via these;
         # everything below them is engine-thread state.
@@ -363,15 +363,8 @@ class DecodeWorker:
     def _metadata_bytes(self, n: int) -> int:
         """Bytes of selector metadata the prefill worker ships for an n-token prompt (all layers)."""
         sel, cfg = self.selector, self.model.cfg
-        if not needs_metadata(sel):
-            return 0
-        spec = jax.ShapeDtypeStruct((1, cfg.num_kv_heads, n, cfg.head_dim), jnp.float32)
-        lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
-        total = 0
-        for layer in range(sel.config.dense_layers, cfg.num_layers):
-            out = jax.eval_shape(functools.partial(sel.prepare, layer), spec, lengths)
-            total += sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(out))
-        return total
+        return sum(sel.metadata_nbytes(layer, cfg.num_kv_heads, cfg.head_dim, n)
+                   for layer in range(sel.config.dense_layers, cfg.num_layers))
 
     # ---------------------------------------------------------------- static batch
     def generate(self, requests: list[Request], t0: float | None = None, on_token=None,

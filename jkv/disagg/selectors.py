@@ -13,7 +13,6 @@ import pickle
 import numpy as np
 
 from jkv.selection.registry import SELECTORS, get_selector, selector_config
-from jkv.selection.simple import _LengthOnly
 
 CALIBRATION_PROMPT = 256
 CALIBRATION_STEPS = 32
@@ -66,7 +65,7 @@ def load_selector(path):
 
 def needs_metadata(selector) -> bool:
     """Whether the prefill side must ship metadata (length-only selectors rebuild it locally)."""
-    return not selector.is_dense and not isinstance(selector, _LengthOnly)
+    return selector.ships_metadata
 
 
 __all__ = ["build_selector", "save_selector", "load_selector", "needs_metadata", "selector_config"]

@@ -20,15 +20,13 @@ import dataclasses
 import logging
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
 from jkv.eval.tasks import TASKS
 from jkv.selection import get_selector
 from jkv.selection.calibration import calibration_tokens, collect_calibration
-from jkv.selection.simple import Dense, _LengthOnly
+from jkv.selection.simple import Dense
 from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host
 
 log = logging.getLogger(__name__)
@@ -110,15 +108,10 @@ def _text(tokenizer, ids: np.ndarray, eos: int | None) -> str:
 
 def metadata_bytes_per_token(selector, cfg, num_tokens: int = 1024) -> float:
     """Bytes of `selector`'s metadata per token per sparse layer (all KV heads) for a
-    `num_tokens` prompt, from the shapes `prepare` returns (what the prefill side ships; the
-    same count as DecodeWorker._metadata_bytes). Oracle's metadata is K itself; selectors that
-    rebuild their metadata from lengths alone (StreamingLLM, Sequential, Random) ship nothing."""
-    if selector.is_dense or isinstance(selector, _LengthOnly):
-        return 0.0
-    spec = jax.ShapeDtypeStruct((1, cfg.num_kv_heads, num_tokens, cfg.head_dim), jnp.float32)
-    out = jax.eval_shape(lambda K: selector.prepare(selector.config.dense_layers, K,
-                                                    jnp.asarray([num_tokens], jnp.int32)), spec)
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(out)) / num_tokens
+    `num_tokens` prompt (`Selector.metadata_nbytes`: what the prefill side ships, as the
+    decode worker counts it). Oracle's metadata is K itself; length-only selectors ship nothing."""
+    return selector.metadata_nbytes(selector.config.dense_layers, cfg.num_kv_heads, cfg.head_dim,
+                                    num_tokens) / num_tokens
 
 
 def _row(task, length, prompt_tokens, index, name, ratio, score, result, meta_bytes, batch, **extra) -> dict:

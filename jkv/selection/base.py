@@ -244,6 +244,18 @@ class Selector(abc.ABC):
     def is_dense(self) -> bool:
         return False
 
+    ships_metadata: ClassVar[bool] = True  # False: rebuilt from lengths on the decode side (length-only)
+
+    def metadata_nbytes(self, layer: int, num_kv_heads: int, head_dim: int, num_tokens: int) -> int:
+        """Bytes `prepare(layer, ...)` returns for one `num_tokens` prompt: what a prefill worker
+        ships for that layer (0 for selectors that do not ship metadata). Shapes only, no compute."""
+        if not self.ships_metadata:
+            return 0
+        K = jax.ShapeDtypeStruct((1, num_kv_heads, num_tokens, head_dim), jnp.float32)
+        lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+        out = jax.eval_shape(lambda k, n: self.prepare(layer, k, n), K, lengths)
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(out))
+
     # ---- to implement ------------------------------------------------------------------
     @abc.abstractmethod
     def _prepare(self, state, K, lengths) -> Metadata: ...

@@ -19,6 +19,8 @@ from jkv.selection.base import (Selector, SelectorConfig, all_tokens_index, chec
 class _LengthOnly(Selector):
     """Selectors whose choice depends only on lengths: metadata is the pair (H_kv, N_cap)."""
 
+    ships_metadata = False  # the decode side rebuilds the shape carrier from lengths
+
     def _prepare(self, state, K, lengths):
         batch, num_kv_heads, capacity, _ = K.shape
         return jnp.zeros((num_kv_heads, capacity), jnp.int8)  # shape carrier only
