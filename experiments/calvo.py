@@ -61,7 +61,7 @@ from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_sha
                                            split_chunks)
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
 
-from experiments.calvo_capacity import probe_baseline, sustain_check  # noqa: E402
+from experiments.calvo_capacity import mg1_mean_ttft, probe_baseline, sustain_check  # noqa: E402
 from experiments.calvo_report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa: E402,F401
                                       aggregate, markdown_tables, merge_rows, read_csv,
                                       read_rows, report, write_outputs)
@@ -290,6 +290,9 @@ def main(argv=None) -> None:
                         help="full-hit offered loads as fractions of the baseline's capacity")
     parser.add_argument("--mixed-loads", default="0.7",
                         help="mixed-hit offered loads (each point costs ~2x a full-hit one)")
+    parser.add_argument("--baseline-only-loads", default="",
+                        help="loads (also listed in --loads / --mixed-loads) at which only "
+                             "serialized-fifo runs: controls for the sustain check (e.g. 1.0)")
     parser.add_argument("--scenarios", default="full-hit,mixed-hit")
     parser.add_argument("--seeds", default="0,1,2",
                         help="workload seeds per point (contexts, queries, arrivals, hit ratios, "
@@ -330,6 +333,10 @@ def main(argv=None) -> None:
     scenarios = [s.strip() for s in args.scenarios.split(",")]
     policies = [p.strip() for p in args.policies.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
+    baseline_only = {float(x) for x in args.baseline_only_loads.split(",") if x.strip()}
+    if baseline_only and policies[0] != "serialized-fifo":
+        parser.error(f"--baseline-only-loads {args.baseline_only_loads} runs the baseline alone: "
+                     f"--policies must start with serialized-fifo, got {policies[0]}")
     SCENARIOS["mixed-hit"] = tuple(float(h) for h in args.hit_ratios.split(","))
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -419,7 +426,11 @@ def main(argv=None) -> None:
                     requests, slo = build_requests(engine, workload, seed_model, isolated)
                     first = None
                     cells = []
-                    for policy in policies:
+                    # the steady state this run's baseline would reach (M/G/1, probe's service
+                    # times): measured / predicted says how far from it a finite run gets
+                    mg1 = mg1_mean_ttft(list(probe.service_s.values()), qps)
+                    mine = policies if load not in baseline_only else policies[:1]
+                    for policy in mine:
                         demoted: set = set()
                         res = run_realtime(engine, requests, policy, seed_model, seed_plain,
                                            demoted)
@@ -442,8 +453,8 @@ def main(argv=None) -> None:
                                    **summary.as_row())
                         if policy == "serialized-fifo":
                             check = sustain_check([r.info.arrival_s for r in requests],
-                                                  [res[i][0] for i in ids])
-                            row.update(check.as_row())
+                                                  [res[i][0] for i in ids], qps)
+                            row.update(check.as_row(), baseline_mg1_ttft_s=mg1)
                         rows.append(row)
                         request_rows.extend(
                             dict(scenario=scenario, load=load, seed=seed, policy=policy,
@@ -460,10 +471,14 @@ def main(argv=None) -> None:
                         if mismatched:
                             print(f"WARNING: {policy} produced {mismatched} first tokens "
                                   "different from the baseline's")
-                    sustained = next((f" baseline completed {r['baseline_completed']} of "
-                                      f"{r['baseline_arrived']} arrivals in the window, TTFT "
-                                      f"trend {r['baseline_ttft_trend']:.2f}x"
-                                      for r in rows[-len(policies):]
+                    sustained = next((f" baseline in-run utilisation "
+                                      f"{r['baseline_utilisation']:.3f}, mean TTFT "
+                                      f"{r['mean_s']:.3f} s vs M/G/1 steady state {mg1:.3f} s "
+                                      f"({r['mean_s'] / mg1:.2f}x); completed "
+                                      f"{r['baseline_completed']} of {r['baseline_arrived']} "
+                                      f"arrivals in the window, TTFT trend "
+                                      f"{r['baseline_ttft_trend']:.2f}x"
+                                      for r in rows[-len(mine):]
                                       if "baseline_arrived" in r), "")
                     print(f"{load:>5.2f} {seed:>4} {qps:>6.2f} " + " ".join(cells) + sustained,
                           flush=True)
