@@ -61,7 +61,8 @@ from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_sha
                                            split_chunks)
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
 
-from experiments.calvo_capacity import mg1_mean_ttft, probe_baseline, sustain_check  # noqa: E402
+from experiments.calvo_capacity import (mg1_mean_ttft, probe_baseline, probe_from_rows,
+                                        sustain_check)  # noqa: E402
 from experiments.calvo_report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa: E402,F401
                                       aggregate, markdown_tables, merge_rows, read_csv,
                                       read_rows, report, write_outputs)
@@ -300,6 +301,11 @@ def main(argv=None) -> None:
     parser.add_argument("--append", action="store_true",
                         help="merge into the out-dir's calvo.csv (same scenario/load/seed/policy/"
                              "link rows are replaced): split the seeds across several runs")
+    parser.add_argument("--reuse-probe", action="store_true",
+                        help="no probe: take each (scenario, seed)'s capacity and isolated TTFTs "
+                             "from the out-dir's calvo.csv / calvo_requests.csv (an earlier "
+                             "held run), so the policies run here join that run's paired "
+                             "comparison (same arrivals and SLOs); implies --append")
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: rebuild calvo_summary.csv / calvo.png from calvo.csv")
     parser.add_argument("--load-basis", choices=("measured", "modelled"), default="measured",
@@ -340,6 +346,10 @@ def main(argv=None) -> None:
     SCENARIOS["mixed-hit"] = tuple(float(h) for h in args.hit_ratios.split(","))
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.reuse_probe:
+        args.append = True
+        earlier_runs = read_rows(out / "calvo.csv")
+        earlier_requests = read_csv(out / "calvo_requests.csv")
     if args.report_only:
         rows = read_rows(out / "calvo.csv")
         summary = write_outputs(rows, out)
@@ -400,8 +410,15 @@ def main(argv=None) -> None:
                 modelled = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
                                                                 r.info.compute_tokens)
                                                 for r in requests]))
-                probe = probe_baseline(lambda r: run_serialized(
-                    [r], engine.functions, args.host_slots, args.device_slots), requests)
+                if args.reuse_probe:
+                    probe = probe_from_rows(earlier_requests, earlier_runs, scenario, seed)
+                    missing = {r.request_id for r in requests} - set(probe.service_s)
+                    if missing:
+                        raise ValueError(f"--reuse-probe: {len(missing)} requests of {scenario} "
+                                         f"seed {seed} have no earlier isolated TTFT")
+                else:
+                    probe = probe_baseline(lambda r: run_serialized(
+                        [r], engine.functions, args.host_slots, args.device_slots), requests)
                 capacity = probe.capacity_qps if args.load_basis == "measured" else modelled
                 print(f"seed {seed}: baseline capacity measured {probe.capacity_qps:.2f} QPS "
                       f"(mean isolated TTFT {probe.mean_service_s:.3f} s), modelled "
@@ -424,6 +441,15 @@ def main(argv=None) -> None:
                     workload = build_workload(dataclasses.replace(base[scenario, seed], qps=qps),
                                               tokenize)
                     requests, slo = build_requests(engine, workload, seed_model, isolated)
+                    if args.reuse_probe:      # the earlier run's arrivals, to the microsecond
+                        before = {int(r["request_id"]): float(r["arrival_s"])
+                                  for r in earlier_requests if r["scenario"] == scenario
+                                  and float(r["load"]) == load and int(r["seed"]) == seed
+                                  and r["policy"] == "serialized-fifo"}
+                        if not before or max(abs(before[r.request_id] - r.info.arrival_s)
+                                             for r in requests) > 1e-6:
+                            raise ValueError(f"--reuse-probe: {scenario} @ {load} seed {seed}: "
+                                             "arrivals differ from the earlier run's")
                     first = None
                     cells = []
                     # the steady state this run's baseline would reach (M/G/1, probe's service

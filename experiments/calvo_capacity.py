@@ -102,6 +102,29 @@ def in_run_service(arrival_s: Sequence[float], ttft_s: Sequence[float]) -> np.nd
     return completion - start
 
 
+def probe_from_rows(request_rows: Sequence[dict], run_rows: Sequence[dict], scenario: str,
+                    seed: int, baseline: str = "serialized-fifo") -> BaselineProbe:
+    """The probe of an earlier run of (scenario, seed), rebuilt from what it wrote: the
+    capacity from calvo.csv (`capacity_measured_qps` of that seed's baseline rows) and each
+    request's interference-free TTFT from calvo_requests.csv (`isolated_s`, by request id).
+    A later held run can then add a policy to the same paired comparison: same requests,
+    same arrivals (QPS = load x the same capacity), same SLOs."""
+    caps = {float(r["capacity_measured_qps"]) for r in run_rows
+            if r["scenario"] == scenario and int(r["seed"]) == seed and r["policy"] == baseline
+            and r.get("capacity_measured_qps", "") != ""}
+    if len(caps) != 1:
+        raise ValueError(f"need exactly one measured capacity for {scenario} seed {seed} in the "
+                         f"earlier rows, found {sorted(caps)}; run the baseline for it first")
+    service: dict = {}
+    for r in request_rows:
+        if r["scenario"] == scenario and int(r["seed"]) == seed and r["policy"] == baseline:
+            rid = int(r["request_id"]) if str(r["request_id"]).isdigit() else r["request_id"]
+            service.setdefault(rid, float(r["isolated_s"]))
+    if not service:
+        raise ValueError(f"no {baseline} request rows for {scenario} seed {seed} to reuse")
+    return BaselineProbe(caps.pop(), service)
+
+
 @dataclasses.dataclass(frozen=True)
 class SustainCheck:
     """utilisation: offered QPS x mean in-run service time (the run's rho; sustained iff <=

@@ -136,3 +136,25 @@ def test_highest_sustained_load_pools_the_seeds():
     full = [dict(r, qps=1.0, link="1gbit", mean_s=1.0, p50_s=1.0, p99_s=1.0,
                  slo_attainment=1.0) for r in rows if r["policy"] == "serialized-fifo"]
     assert sustained_load(aggregate(full), "full-hit") == 0.85
+
+
+def test_probe_from_rows_rebuilds_an_earlier_runs_probe():
+    from experiments.calvo_capacity import probe_from_rows
+    runs = [dict(scenario="full-hit", seed=1, policy="serialized-fifo", load=0.9,
+                 capacity_measured_qps="2.5"),
+            dict(scenario="full-hit", seed=1, policy="serialized-fifo", load=0.95,
+                 capacity_measured_qps="2.5"),
+            dict(scenario="full-hit", seed=1, policy="sjf", load=0.9, capacity_measured_qps="9")]
+    reqs = [dict(scenario="full-hit", seed="1", policy=p, load=load, request_id=str(i),
+                 isolated_s=str(0.1 * (i + 1)))
+            for p in ("serialized-fifo", "sjf") for load in (0.9, 0.95) for i in range(3)]
+    probe = probe_from_rows(reqs, runs, "full-hit", 1)
+    assert probe.capacity_qps == 2.5
+    assert probe.service_s == pytest.approx({0: 0.1, 1: 0.2, 2: 0.3})
+    with pytest.raises(ValueError, match="exactly one measured capacity"):
+        probe_from_rows(reqs, runs, "full-hit", 0)
+    with pytest.raises(ValueError, match="exactly one measured capacity"):
+        probe_from_rows(reqs, runs + [dict(runs[0], load=1.0, capacity_measured_qps="3")],
+                        "full-hit", 1)
+    with pytest.raises(ValueError, match="no serialized-fifo request rows"):
+        probe_from_rows([], runs, "full-hit", 1)
