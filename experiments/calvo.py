@@ -61,7 +61,8 @@ from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_sha
                                            split_chunks)
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
 
-from experiments.calvo_capacity import probe_baseline, sustain_check  # noqa: E402
+from experiments.calvo_capacity import (mg1_mean_ttft, probe_baseline, probe_from_rows,
+                                        sustain_check)  # noqa: E402
 from experiments.calvo_report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa: E402,F401
                                       aggregate, markdown_tables, merge_rows, read_csv,
                                       read_rows, report, write_outputs)
@@ -290,6 +291,9 @@ def main(argv=None) -> None:
                         help="full-hit offered loads as fractions of the baseline's capacity")
     parser.add_argument("--mixed-loads", default="0.7",
                         help="mixed-hit offered loads (each point costs ~2x a full-hit one)")
+    parser.add_argument("--baseline-only-loads", default="",
+                        help="loads (also listed in --loads / --mixed-loads) at which only "
+                             "serialized-fifo runs: controls for the sustain check (e.g. 1.0)")
     parser.add_argument("--scenarios", default="full-hit,mixed-hit")
     parser.add_argument("--seeds", default="0,1,2",
                         help="workload seeds per point (contexts, queries, arrivals, hit ratios, "
@@ -297,6 +301,11 @@ def main(argv=None) -> None:
     parser.add_argument("--append", action="store_true",
                         help="merge into the out-dir's calvo.csv (same scenario/load/seed/policy/"
                              "link rows are replaced): split the seeds across several runs")
+    parser.add_argument("--reuse-probe", action="store_true",
+                        help="no probe: take each (scenario, seed)'s capacity and isolated TTFTs "
+                             "from the out-dir's calvo.csv / calvo_requests.csv (an earlier "
+                             "held run), so the policies run here join that run's paired "
+                             "comparison (same arrivals and SLOs); implies --append")
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: rebuild calvo_summary.csv / calvo.png from calvo.csv")
     parser.add_argument("--load-basis", choices=("measured", "modelled"), default="measured",
@@ -330,9 +339,17 @@ def main(argv=None) -> None:
     scenarios = [s.strip() for s in args.scenarios.split(",")]
     policies = [p.strip() for p in args.policies.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
+    baseline_only = {float(x) for x in args.baseline_only_loads.split(",") if x.strip()}
+    if baseline_only and policies[0] != "serialized-fifo":
+        parser.error(f"--baseline-only-loads {args.baseline_only_loads} runs the baseline alone: "
+                     f"--policies must start with serialized-fifo, got {policies[0]}")
     SCENARIOS["mixed-hit"] = tuple(float(h) for h in args.hit_ratios.split(","))
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.reuse_probe:
+        args.append = True
+        earlier_runs = read_rows(out / "calvo.csv")
+        earlier_requests = read_csv(out / "calvo_requests.csv")
     if args.report_only:
         rows = read_rows(out / "calvo.csv")
         summary = write_outputs(rows, out)
@@ -393,8 +410,15 @@ def main(argv=None) -> None:
                 modelled = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
                                                                 r.info.compute_tokens)
                                                 for r in requests]))
-                probe = probe_baseline(lambda r: run_serialized(
-                    [r], engine.functions, args.host_slots, args.device_slots), requests)
+                if args.reuse_probe:
+                    probe = probe_from_rows(earlier_requests, earlier_runs, scenario, seed)
+                    missing = {r.request_id for r in requests} - set(probe.service_s)
+                    if missing:
+                        raise ValueError(f"--reuse-probe: {len(missing)} requests of {scenario} "
+                                         f"seed {seed} have no earlier isolated TTFT")
+                else:
+                    probe = probe_baseline(lambda r: run_serialized(
+                        [r], engine.functions, args.host_slots, args.device_slots), requests)
                 capacity = probe.capacity_qps if args.load_basis == "measured" else modelled
                 print(f"seed {seed}: baseline capacity measured {probe.capacity_qps:.2f} QPS "
                       f"(mean isolated TTFT {probe.mean_service_s:.3f} s), modelled "
@@ -417,9 +441,22 @@ def main(argv=None) -> None:
                     workload = build_workload(dataclasses.replace(base[scenario, seed], qps=qps),
                                               tokenize)
                     requests, slo = build_requests(engine, workload, seed_model, isolated)
+                    if args.reuse_probe:      # the earlier run's arrivals, to the microsecond
+                        before = {int(r["request_id"]): float(r["arrival_s"])
+                                  for r in earlier_requests if r["scenario"] == scenario
+                                  and float(r["load"]) == load and int(r["seed"]) == seed
+                                  and r["policy"] == "serialized-fifo"}
+                        if not before or max(abs(before[r.request_id] - r.info.arrival_s)
+                                             for r in requests) > 1e-6:
+                            raise ValueError(f"--reuse-probe: {scenario} @ {load} seed {seed}: "
+                                             "arrivals differ from the earlier run's")
                     first = None
                     cells = []
-                    for policy in policies:
+                    # the steady state this run's baseline would reach (M/G/1, probe's service
+                    # times): measured / predicted says how far from it a finite run gets
+                    mg1 = mg1_mean_ttft(list(probe.service_s.values()), qps)
+                    mine = policies if load not in baseline_only else policies[:1]
+                    for policy in mine:
                         demoted: set = set()
                         res = run_realtime(engine, requests, policy, seed_model, seed_plain,
                                            demoted)
@@ -442,8 +479,8 @@ def main(argv=None) -> None:
                                    **summary.as_row())
                         if policy == "serialized-fifo":
                             check = sustain_check([r.info.arrival_s for r in requests],
-                                                  [res[i][0] for i in ids])
-                            row.update(check.as_row())
+                                                  [res[i][0] for i in ids], qps)
+                            row.update(check.as_row(), baseline_mg1_ttft_s=mg1)
                         rows.append(row)
                         request_rows.extend(
                             dict(scenario=scenario, load=load, seed=seed, policy=policy,
@@ -460,10 +497,14 @@ def main(argv=None) -> None:
                         if mismatched:
                             print(f"WARNING: {policy} produced {mismatched} first tokens "
                                   "different from the baseline's")
-                    sustained = next((f" baseline completed {r['baseline_completed']} of "
-                                      f"{r['baseline_arrived']} arrivals in the window, TTFT "
-                                      f"trend {r['baseline_ttft_trend']:.2f}x"
-                                      for r in rows[-len(policies):]
+                    sustained = next((f" baseline in-run utilisation "
+                                      f"{r['baseline_utilisation']:.3f}, mean TTFT "
+                                      f"{r['mean_s']:.3f} s vs M/G/1 steady state {mg1:.3f} s "
+                                      f"({r['mean_s'] / mg1:.2f}x); completed "
+                                      f"{r['baseline_completed']} of {r['baseline_arrived']} "
+                                      f"arrivals in the window, TTFT trend "
+                                      f"{r['baseline_ttft_trend']:.2f}x"
+                                      for r in rows[-len(mine):]
                                       if "baseline_arrived" in r), "")
                     print(f"{load:>5.2f} {seed:>4} {qps:>6.2f} " + " ".join(cells) + sustained,
                           flush=True)

@@ -5,7 +5,10 @@ dispatch and demotes hopeless requests (negative slack). Candidate fixes for the
 each from scheduling practice, compared side by side with EDF on the same workloads:
 
   lstf-static   the paper's key fixed at admission (no re-evaluation, no demotion)
-  lstf          jkv's dynamic, late-demoting LSTF (the shipped policy)
+  lstf          the shipped policy: the paper's admission-time key, hopeless requests demoted
+                at dispatch
+  lstf-reeval   slack re-evaluated at every dispatch + the same demotion (the earlier `lstf`)
+  (the next three modify lstf-reeval)
   lstf-margin   demote only if the request misses even with `--margin` less work than modelled
                 (tolerates a cost model that over-predicts)
   lstf-freeze   once a request's first chunk is in L1 its key is frozen (MLLF-style: avoids
@@ -43,7 +46,8 @@ from jkv.scheduling.simulator import (StageTimes, profile_cost_model,  # noqa: E
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
 from jkv.eval.harness import write_csv  # noqa: E402
 
-VARIANTS = ("edf", "lstf-static", "lstf", "lstf-margin", "lstf-freeze", "lstf-mono")
+VARIANTS = ("edf", "lstf-static", "lstf", "lstf-reeval", "lstf-margin", "lstf-freeze",
+            "lstf-mono")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,14 +73,14 @@ def margin_lstf(cost_model, margin: float) -> Policy:
             return (1, remaining, r.arrival_s)
         return (0, r.deadline_s - now - remaining, r.arrival_s)
 
-    base = make_policy("lstf", cost_model)
+    base = make_policy("lstf-reeval", cost_model)
     return Policy("lstf-margin", base.key, progress_key=key)
 
 
 def sticky_lstf(cost_model, mode: str) -> Policy:
     """mode 'freeze': a started request (some prefix chunk in L1) keeps the key it had then;
     'mono': its key may only decrease from then on."""
-    base = make_policy("lstf", cost_model)
+    base = make_policy("lstf-reeval", cost_model)
     held: dict = {}
 
     def key(r, remaining_load_tokens, now):
@@ -129,6 +133,7 @@ def main(argv=None) -> None:
                 policies = {"edf": make_policy("edf"),
                             "lstf-static": make_policy("lstf-static", cost_model),
                             "lstf": make_policy("lstf", cost_model),
+                            "lstf-reeval": make_policy("lstf-reeval", cost_model),
                             "lstf-margin": margin_lstf(cost_model, args.margin),
                             "lstf-freeze": sticky_lstf(cost_model, "freeze"),
                             "lstf-mono": sticky_lstf(cost_model, "mono")}

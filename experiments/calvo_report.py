@@ -11,7 +11,8 @@ import pathlib
 
 import numpy as np
 
-from experiments.calvo_capacity import MIN_THROUGHPUT, pooled_throughput_ratio
+from experiments.calvo_capacity import (MAX_UTILISATION, pooled_throughput_ratio,
+                                        pooled_utilisation)
 
 POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf")
 # The same policies ordered by the paper's plain cost lines (A/B for the bucketed compute part).
@@ -42,7 +43,8 @@ def read_rows(path: pathlib.Path) -> list[dict]:
     for r in rows:
         for k in ("load", "qps", "fit_median_error", "loadavg", "capacity_measured_qps",
                   "capacity_modelled_qps", "baseline_throughput_ratio",
-                  "baseline_ttft_trend", "model_scale") + SUMMARY_METRICS:
+                  "baseline_ttft_trend", "model_scale", "baseline_utilisation",
+                  "baseline_mg1_ttft_s") + SUMMARY_METRICS:
             if r.get(k, "") != "":
                 r[k] = float(r[k])
         for k in ("seed", "count", "token_mismatches", "demoted", "demoted_met_slo",
@@ -85,7 +87,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
                           x["slo_attainment"] - y["slo_attainment"]))}
             # the baseline kept up (calvo_capacity.py): pooled over seeds
             row["baseline_throughput_pooled"] = pooled_throughput_ratio([r for _, r in mine])
-            for k in ("baseline_ttft_trend", "capacity_measured_qps"):
+            row["baseline_utilisation_pooled"] = pooled_utilisation([r for _, r in mine])
+            for k in ("baseline_ttft_trend", "capacity_measured_qps", "baseline_mg1_ttft_s"):
                 vals = [r[k] for _, r in mine if r.get(k, "") != ""]
                 row[f"{k}_mean"] = float(np.mean(vals)) if vals else None
             counts = [(r.get("demoted"), r.get("demoted_met_slo")) for _, r in mine
@@ -209,20 +212,25 @@ def report(summary: list[dict]) -> None:
                  if l and l.get("demoted_total") is not None else "")
               + (f"; baseline completes {b['baseline_throughput_pooled']:.2f} x the arrivals "
                  f"(pooled over seeds; TTFT trend {b['baseline_ttft_trend_mean']:.2f}x)"
-                 if b and b.get("baseline_throughput_pooled") not in (None, "") else ""))
+                 if b and b.get("baseline_throughput_pooled") not in (None, "") else "")
+              + (f"; baseline in-run utilisation {b['baseline_utilisation_pooled']:.3f} "
+                 f"(pooled), mean TTFT / M/G/1 steady state "
+                 f"{b['mean_s_mean'] / b['baseline_mg1_ttft_s_mean']:.2f}"
+                 if b and b.get("baseline_utilisation_pooled") not in (None, "")
+                 and b.get("baseline_mg1_ttft_s_mean") not in (None, "") else ""))
     for scenario in sorted({r["scenario"] for r in summary}):
-        print(f"{scenario}: highest swept load the baseline sustains (throughput >= "
-              f"{MIN_THROUGHPUT} x arrivals, pooled over seeds): "
+        print(f"{scenario}: highest swept load the baseline sustains (in-run utilisation <= "
+              f"{MAX_UTILISATION}, pooled over seeds): "
               f"{sustained_load(summary, scenario)}")
 
 
 def sustained_load(summary: list[dict], scenario: str) -> float | None:
-    """The highest load of `scenario` whose baseline summary row's pooled throughput ratio is
-    >= MIN_THROUGHPUT (calvo_capacity.py); None when no swept load qualifies."""
+    """The highest load of `scenario` whose baseline summary row's pooled in-run utilisation
+    is <= MAX_UTILISATION (calvo_capacity.py); None when no swept load qualifies."""
     ok = [r["load"] for r in summary if r["scenario"] == scenario
           and r["policy"] == "serialized-fifo"
-          and r.get("baseline_throughput_pooled") not in (None, "")
-          and float(r["baseline_throughput_pooled"]) >= MIN_THROUGHPUT]
+          and r.get("baseline_utilisation_pooled") not in (None, "")
+          and float(r["baseline_utilisation_pooled"]) <= MAX_UTILISATION]
     return max(ok) if ok else None
 
 
@@ -255,27 +263,34 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
                    f"{counts.get(point, '?')} | {b['qps'] if b else 0:.2f} | "
                    + " | ".join(cells) + " |")
     out += ["", "The goals' comparisons, paired per seed (mean ± std over seeds); baseline "
-            "sustained = its completions / arrivals in the steady window, pooled over seeds "
-            f"(>= {MIN_THROUGHPUT}: sustained):", "",
-            "| scenario @ load | baseline sustained | SJF vs baseline | pipelined FIFO vs "
-            "baseline | SJF-PT / SJF | LSTF − EDF | LSTF − baseline | LSTF demoted (met SLO "
-            "anyway) |",
-            "| --- " * 8 + "|"]
+            "sustained = its in-run utilisation (offered QPS x mean in-run service time), "
+            f"pooled over seeds (<= {MAX_UTILISATION}: sustained); baseline / M/G/1 = its mean "
+            "TTFT / the steady-state mean TTFT predicted from the probe's service times:", "",
+            "| scenario @ load | baseline sustained | baseline / M/G/1 | SJF vs baseline | "
+            "pipelined FIFO vs baseline | SJF-PT / SJF | LSTF − EDF | LSTF − baseline | LSTF "
+            "demoted (met SLO anyway) |",
+            "| --- " * 9 + "|"]
     for point in points:
         b, s, f = get(point, "serialized-fifo"), get(point, "sjf"), get(point, "fifo")
         pt, l = get(point, "sjf-pt"), get(point, "lstf")
-        pooled = b.get("baseline_throughput_pooled") if b else None
+        pooled = b.get("baseline_utilisation_pooled") if b else None
         sustained = ("n/a" if pooled in (None, "") else
-                     f"{pooled:.2f} ({'yes' if pooled >= MIN_THROUGHPUT else 'no'})")
+                     f"{pooled:.3f} ({'yes' if pooled <= MAX_UTILISATION else 'no'})")
+        mg1 = b.get("baseline_mg1_ttft_s_mean") if b else None
+        # at load 1.0 rho is 1 to rounding: the prediction is astronomically large, i.e. none
+        vs_mg1 = ("n/a" if mg1 in (None, "") else
+                  f"{b['mean_s_mean']:.2f} / {mg1:.2f} s" if mg1 < 1000 * b["mean_s_mean"] else
+                  f"{b['mean_s_mean']:.2f} s / ∞")
         demoted = (f"{l['demoted_total']} ({l['demoted_met_slo_total']})"
                    if l and l.get("demoted_total") not in (None, "") else "n/a")
-        out.append(f"| {point[0]} @ {point[1]} | {sustained}"
+        out.append(f"| {point[0]} @ {point[1]} | {sustained} | {vs_mg1}"
                    f" | {pm(s, 'vs_baseline_pct', '{:.1f}', '%')}"
                    f" | {pm(f, 'vs_baseline_pct', '{:.1f}', '%')} | {pm(pt, 'vs_sjf_x', unit='×')}"
                    f" | {pm(l, 'slo_vs_edf_pts', '{:.1f}', ' pts')}"
                    f" | {pm(l, 'slo_vs_baseline_pts', '{:.1f}', ' pts')} | {demoted} |")
     out += ["", "Per seed (load avg: mean 1-minute load average over the seed's policy runs):", "",
-            "| scenario @ load | seed | QPS (capacity) | load avg | baseline completed / arrived |"
+            "| scenario @ load | seed | QPS (capacity) | load avg | baseline in-run utilisation; "
+            "completed / arrived |"
             " baseline | SJF | SJF vs baseline | SJF-PT / SJF | SLO EDF / LSTF / baseline |",
             "| --- " * 10 + "|"]
     by_run: dict = {}
@@ -294,7 +309,8 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
             f"| {scenario} @ {load}", str(seed),
             f"{b['qps']:.2f}" + (f" ({cap:.2f})" if cap != "" else ""),
             f"{np.mean([x['loadavg'] for x in runs.values()]):.1f}",
-            f"{b.get('baseline_completed', '?')} / {b.get('baseline_arrived', '?')}",
+            (f"{b['baseline_utilisation']:.3f}; " if b.get("baseline_utilisation", "") != ""
+             else "") + f"{b.get('baseline_completed', '?')} / {b.get('baseline_arrived', '?')}",
             f"{b['mean_s']:.2f} s", f"{s['mean_s']:.2f} s",
             f"{100 * (s['mean_s'] / b['mean_s'] - 1):.0f}%", ratio, f"{slo}% |"]))
     return "\n".join(out) + "\n"

@@ -8,13 +8,20 @@ admission (the paper computes LST "for each incoming request"), so dispatch neve
     sjf-pt  prefill (uncached) tokens only               (PrefillOnly-style, blind to loading)
     sjf     modelled cost T_load + T_comp                (minimises mean TTFT, §3.2 (1))
     edf     deadline                                     (static, cost-blind)
-    lstf    slack = deadline - now - T_load_remaining - T_comp (§3.2 (2)), re-evaluated at
-            every dispatch as the request's chunks reach L1; a request whose slack is already
-            negative cannot meet its deadline any more and goes behind every feasible one
-            (shortest remaining cost first among them), so one late request does not make
-            the ones behind it late too (the EDF/LSTF domino effect under overload)
-    lstf-static  slack = deadline - T_load - T_comp fixed at admission, as the paper computes
-            it "for each incoming request" (the A/B reference)
+    lstf    orders by LST = deadline - T_load - T_comp fixed at admission (§3.2 (2): computed
+            "for each incoming request"); at every dispatch a request that can no longer meet
+            its deadline even if served now (deadline - now - T_load_remaining - T_comp < 0)
+            goes behind every feasible one (shortest remaining cost first among them), so one
+            late request does not make the ones behind it late too (the EDF/LSTF domino effect
+            under overload)
+    lstf-reeval  the same demotion, but feasible requests ordered by the slack re-evaluated at
+            every dispatch (deadline - now - T_load_remaining - T_comp): jkv's earlier `lstf`.
+            A request's own loading progress raises its slack, so requests of similar slack
+            overtake one another chunk by chunk (laxity-tie thrashing): their loads interleave,
+            neither computes until both are nearly loaded, and the fetch/compute overlap is
+            lost (docs/calvo.md "LSTF vs EDF")
+    lstf-static  slack = deadline - T_load - T_comp fixed at admission, no demotion (the
+            paper's key alone; the A/B reference)
 
 Dynamic keys: a policy may carry `progress_key(info, remaining_load_tokens, now)`; the pipeline
 core then re-sorts by it whenever a dispatcher picks (`now` on the requests' clock).
@@ -84,26 +91,49 @@ def edf() -> Policy:
     return Policy("edf", lambda r: (r.deadline_s, r.arrival_s))
 
 
-def lstf(cost_model: CostModel) -> Policy:
-    # CALVO §3.2: LST = DDL - T_load - T_comp; here with `now` and the loading still to do (a
-    # request whose prefix is half in L1 has half its T_load left), evaluated at each dispatch.
-    # The key runs for every queued request at every dispatch, under the pipeline's lock and
-    # the GIL: T_comp (fixed per request) is computed once and cached, T_load takes the cost
-    # model's scalar path. (Through numpy each key cost ~13 us; with 60 queued requests the
-    # pipeline spent 10x EDF's CPU dispatching, CPU the fetch and compute stages needed.)
+def _lstf_terms(cost_model: CostModel):
+    """(t_comp(info), t_load(tokens)) for the LSTF keys. The keys run for every queued request
+    at every dispatch, under the pipeline's lock and the GIL: T_comp (fixed per request) is
+    computed once and cached, T_load takes the cost model's scalar path. (Through numpy each
+    key cost ~13 us; with 60 queued requests the pipeline spent 10x EDF's CPU dispatching, CPU
+    the fetch and compute stages needed.)"""
     t_comp = functools.lru_cache(maxsize=1 << 16)(
         lambda r: float(cost_model.t_comp(r.compute_tokens, r.cached_tokens)))
+    return t_comp, cost_model.t_load
+
+
+def lstf(cost_model: CostModel) -> Policy:
+    # CALVO §3.2: LST = DDL - T_load - T_comp, computed at admission; plus a feasibility check
+    # at each dispatch with `now` and the loading still to do (a request whose prefix is half
+    # in L1 has half its T_load left): a hopeless request is demoted.
+    t_comp, t_load = _lstf_terms(cost_model)
+    admission = functools.lru_cache(maxsize=1 << 16)(
+        lambda r: r.deadline_s - t_load(float(r.cached_tokens)) - t_comp(r))
+
+    def key(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
+        remaining = t_load(remaining_load_tokens) + t_comp(r)
+        if r.deadline_s - now - remaining < 0:      # already hopeless: after every feasible one
+            return (1, remaining, r.arrival_s)
+        return (0, admission(r), r.arrival_s)
+
+    return Policy("lstf", lambda r: (0, r.deadline_s - cost_model.cost(r.cached_tokens,
+                                                                        r.compute_tokens),
+                                     r.arrival_s), progress_key=key)
+
+
+def lstf_reeval(cost_model: CostModel) -> Policy:
+    """LSTF with the slack re-evaluated at every dispatch (jkv's earlier `lstf`; thrashes)."""
+    t_comp, t_load = _lstf_terms(cost_model)
 
     def slack(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
-        remaining = cost_model.t_load(remaining_load_tokens) + t_comp(r)
+        remaining = t_load(remaining_load_tokens) + t_comp(r)
         lst = r.deadline_s - now - remaining
         if lst < 0:                      # already hopeless: after every feasible request
             return (1, remaining, r.arrival_s)
         return (0, lst, r.arrival_s)
 
-    return Policy("lstf", lambda r: (0, r.deadline_s - cost_model.cost(r.cached_tokens,
-                                                                        r.compute_tokens),
-                                     r.arrival_s), progress_key=slack)
+    return Policy("lstf-reeval", lambda r: (0, r.deadline_s - cost_model.cost(
+        r.cached_tokens, r.compute_tokens), r.arrival_s), progress_key=slack)
 
 
 def lstf_static(cost_model: CostModel) -> Policy:
@@ -113,7 +143,7 @@ def lstf_static(cost_model: CostModel) -> Policy:
                                             r.arrival_s))
 
 
-POLICY_NAMES = ("fifo", "sjf-pt", "sjf", "edf", "lstf", "lstf-static")
+POLICY_NAMES = ("fifo", "sjf-pt", "sjf", "edf", "lstf", "lstf-reeval", "lstf-static")
 
 
 def make_policy(name: str, cost_model: CostModel | None = None) -> Policy:
@@ -129,6 +159,8 @@ def make_policy(name: str, cost_model: CostModel | None = None) -> Policy:
         return edf()
     if key == "lstf":
         return lstf(_needs_cost_model(key, cost_model))
+    if key == "lstf-reeval":
+        return lstf_reeval(_needs_cost_model(key, cost_model))
     if key == "lstf-static":
         return lstf_static(_needs_cost_model(key, cost_model))
     raise ValueError(f"unknown scheduling policy {name!r}; valid: {', '.join(POLICY_NAMES)}")

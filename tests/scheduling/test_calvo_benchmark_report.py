@@ -100,10 +100,14 @@ def test_lstf_variants_experiment_runs_and_variants_behave(tmp_path, capsys):
 
 def test_markdown_tables_carry_the_paired_figures_and_the_sustain_check():
     from experiments.calvo_report import markdown_tables
-    rows = [dict(r, baseline_completed=30, baseline_arrived=32, capacity_measured_qps=2.0)
+    # utilisation 0.96 and 1.0 over 48 requests each: pooled 0.98 > 0.97, not sustained
+    rows = [dict(r, baseline_completed=30, baseline_arrived=32, capacity_measured_qps=2.0,
+                 baseline_utilisation=0.96 + 0.04 * r["seed"], baseline_mg1_ttft_s=8.0)
             if r["policy"] == "serialized-fifo" else r
             for r in rows_for(0, 1.0) + rows_for(1, 2.0)]
     text = markdown_tables(aggregate(rows), rows)
-    point = next(line for line in text.splitlines() if line.startswith("| mixed-hit @ 0.7 | 0.94"))
+    point = next(line for line in text.splitlines()
+                 if line.startswith("| mixed-hit @ 0.7 | 0.980"))
     assert "(no)" in point and "-70.0 ± 0.0%" in point and "1.50 ± 0.00×" in point
-    assert "| mixed-hit @ 0.7 | 1 | 2.00 (2.00) |" in text and "| 30 / 32 |" in text
+    assert "| 3.00 / 8.00 s |" in point        # baseline mean TTFT over seeds / M/G/1
+    assert "| mixed-hit @ 0.7 | 1 | 2.00 (2.00) |" in text and "| 1.000; 30 / 32 |" in text

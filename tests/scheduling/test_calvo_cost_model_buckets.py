@@ -77,7 +77,9 @@ def test_sjf_and_lstf_see_the_prefix_cost_of_compute():
     sjf = make_policy("sjf", TRUE)
     assert sorted([long, short], key=sjf.key)[0] is short
     lstf = make_policy("lstf", TRUE)
-    slack = lstf.progress_key(long, 0, 0.0)[1]
+    assert lstf.progress_key(long, 0, 0.0)[1] == pytest.approx(10.0 - TRUE.cost(1536, 40))
+    reeval = make_policy("lstf-reeval", TRUE)
+    slack = reeval.progress_key(long, 0, 0.0)[1]
     assert slack == pytest.approx(10.0 - TRUE.t_comp(40, 1536))
 
 

@@ -123,7 +123,7 @@ def test_ties_fall_back_to_arrival():
 
 
 def test_policy_names_are_validated():
-    with pytest.raises(ValueError, match="valid: fifo, sjf-pt, sjf, edf, lstf, lstf-static"):
+    with pytest.raises(ValueError, match="valid: fifo, sjf-pt, sjf, edf, lstf, lstf-reeval, lstf-static"):
         make_policy("round-robin")
     with pytest.raises(ValueError, match="pass cost_model"):
         make_policy("lstf")
@@ -136,12 +136,17 @@ def test_lstf_static_orders_by_admission_slack():
     assert order(make_policy("lstf-static", PAPER), [a, b]) == ["A", "B"]
 
 
-def test_lstf_slack_uses_now_and_remaining_load_and_demotes_late_requests():
-    key = make_policy("lstf", PAPER).progress_key
+@pytest.mark.parametrize("name", ["lstf", "lstf-reeval"])
+def test_lstf_slack_uses_now_and_remaining_load_and_demotes_late_requests(name):
+    key = make_policy(name, PAPER).progress_key
     a = info("A", 0.0, cached=90_000, compute=0, deadline=1.0)   # full load 0.9 s
     b = info("B", 0.0, cached=10_000, compute=0, deadline=0.8)   # full load 0.1 s
     assert key(a, 90_000, 0.0) < key(b, 10_000, 0.0)             # slack 0.1 < 0.7
-    assert key(a, 20_000, 0.0) > key(b, 10_000, 0.0)             # A mostly loaded: 0.8 > 0.7
+    if name == "lstf-reeval":    # A mostly loaded: re-evaluated slack 0.8 > 0.7, B overtakes
+        assert key(a, 20_000, 0.0) > key(b, 10_000, 0.0)
+    else:                        # the admission key: A's own progress keeps its place
+        assert key(a, 20_000, 0.0) < key(b, 10_000, 0.0)
+        assert key(a, 20_000, 0.05) == key(a, 90_000, 0.0)
     # At now = 0.5 A can no longer make it (0.5 + 0.9 > 1.0): it goes behind B, which can.
     assert key(a, 90_000, 0.5) > key(b, 10_000, 0.5)
     late = [info(f"L{i}", 0.0, cached=c, compute=0, deadline=0.1) for i, c in
@@ -152,7 +157,7 @@ def test_lstf_slack_uses_now_and_remaining_load_and_demotes_late_requests():
 def test_core_reorders_by_progress_key_as_chunks_reach_l1():
     from jkv.scheduling.core import PipelineCore, PipelineRequest, Stage
     now = [0.0]
-    core = PipelineCore(8, 16, progress_key=make_policy("lstf", PAPER).progress_key,
+    core = PipelineCore(8, 16, progress_key=make_policy("lstf-reeval", PAPER).progress_key,
                         clock=lambda: now[0])
     a = PipelineRequest(info("A", 0.0, cached=40_000, compute=0, deadline=1.0), num_chunks=4)
     b = PipelineRequest(info("B", 0.0, cached=10_000, compute=0, deadline=0.75), num_chunks=1)
@@ -170,6 +175,34 @@ def test_core_reorders_by_progress_key_as_chunks_reach_l1():
         PipelineCore(8, 16, progress_key=make_policy("lstf", PAPER).progress_key)
 
 
+def fetch_order(policy_name, now_step):
+    """Request ids in FETCH dispatch order for two requests of near-equal slack (A 0.60 s,
+    B 0.65 s; 4 chunks each), each fetched chunk uploaded at once, `now_step` s per chunk."""
+    from jkv.scheduling.core import PipelineCore, PipelineRequest, Stage
+    now = [0.0]
+    core = PipelineCore(16, 16, progress_key=make_policy(policy_name, PAPER).progress_key,
+                        clock=lambda: now[0])
+    core.add(PipelineRequest(info("A", 0.0, cached=40_000, compute=0, deadline=1.0), 4), (0,))
+    core.add(PipelineRequest(info("B", 0.0, cached=40_000, compute=0, deadline=1.05), 4), (1,))
+    order = []
+    while (task := core.next_task(Stage.FETCH)) is not None:
+        order.append(task.request.request_id)
+        now[0] += now_step
+        core.complete(task)
+        core.complete(core.next_task(Stage.UPLOAD))
+    return "".join(order)
+
+
+def test_lstf_loads_one_request_at_a_time_where_reevaluated_slack_thrashes():
+    # Re-evaluated slack: each chunk A gets raises A's slack by 0.1 s, so B overtakes after one
+    # chunk and the two loads interleave (neither is loaded before ~all 8 chunks are in):
+    # laxity-tie thrashing. The admission key loads A, then B, so A can compute while B loads.
+    assert fetch_order("lstf-reeval", 0.0) == "ABABABAB"
+    assert fetch_order("lstf", 0.0) == "AAAABBBB"
+    # the same with time passing (0.1 s per chunk; both stay feasible)
+    assert fetch_order("lstf", 0.1) == "AAAABBBB"
+
+
 def test_lstf_fast_key_matches_the_model_and_computes_t_comp_once_per_request():
     import dataclasses
 
@@ -185,7 +218,8 @@ def test_lstf_fast_key_matches_the_model_and_computes_t_comp_once_per_request():
                      query_buckets=(32, 64, 128, 256, 512), prefix_bucket=512)
     reference = CostModel(**{k: getattr(model, k) for k in
                              ("a", "b", "c", "d", "e", "f", "query_buckets", "prefix_bucket")})
-    key = make_policy("lstf", model).progress_key
+    key = make_policy("lstf-reeval", model).progress_key
+    admission_key = make_policy("lstf", model).progress_key
     rng = np.random.default_rng(0)
     infos = [RequestInfo(i, 0.0, int(rng.integers(0, 16)) * 64, int(rng.integers(1, 600)),
                          deadline_s=float(rng.uniform(0.1, 3.0))) for i in range(20)]
@@ -200,4 +234,9 @@ def test_lstf_fast_key_matches_the_model_and_computes_t_comp_once_per_request():
                 want = (1, cost, 0.0) if lst < 0 else (0, lst, 0.0)
                 got = key(info, remaining, now)
                 assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-12)
-    assert len(calls) == len(infos)            # T_comp once per request, not per dispatch
+                if lst >= 0:      # lstf: the admission-time LST while feasible
+                    want = (0, info.deadline_s - reference.cost(info.cached_tokens,
+                                                                info.compute_tokens), 0.0)
+                got = admission_key(info, remaining, now)
+                assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-12)
+    assert len(calls) == 2 * len(infos)        # T_comp once per request and key, not per dispatch
