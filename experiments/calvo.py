@@ -305,7 +305,8 @@ def main(argv=None) -> None:
                         help="no probe: take each (scenario, seed)'s capacity and isolated TTFTs "
                              "from the out-dir's calvo.csv / calvo_requests.csv (an earlier "
                              "held run), so the policies run here join that run's paired "
-                             "comparison (same arrivals and SLOs); implies --append")
+                             "comparison (same arrivals and SLOs; a load it did not sweep gets "
+                             "new arrivals at the probe's capacity); implies --append")
     parser.add_argument("--report-only", action="store_true",
                         help="no runs: rebuild calvo_summary.csv / calvo.png from calvo.csv")
     parser.add_argument("--load-basis", choices=("measured", "modelled"), default="measured",
@@ -446,8 +447,10 @@ def main(argv=None) -> None:
                                   for r in earlier_requests if r["scenario"] == scenario
                                   and float(r["load"]) == load and int(r["seed"]) == seed
                                   and r["policy"] == "serialized-fifo"}
-                        if not before or max(abs(before[r.request_id] - r.info.arrival_s)
-                                             for r in requests) > 1e-6:
+                        # a load the earlier run did not sweep has no arrivals to check: it
+                        # joins the seed's probe (capacity, isolated TTFTs, hence SLOs) only
+                        if before and max(abs(before[r.request_id] - r.info.arrival_s)
+                                          for r in requests) > 1e-6:
                             raise ValueError(f"--reuse-probe: {scenario} @ {load} seed {seed}: "
                                              "arrivals differ from the earlier run's")
                     first = None
