@@ -10,6 +10,8 @@ top-1 agreement >= 95%).
     nice -n 19 python experiments/accuracy.py   # the run in docs/selection.md (trains HATA in-run, ~45 min)
     jkv train-hata --out /tmp/hata && python experiments/accuracy.py --hata-weights /tmp/hata
     python experiments/accuracy.py --limit 1  # smoke run
+    nice -n 19 python experiments/accuracy.py --only fidelity@1024 --samples 112 --ratios 0.2 --tag fidelity1k
+        # one workload entry with more samples -> accuracy_fidelity1k.csv / _samples.csv / .png
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ import math
 import os
 import sys
 import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,6 +58,19 @@ def wilson(successes: float, trials: int, z: float = 1.96) -> tuple[float, float
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def bootstrap_ci(rows: list[dict], task: str, length: int, name: str, resamples: int = 2000,
+                 seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap CI of the mean score, resampling whole samples (a sample's 31
+    fidelity tokens share one prompt and are not independent trials, which Wilson assumes)."""
+    scores = np.asarray([r["score"] for r in rows if r["task"] == task and r["length"] == length
+                         and r["selector"] == name and abs(r["max_ratio"] - MAIN_RATIO) < 1e-9])
+    if scores.size == 0:
+        return float("nan"), float("nan")
+    draws = np.random.default_rng(seed).integers(0, scores.size, (resamples, scores.size))
+    means = scores[draws].mean(axis=1)
+    return float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))
+
+
 def trials(summary_row: dict, fidelity_tokens: int) -> int:
     """Binomial trials behind a score: samples (pass/fail tasks) or compared tokens (top-1: every
     continuation token but the first, which the shared prefill predicts)."""
@@ -86,7 +103,7 @@ def plot(summary: list[dict], path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def goals(summary: list[dict], fidelity_tokens: int) -> list[str]:
+def goals(summary: list[dict], fidelity_tokens: int, rows: list[dict] | None = None) -> list[str]:
     def find(task, name):
         return [s for s in summary if s["task"] == task and s["selector"] == name
                 and abs(s["max_ratio"] - MAIN_RATIO) < 1e-9]
@@ -109,12 +126,16 @@ def goals(summary: list[dict], fidelity_tokens: int) -> list[str]:
             for s in find("fidelity", name):
                 ok = s["score"] >= 0.95
                 lo, hi = wilson(s["score"] * trials(s, fidelity_tokens), trials(s, fidelity_tokens))
+                blo, bhi = bootstrap_ci(rows or [], "fidelity", s["length"], name)
                 lines.append(f"{'MET ' if ok else 'MISS'} {name:<10} fidelity@{s['length']}: top-1 agreement "
-                             f"{s['score']:.3f} [{lo:.3f}, {hi:.3f}] (goal >= 0.95), KL {s['kl']:.4f}, "
+                             f"{s['score']:.3f} [{lo:.3f}, {hi:.3f}] (Wilson; sample bootstrap [{blo:.3f}, {bhi:.3f}]; "
+                             f"goal >= 0.95), KL {s['kl']:.4f}, "
                              f"ppl ratio {s['ppl_ratio']:.3f}, metadata {s['metadata_bytes_per_token']:.0f} B/token/layer")
     for s in find("fidelity", "oracle"):
         lo, hi = wilson(s["score"] * trials(s, fidelity_tokens), trials(s, fidelity_tokens))
+        blo, bhi = bootstrap_ci(rows or [], "fidelity", s["length"], "oracle")
         lines.append(f"     oracle     fidelity@{s['length']}: top-1 agreement {s['score']:.3f} [{lo:.3f}, {hi:.3f}]"
+                     f" (sample bootstrap [{blo:.3f}, {bhi:.3f}])"
                      f", KL {s['kl']:.4f} (the exact top-k's own ceiling)")
     return lines
 
@@ -128,6 +149,10 @@ def main() -> int:
     parser.add_argument("--hata-train-steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=8, help="samples decoded together per (task, length)")
     parser.add_argument("--out", default=RESULTS)
+    parser.add_argument("--only", default=None,
+                        help="comma-separated workload entries to run, e.g. fidelity@1024 (default: all)")
+    parser.add_argument("--samples", type=int, default=None, help="samples per selected entry (overrides the table)")
+    parser.add_argument("--tag", default="", help="output names accuracy_<tag>.csv etc. (keeps the full table's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("absl", "jax._src.xla_bridge"):
@@ -143,8 +168,18 @@ def main() -> int:
     selectors = build_selectors(model, base)
     fit_s = time.perf_counter() - start
     main_only = {key: s for key, s in selectors.items() if abs(key[1] - MAIN_RATIO) < 1e-9}
+    workload = WORKLOAD
+    if args.only:
+        wanted = set(args.only.split(","))
+        known = {f"{t}@{n}" for t, n, _, _ in WORKLOAD}
+        if wanted - known:
+            raise SystemExit(f"--only {sorted(wanted - known)} unknown; valid: {', '.join(sorted(known))}")
+        workload = [w for w in WORKLOAD if f"{w[0]}@{w[1]}" in wanted]
+    if args.samples:
+        workload = [(t, n, args.samples, c) for t, n, _, c in workload]
+    stem = "accuracy" + (f"_{args.tag}" if args.tag else "")
     rows = []
-    for task, length, samples, curve in WORKLOAD:
+    for task, length, samples, curve in workload:
         samples = min(samples, args.limit or samples)
         curve = min(curve, samples)
         for first, count, chosen in [(0, curve, selectors), (curve, samples - curve, main_only)]:
@@ -154,14 +189,14 @@ def main() -> int:
                 rows += evaluate(model, config, chosen)
         summary = summarize(rows)
         os.makedirs(args.out, exist_ok=True)
-        write_csv(os.path.join(args.out, "accuracy.csv"), summary)
-        write_csv(os.path.join(args.out, "accuracy_samples.csv"), rows)
-        plot(summary, os.path.join(args.out, "accuracy.png"))
+        write_csv(os.path.join(args.out, f"{stem}.csv"), summary)
+        write_csv(os.path.join(args.out, f"{stem}_samples.csv"), rows)
+        plot(summary, os.path.join(args.out, f"{stem}.png"))
         logging.info("%s@%d done (%d samples) after %.0fs; results written", task, length, samples,
                      time.perf_counter() - start)
     print(format_table(summary))
     print(f"\nselector fitting (calibration + HATA training): {fit_s:.0f}s; total {time.perf_counter() - start:.0f}s")
-    print("\n".join(goals(summary, base.fidelity_tokens)))
+    print("\n".join(goals(summary, base.fidelity_tokens, rows)))
     return 0
 
 

@@ -161,7 +161,8 @@ def evaluate(model, config: EvalConfig, selectors=None, progress: bool = True) -
                     # Position 0 is the shared prefill's prediction: compare the decoded ones only.
                     metrics = fidelity_metrics(dense_logits[b, 1:], result.logits[b, 1:], targets[b, 1:])
                     rows.append(_row(task, length, len(prompts[b]), index, name, ratio, metrics["top1"], **common,
-                                     kl=metrics["kl"], ppl_ratio=metrics["ppl_ratio"]))
+                                     kl=metrics["kl"], ppl_ratio=metrics["ppl_ratio"],
+                                     agree=metrics["agree"]))
                 else:
                     sample = tasks[b]
                     output = _text(tokenizer, result.tokens[b, :sample.max_tokens], eos)
