@@ -77,6 +77,16 @@ def trials(summary_row: dict, fidelity_tokens: int) -> int:
     return summary_row["samples"] * (fidelity_tokens - 1 if summary_row["task"] == "fidelity" else 1)
 
 
+def read_rows(path: str) -> list[dict]:
+    """Per-sample rows written by an earlier run (`write_csv`), with numeric fields parsed."""
+    import csv
+
+    ints, texts = {"length", "prompt_tokens", "index", "batch"}, {"task", "selector", "output", "answer", "agree"}
+    with open(path, newline="") as f:
+        rows = [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    return [{k: (int(v) if k in ints else v if k in texts else float(v)) for k, v in row.items()} for row in rows]
+
+
 def plot(summary: list[dict], path: str) -> None:
     import matplotlib
 
@@ -152,6 +162,9 @@ def main() -> int:
     parser.add_argument("--only", default=None,
                         help="comma-separated workload entries to run, e.g. fidelity@1024 (default: all)")
     parser.add_argument("--samples", type=int, default=None, help="samples per selected entry (overrides the table)")
+    parser.add_argument("--merge", default=None,
+                        help="a *_samples.csv of another run (same selectors and code) whose rows join this "
+                             "run's table, for entries this run leaves out (e.g. --only the rest)")
     parser.add_argument("--tag", default="", help="output names accuracy_<tag>.csv etc. (keeps the full table's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -178,7 +191,14 @@ def main() -> int:
     if args.samples:
         workload = [(t, n, args.samples, c) for t, n, _, c in workload]
     stem = "accuracy" + (f"_{args.tag}" if args.tag else "")
-    rows = []
+    from jkv.eval.fidelity import fidelity_windows
+
+    for task, length, samples, _ in workload:  # past the distinct windows, samples would repeat
+        if task == "fidelity" and min(samples, args.limit or samples) > fidelity_windows(
+                model.tokenizer, length, base.fidelity_tokens):
+            raise SystemExit(f"fidelity@{length}: {samples} samples > the corpus's "
+                             f"{fidelity_windows(model.tokenizer, length, base.fidelity_tokens)} distinct windows")
+    rows = read_rows(args.merge) if args.merge else []
     for task, length, samples, curve in workload:
         samples = min(samples, args.limit or samples)
         curve = min(curve, samples)

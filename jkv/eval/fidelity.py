@@ -20,14 +20,22 @@ def _eval_tokens(tokenizer) -> tuple[int, ...]:
     return tuple(tokenizer.encode(long_text("eval")))
 
 
-def fidelity_sample(tokenizer, length: int, continuation: int, index: int) -> tuple[list[int], np.ndarray]:
-    """(prompt of `length` tokens, i32[continuation] true next tokens) starting at a window that
-    depends on `index` (windows tile the corpus, then wrap)."""
+def fidelity_windows(tokenizer, length: int, continuation: int) -> int:
+    """How many distinct samples `fidelity_sample` has at this length (windows start every half
+    window; index `fidelity_windows(...)` wraps to sample 0). SmolLM2's tokenizer: 114 at 1K."""
     tokens = _eval_tokens(tokenizer)
     window = length + continuation
     if len(tokens) < window:
         raise ValueError(f"evaluation corpus has {len(tokens)} tokens < {length=} + {continuation=}")
-    slots = max(1, (len(tokens) - window) // max(1, window // 2))
+    return max(1, (len(tokens) - window) // max(1, window // 2))
+
+
+def fidelity_sample(tokenizer, length: int, continuation: int, index: int) -> tuple[list[int], np.ndarray]:
+    """(prompt of `length` tokens, i32[continuation] true next tokens) starting at a window that
+    depends on `index` (windows tile the corpus, then wrap: see `fidelity_windows`)."""
+    tokens = _eval_tokens(tokenizer)
+    window = length + continuation
+    slots = fidelity_windows(tokenizer, length, continuation)
     start = (index % slots) * (window // 2)
     chunk = tokens[start:start + window]
     return list(chunk[:length]), np.asarray(chunk[length:], np.int32)
@@ -39,7 +47,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def fidelity_metrics(dense_logits: np.ndarray, sparse_logits: np.ndarray, targets: np.ndarray) -> dict[str, float | str]:
+def fidelity_metrics(dense_logits: np.ndarray, sparse_logits: np.ndarray,
+                     targets: np.ndarray) -> dict[str, float | str]:
     """dense_logits, sparse_logits: f32[S, V]; targets: i32[S] -> {kl, top1, ppl_ratio, ppl_dense,
     agree}; agree is one '1'/'0' per position (top-1 agreement per token, for paired comparisons
     of two selectors on the same tokens)."""

@@ -10,7 +10,7 @@ import copy
 from tests.selection.tiny import shared_tiny_model
 
 from jkv.eval import cli
-from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
+from jkv.eval.fidelity import fidelity_metrics, fidelity_sample, fidelity_windows
 from jkv.eval.harness import EvalConfig, evaluate, format_table, metadata_bytes_per_token, summarize, write_csv
 from jkv.eval.tasks import TASKS, edit_similarity
 from jkv.selection import get_selector
@@ -76,6 +76,9 @@ def test_fidelity_metrics_by_hand(tokenizer):
     assert fidelity_metrics(dense, dense, np.asarray([0, 1]))["kl"] == 0.0
     prompt, targets = fidelity_sample(tokenizer, 300, 16, 2)
     assert len(prompt) == 300 and targets.shape == (16,)
+    windows = fidelity_windows(tokenizer, 300, 16)  # distinct samples, then the index wraps
+    assert windows > 2 and fidelity_sample(tokenizer, 300, 16, windows)[0] == fidelity_sample(tokenizer, 300, 16, 0)[0]
+    assert fidelity_sample(tokenizer, 300, 16, windows - 1)[0] != fidelity_sample(tokenizer, 300, 16, 0)[0]
     with pytest.raises(ValueError, match="shape mismatch"):
         fidelity_metrics(dense, sparse[:1], np.asarray([0, 1]))
 
