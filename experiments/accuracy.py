@@ -7,7 +7,7 @@ size actually used, one panel per task), and prints the table plus the issue's g
 max_ratio 0.2 (Oracle >= 99% relative score; InfiniGen / Quest / HATA >= 95% and next-token
 top-1 agreement >= 95%).
 
-    nice -n 19 python experiments/accuracy.py   # the run in docs/selection.md (trains HATA in-run, ~45 min)
+    nice -n 19 python experiments/accuracy.py   # the run in docs/selection.md (trains HATA in-run, ~60 min)
     jkv train-hata --out /tmp/hata && python experiments/accuracy.py --hata-weights /tmp/hata
     python experiments/accuracy.py --limit 1  # smoke run
     nice -n 19 python experiments/accuracy.py --only fidelity@1024 --samples 112 --ratios 0.2 --tag fidelity1k
@@ -38,13 +38,14 @@ MAIN_RATIO = 0.2  # the issue's goals are stated at max_ratio 0.2
 # Sample counts: code completion's relative score moves by |ΔES| / (n · dense ES) per sample;
 # with dense ES ~0.23 and near-tie lines differing by ~0.1-0.17 ES, 16 samples let one sample
 # move it 2.5-4.6% (the 0.979 of the 2026-11-30 run). 96 samples bring that to 0.45-0.77%
-# (≤ 0.5% needs ~150, past the run-time budget); the passkey tasks get 32, fidelity @1K 48
-# (1488 compared tokens: top-1 95% CI about ±0.011 near 0.95). Samples decode in batches of
+# (≤ 0.5% needs ~150, past the run-time budget); the passkey tasks get 32, fidelity @1K 112
+# (3472 compared tokens: top-1 95% CI about ±0.007 near 0.95; the corpus has 114 distinct 1K
+# windows, `fidelity_windows`, so more would repeat samples). Samples decode in batches of
 # --batch (one prefill and one dense reference per batch for every selector: ~2x less CPU per
 # sample at 8 than one at a time). The curves (0.1 / 0.4) use the first 4 samples per task.
 # The goals still in question come first, and the CSVs/PNG are rewritten after each entry, so a
 # run stopped early (the shared box under load) keeps every finished task.
-WORKLOAD = [("code_completion", 1024, 96, 4), ("fidelity", 1024, 48, 4), ("passkey_multi", 1024, 32, 4),
+WORKLOAD = [("code_completion", 1024, 96, 4), ("fidelity", 1024, 112, 4), ("passkey_multi", 1024, 32, 4),
             ("passkey", 1024, 32, 4), ("fidelity", 4096, 8, 0)]
 
 
@@ -85,6 +86,13 @@ def read_rows(path: str) -> list[dict]:
     with open(path, newline="") as f:
         rows = [{k: v for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
     return [{k: (int(v) if k in ints else v if k in texts else float(v)) for k, v in row.items()} for row in rows]
+
+
+def dedupe(rows: list[dict]) -> list[dict]:
+    """One row per (task, length, sample, selector, ratio), the last one winning: a --merge'd
+    run's rows give way to this run's (e.g. its dense reference, recomputed identically)."""
+    last = {(r["task"], r["length"], r["index"], r["selector"], r["max_ratio"]): r for r in rows}
+    return list(last.values())
 
 
 def plot(summary: list[dict], path: str) -> None:
@@ -156,7 +164,8 @@ def main() -> int:
     parser.add_argument("--ratios", default="0.1,0.2,0.4")
     parser.add_argument("--limit", type=int, default=None, help="cap samples per (task, length)")
     parser.add_argument("--hata-weights", default=None, help="dir from `jkv train-hata` (default: train here)")
-    parser.add_argument("--hata-train-steps", type=int, default=150)
+    parser.add_argument("--hata-train-steps", type=int, default=150, help="per calibration window")
+    parser.add_argument("--hata-windows", type=int, default=4, help="calibration windows HATA trains on in turn")
     parser.add_argument("--batch", type=int, default=8, help="samples decoded together per (task, length)")
     parser.add_argument("--out", default=RESULTS)
     parser.add_argument("--only", default=None,
@@ -165,6 +174,9 @@ def main() -> int:
     parser.add_argument("--merge", default=None,
                         help="a *_samples.csv of another run (same selectors and code) whose rows join this "
                              "run's table, for entries this run leaves out (e.g. --only the rest)")
+    parser.add_argument("--selectors", default=None,
+                        help=f"comma-separated subset of {','.join(SELECTORS)} (default: all; with --merge, "
+                             "re-runs those selectors over another run's table)")
     parser.add_argument("--tag", default="", help="output names accuracy_<tag>.csv etc. (keeps the full table's)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -175,8 +187,9 @@ def main() -> int:
 
     ratios = tuple(sorted(set(float(r) for r in args.ratios.split(",")) | {MAIN_RATIO}))
     model = load_model(args.model)
-    base = EvalConfig(selectors=SELECTORS, ratios=ratios, hata_weights=args.hata_weights,
-                      hata_train_steps=args.hata_train_steps)
+    names = tuple(args.selectors.split(",")) if args.selectors else SELECTORS
+    base = EvalConfig(selectors=names, ratios=ratios, hata_weights=args.hata_weights,
+                      hata_train_steps=args.hata_train_steps, hata_windows=args.hata_windows)
     start = time.perf_counter()
     selectors = build_selectors(model, base)
     fit_s = time.perf_counter() - start
@@ -205,8 +218,9 @@ def main() -> int:
         for first, count, chosen in [(0, curve, selectors), (curve, samples - curve, main_only)]:
             if count:
                 config = EvalConfig(tasks=(task,), lengths=(length,), first=first, limit=count, batch=args.batch,
-                                    selectors=SELECTORS, ratios=ratios, fidelity_tokens=base.fidelity_tokens)
+                                    selectors=names, ratios=ratios, fidelity_tokens=base.fidelity_tokens)
                 rows += evaluate(model, config, chosen)
+        rows = dedupe(rows)
         summary = summarize(rows)
         os.makedirs(args.out, exist_ok=True)
         write_csv(os.path.join(args.out, f"{stem}.csv"), summary)

@@ -12,7 +12,8 @@ Variants tried here (see docs/selection.md "What was tried"):
 - `oracle+vo`: the exact mass times ||v - o_g|| summed over the group's heads (o_g: the dense
   attention output of head g), the first-order error a dropped token causes; not shippable,
   it bounds what value-awareness can give.
-- `quest@3`: Quest on 3-token pages. `hata@<dir>`: HATA with other weights.
+- `quest@3`: Quest on 3-token pages. `hata@<dir>`: HATA with other weights. `infinigen@w4`:
+  the skew fitted on 4 calibration windows (1024 + 192 tokens each) instead of 1.
 - `<sel>:key=value;key=value`: the selector with config overrides (e.g. `infinigen:speculate=False`).
 
     nice -n 19 python experiments/sel_ab.py --variants oracle,oracle+v,oracle+vo --samples 16
@@ -163,6 +164,17 @@ def main() -> int:
             base[v] = get_selector("quest", page_size=int(v.split("@")[1]))
         elif v.startswith("hata@"):
             base[v] = get_selector("hata", weights_path=v.split("@", 1)[1])
+        elif v.startswith("infinigen@w"):  # skew fitted on N calibration windows (queries/keys pooled)
+            from jkv.selection.calibration import calibration_tokens, collect_calibration
+            from jkv.selection.infinigen import InfiniGen, InfiniGenConfig, fit_skew
+
+            windows, span = int(v.split("@w")[1]), 1024 + 192
+            tokens = calibration_tokens(model, windows * span)
+            cals = [collect_calibration(model, tokens[i * span:(i + 1) * span], 1024, 192) for i in range(windows)]
+            skew = [fit_skew(np.concatenate([c.queries[layer] for c in cals]),
+                             np.concatenate([c.keys[layer] for c in cals]), InfiniGenConfig().partial_ratio)
+                    for layer in range(model.cfg.num_layers)]
+            base[v] = InfiniGen(InfiniGenConfig(), skew)
     samples = list(range(args.first, args.first + args.samples))
     results = {v: [] for v in variants}
     start = time.perf_counter()

@@ -147,6 +147,8 @@ def test_eval_config_and_cli_errors():
         EvalConfig(ratios=(1.5,))
     with pytest.raises(ValueError, match="first=-1"):
         EvalConfig(first=-1)
+    with pytest.raises(ValueError, match="hata_windows=0"):
+        EvalConfig(hata_windows=0)
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["eval", "--tasks", "passkey,fidelity", "--lengths", "512,1024", "--ratios", "0.1,0.2",

@@ -9,7 +9,8 @@ from tests.selection.tiny import shared_tiny_model
 from jkv.selection import get_selector
 from jkv.selection.calibration import collect_calibration
 from jkv.selection.hata import load_weights, save_weights
-from jkv.selection.hata_train import HATATrainConfig, add_parser, init_projection, recall_at_k, train_projection
+from jkv.selection.hata_train import (HATATrainConfig, add_parser, init_projection, recall_at_k, train_projection,
+                                     train_projection_windows)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,18 @@ def test_training_reduces_loss_and_improves_recall_over_random_projection(calibr
     np.testing.assert_array_equal(np.asarray(selector.layer_state(3)), projection[3])
 
 
+def test_training_on_windows_chains_them_in_order(calibration):
+    first, second = calibration.split(0.5)  # two windows (same keys, different queries)
+    config = HATATrainConfig(bits=32, train_steps=4, key_sample=0, query_sample=0)
+    chained, losses = train_projection_windows([first, second], config)
+    step_one, losses_one = train_projection(first, config)
+    step_two, losses_two = train_projection(second, config, step_one)
+    np.testing.assert_allclose(chained, step_two, rtol=1e-6)
+    assert losses == losses_one + losses_two
+    with pytest.raises(ValueError, match="at least one"):
+        train_projection_windows([], config)
+
+
 def test_missing_weights_say_how_to_train(tmp_path):
     with pytest.raises(FileNotFoundError, match="jkv train-hata"):
         get_selector("hata", weights_path=str(tmp_path))
@@ -51,7 +64,7 @@ def test_cli_parser_and_config_validation():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["train-hata", "--out", "/tmp/x", "--train-steps", "5"])
-    assert args.train_steps == 5 and args.bits == 256 and callable(args.func)
+    assert args.train_steps == 5 and args.bits == 256 and args.windows == 4 and callable(args.func)
     with pytest.raises(ValueError, match="multiple of 32"):
         HATATrainConfig(bits=48)
     with pytest.raises(ValueError, match="target='mse' must be"):
