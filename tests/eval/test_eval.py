@@ -83,6 +83,18 @@ def test_fidelity_metrics_by_hand(tokenizer):
         fidelity_metrics(dense, sparse[:1], np.asarray([0, 1]))
 
 
+def test_calibration_windows_are_disjoint_and_the_first_is_the_single_window(tokenizer):
+    from jkv.selection.calibration import calibration_tokens, calibration_windows
+
+    model = with_tokenizer(tokenizer)
+    windows = calibration_windows(model, 2, 72, 8)
+    single = collect_calibration(model, calibration_tokens(model, 80), 72, 8)
+    np.testing.assert_array_equal(windows[0].queries[3], single.queries[3])
+    assert not np.allclose(windows[1].keys[3], windows[0].keys[3])  # the next 80 tokens, not the same ones
+    with pytest.raises(ValueError, match="windows=0"):
+        calibration_windows(model, 0, 72, 8)
+
+
 def test_harness_at_full_ratio_matches_dense_everywhere(tokenizer):
     model = with_tokenizer(tokenizer)
     rng = np.random.default_rng(0)
