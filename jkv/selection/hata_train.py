@@ -234,6 +234,8 @@ def run(args: argparse.Namespace) -> int:
     save_weights(args.out, projection, {"model": args.model, "bits": config.bits, "windows": args.windows,
                                         "loss_first": losses[0],
                                         "loss_last": losses[-1], "recall_random": before, "recall_trained": after})
-    print(f"HATA weights -> {args.out}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+    last = losses[-config.train_steps:]  # windows differ in data, so compare within the last one
+    print(f"HATA weights -> {args.out}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.windows} window(s) "
+          f"(last window {last[0]:.4f} -> {last[-1]:.4f}), "
           f"held-out recall@20% {before:.3f} (random) -> {after:.3f} (trained)")
     return 0
