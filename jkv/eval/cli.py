@@ -24,7 +24,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--batch", type=int, default=1, help="samples decoded together (one prefill per batch)")
     parser.add_argument("--fidelity-tokens", type=int, default=32)
     parser.add_argument("--hata-weights", default=None, help="dir from `jkv train-hata` (default: train now)")
-    parser.add_argument("--hata-train-steps", type=int, default=200)
+    parser.add_argument("--hata-train-steps", type=int, default=200, help="per calibration window")
+    parser.add_argument("--hata-windows", type=int, default=4, help="calibration windows HATA trains on in turn")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--csv", default=None, help="write per-sample rows to this CSV")
     parser.add_argument("--no-progress", action="store_true")
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     config = EvalConfig(tasks=args.tasks, lengths=args.lengths, selectors=args.selectors, ratios=args.ratios,
                         limit=args.limit, batch=args.batch, fidelity_tokens=args.fidelity_tokens, seed=args.seed,
-                        hata_weights=args.hata_weights, hata_train_steps=args.hata_train_steps)
+                        hata_weights=args.hata_weights, hata_train_steps=args.hata_train_steps,
+                        hata_windows=args.hata_windows)
     model = load_model(args.model)
     rows = evaluate(model, config, progress=not args.no_progress)
     if args.csv:

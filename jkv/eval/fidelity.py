@@ -20,14 +20,22 @@ def _eval_tokens(tokenizer) -> tuple[int, ...]:
     return tuple(tokenizer.encode(long_text("eval")))
 
 
-def fidelity_sample(tokenizer, length: int, continuation: int, index: int) -> tuple[list[int], np.ndarray]:
-    """(prompt of `length` tokens, i32[continuation] true next tokens) starting at a window that
-    depends on `index` (windows tile the corpus, then wrap)."""
+def fidelity_windows(tokenizer, length: int, continuation: int) -> int:
+    """How many distinct samples `fidelity_sample` has at this length (windows start every half
+    window; index `fidelity_windows(...)` wraps to sample 0). SmolLM2's tokenizer: 114 at 1K."""
     tokens = _eval_tokens(tokenizer)
     window = length + continuation
     if len(tokens) < window:
         raise ValueError(f"evaluation corpus has {len(tokens)} tokens < {length=} + {continuation=}")
-    slots = max(1, (len(tokens) - window) // max(1, window // 2))
+    return max(1, (len(tokens) - window) // max(1, window // 2))
+
+
+def fidelity_sample(tokenizer, length: int, continuation: int, index: int) -> tuple[list[int], np.ndarray]:
+    """(prompt of `length` tokens, i32[continuation] true next tokens) starting at a window that
+    depends on `index` (windows tile the corpus, then wrap: see `fidelity_windows`)."""
+    tokens = _eval_tokens(tokenizer)
+    window = length + continuation
+    slots = fidelity_windows(tokenizer, length, continuation)
     start = (index % slots) * (window // 2)
     chunk = tokens[start:start + window]
     return list(chunk[:length]), np.asarray(chunk[length:], np.int32)
@@ -39,15 +47,19 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def fidelity_metrics(dense_logits: np.ndarray, sparse_logits: np.ndarray, targets: np.ndarray) -> dict[str, float]:
-    """dense_logits, sparse_logits: f32[S, V]; targets: i32[S] -> {kl, top1, ppl_ratio}."""
+def fidelity_metrics(dense_logits: np.ndarray, sparse_logits: np.ndarray,
+                     targets: np.ndarray) -> dict[str, float | str]:
+    """dense_logits, sparse_logits: f32[S, V]; targets: i32[S] -> {kl, top1, ppl_ratio, ppl_dense,
+    agree}; agree is one '1'/'0' per position (top-1 agreement per token, for paired comparisons
+    of two selectors on the same tokens)."""
     if dense_logits.shape != sparse_logits.shape or dense_logits.shape[0] != targets.shape[0]:
         raise ValueError(f"shape mismatch: dense {dense_logits.shape}, sparse {sparse_logits.shape}, "
                          f"targets {targets.shape}")
     log_p, log_q = log_softmax(dense_logits), log_softmax(sparse_logits)
     kl = float((np.exp(log_p) * (log_p - log_q)).sum(-1).mean())
-    top1 = float((dense_logits.argmax(-1) == sparse_logits.argmax(-1)).mean())
+    same = dense_logits.argmax(-1) == sparse_logits.argmax(-1)
+    top1 = float(same.mean())
     rows = np.arange(targets.shape[0])
     nll_dense, nll_sparse = -log_p[rows, targets].mean(), -log_q[rows, targets].mean()
     return {"kl": max(kl, 0.0), "top1": top1, "ppl_ratio": float(np.exp(nll_sparse - nll_dense)),
-            "ppl_dense": float(np.exp(nll_dense))}
+            "ppl_dense": float(np.exp(nll_dense)), "agree": "".join("1" if a else "0" for a in same)}

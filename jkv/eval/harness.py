@@ -25,7 +25,7 @@ import numpy as np
 from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
 from jkv.eval.tasks import TASKS
 from jkv.selection import get_selector
-from jkv.selection.calibration import calibration_tokens, collect_calibration
+from jkv.selection.calibration import calibration_windows
 from jkv.selection.simple import Dense
 from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host
 
@@ -47,7 +47,8 @@ class EvalConfig:
     fidelity_tokens: int = 32  # teacher-forced continuation length
     seed: int = 0
     hata_weights: str | None = None  # trained weights dir; None trains on the calibration data
-    hata_train_steps: int = 200
+    hata_train_steps: int = 200  # per calibration window
+    hata_windows: int = 4  # HATA trains on this many calibration windows in turn (InfiniGen: the first)
     calibration_prompt: int = 1024
     calibration_steps: int = 192
 
@@ -68,6 +69,8 @@ class EvalConfig:
             raise ValueError(f"limit={self.limit} must be >= 1 and fidelity_tokens={self.fidelity_tokens} >= 2")
         if not (isinstance(self.batch, int) and self.batch >= 1):
             raise ValueError(f"batch={self.batch!r} must be an int >= 1 (samples decoded together)")
+        if not (isinstance(self.hata_windows, int) and self.hata_windows >= 1):
+            raise ValueError(f"hata_windows={self.hata_windows!r} must be an int >= 1 (calibration windows)")
         if self.first < 0:
             raise ValueError(f"first={self.first} must be >= 0 (index of the first sample)")
 
@@ -75,17 +78,19 @@ class EvalConfig:
 def build_selectors(model, config: EvalConfig) -> dict[tuple[str, float], object]:
     """One selector per (name, ratio); InfiniGen and HATA are fitted on the calibration split."""
     calibration = projection = None
+    train_hata = "hata" in config.selectors and config.hata_weights is None
     if any(name in FITTED for name in config.selectors):
         start = time.perf_counter()
-        tokens = calibration_tokens(model, config.calibration_prompt + config.calibration_steps)
-        calibration = collect_calibration(model, tokens, config.calibration_prompt, config.calibration_steps)
-        log.info("calibration: %d queries per layer in %.1fs", len(calibration.query_positions),
-                 time.perf_counter() - start)
-    if "hata" in config.selectors and config.hata_weights is None:
-        from jkv.selection.hata_train import HATATrainConfig, train_projection
+        windows = calibration_windows(model, config.hata_windows if train_hata else 1, config.calibration_prompt,
+                                      config.calibration_steps)
+        calibration = windows[0]  # InfiniGen's skew: the first window
+        log.info("calibration: %d windows of %d queries per layer in %.1fs", len(windows),
+                 len(calibration.query_positions), time.perf_counter() - start)
+    if train_hata:
+        from jkv.selection.hata_train import HATATrainConfig, train_projection_windows
 
         start = time.perf_counter()
-        projection, losses = train_projection(calibration, HATATrainConfig(train_steps=config.hata_train_steps))
+        projection, losses = train_projection_windows(windows, HATATrainConfig(train_steps=config.hata_train_steps))
         log.info("HATA trained in %.1fs: loss %.4f -> %.4f", time.perf_counter() - start, losses[0], losses[-1])
     selectors = {}
     for name in config.selectors:
@@ -161,7 +166,8 @@ def evaluate(model, config: EvalConfig, selectors=None, progress: bool = True) -
                     # Position 0 is the shared prefill's prediction: compare the decoded ones only.
                     metrics = fidelity_metrics(dense_logits[b, 1:], result.logits[b, 1:], targets[b, 1:])
                     rows.append(_row(task, length, len(prompts[b]), index, name, ratio, metrics["top1"], **common,
-                                     kl=metrics["kl"], ppl_ratio=metrics["ppl_ratio"]))
+                                     kl=metrics["kl"], ppl_ratio=metrics["ppl_ratio"],
+                                     agree=metrics["agree"]))
                 else:
                     sample = tasks[b]
                     output = _text(tokenizer, result.tokens[b, :sample.max_tokens], eos)

@@ -53,6 +53,17 @@ def collect_calibration(model, token_ids: list[int], prompt_len: int, steps: int
     return Calibration([np.stack(q) for q in queries], np.asarray(positions, np.int32), keys)
 
 
+def calibration_windows(model, windows: int, prompt_len: int, steps: int) -> list[Calibration]:
+    """`windows` disjoint, consecutive windows of the calibration split, each prefilled with
+    `prompt_len` tokens and teacher-forced for `steps` (window 0 is `collect_calibration` over
+    `calibration_tokens(model, prompt_len + steps)`, the single window used before)."""
+    if not (isinstance(windows, int) and windows >= 1):
+        raise ValueError(f"windows={windows!r} must be an int >= 1")
+    span = prompt_len + steps
+    tokens = calibration_tokens(model, windows * span)
+    return [collect_calibration(model, tokens[i * span:(i + 1) * span], prompt_len, steps) for i in range(windows)]
+
+
 def calibration_tokens(model, num_tokens: int) -> list[int]:
     """`num_tokens` tokens of the calibration split of the local documentation corpus."""
     from jkv.eval.corpus import long_text

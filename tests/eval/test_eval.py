@@ -10,7 +10,7 @@ import copy
 from tests.selection.tiny import shared_tiny_model
 
 from jkv.eval import cli
-from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
+from jkv.eval.fidelity import fidelity_metrics, fidelity_sample, fidelity_windows
 from jkv.eval.harness import EvalConfig, evaluate, format_table, metadata_bytes_per_token, summarize, write_csv
 from jkv.eval.tasks import TASKS, edit_similarity
 from jkv.selection import get_selector
@@ -71,12 +71,28 @@ def test_fidelity_metrics_by_hand(tokenizer):
     kl_first = 0.5 * math.log(2) + 0.25 * math.log(0.5)
     assert metrics["kl"] == pytest.approx(kl_first / 2)
     assert metrics["top1"] == 0.5
+    assert metrics["agree"] == "01"  # per position, for paired comparisons of two selectors
     assert metrics["ppl_ratio"] == pytest.approx(math.exp((math.log(4) - math.log(2)) / 2))
     assert fidelity_metrics(dense, dense, np.asarray([0, 1]))["kl"] == 0.0
     prompt, targets = fidelity_sample(tokenizer, 300, 16, 2)
     assert len(prompt) == 300 and targets.shape == (16,)
+    windows = fidelity_windows(tokenizer, 300, 16)  # distinct samples, then the index wraps
+    assert windows > 2 and fidelity_sample(tokenizer, 300, 16, windows)[0] == fidelity_sample(tokenizer, 300, 16, 0)[0]
+    assert fidelity_sample(tokenizer, 300, 16, windows - 1)[0] != fidelity_sample(tokenizer, 300, 16, 0)[0]
     with pytest.raises(ValueError, match="shape mismatch"):
         fidelity_metrics(dense, sparse[:1], np.asarray([0, 1]))
+
+
+def test_calibration_windows_are_disjoint_and_the_first_is_the_single_window(tokenizer):
+    from jkv.selection.calibration import calibration_tokens, calibration_windows
+
+    model = with_tokenizer(tokenizer)
+    windows = calibration_windows(model, 2, 72, 8)
+    single = collect_calibration(model, calibration_tokens(model, 80), 72, 8)
+    np.testing.assert_array_equal(windows[0].queries[3], single.queries[3])
+    assert not np.allclose(windows[1].keys[3], windows[0].keys[3])  # the next 80 tokens, not the same ones
+    with pytest.raises(ValueError, match="windows=0"):
+        calibration_windows(model, 0, 72, 8)
 
 
 def test_harness_at_full_ratio_matches_dense_everywhere(tokenizer):
@@ -143,6 +159,8 @@ def test_eval_config_and_cli_errors():
         EvalConfig(ratios=(1.5,))
     with pytest.raises(ValueError, match="first=-1"):
         EvalConfig(first=-1)
+    with pytest.raises(ValueError, match="hata_windows=0"):
+        EvalConfig(hata_windows=0)
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["eval", "--tasks", "passkey,fidelity", "--lengths", "512,1024", "--ratios", "0.1,0.2",

@@ -9,7 +9,8 @@ from tests.selection.tiny import shared_tiny_model
 from jkv.selection import get_selector
 from jkv.selection.calibration import collect_calibration
 from jkv.selection.hata import load_weights, save_weights
-from jkv.selection.hata_train import HATATrainConfig, add_parser, init_projection, recall_at_k, train_projection
+from jkv.selection.hata_train import (HATATrainConfig, add_parser, init_projection, recall_at_k, train_projection,
+                                     train_projection_windows)
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,29 @@ def test_training_reduces_loss_and_improves_recall_over_random_projection(calibr
     np.testing.assert_array_equal(np.asarray(selector.layer_state(3)), projection[3])
 
 
+def test_training_on_windows_chains_them_in_order(monkeypatch):
+    # train_projection itself is exercised above; here only the chaining: each window starts
+    # from the previous window's projection, and the losses of all windows are concatenated.
+    from jkv.selection import hata_train
+
+    calls = []
+
+    def fake_train(calibration, config, projection=None):
+        calls.append((calibration, None if projection is None else projection.copy()))
+        start = np.zeros(2) if projection is None else projection
+        return start + calibration, [float(calibration)] * config.train_steps
+
+    monkeypatch.setattr(hata_train, "train_projection", fake_train)
+    config = HATATrainConfig(bits=32, train_steps=2)
+    projection, losses = train_projection_windows([1.0, 10.0, 100.0], config)
+    np.testing.assert_array_equal(projection, [111.0, 111.0])
+    assert [c for c, _ in calls] == [1.0, 10.0, 100.0] and calls[0][1] is None
+    np.testing.assert_array_equal(calls[2][1], [11.0, 11.0])
+    assert losses == [1.0, 1.0, 10.0, 10.0, 100.0, 100.0]
+    with pytest.raises(ValueError, match="at least one"):
+        train_projection_windows([], config)
+
+
 def test_missing_weights_say_how_to_train(tmp_path):
     with pytest.raises(FileNotFoundError, match="jkv train-hata"):
         get_selector("hata", weights_path=str(tmp_path))
@@ -51,7 +75,7 @@ def test_cli_parser_and_config_validation():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     args = parser.parse_args(["train-hata", "--out", "/tmp/x", "--train-steps", "5"])
-    assert args.train_steps == 5 and args.bits == 256 and callable(args.func)
+    assert args.train_steps == 5 and args.bits == 256 and args.windows == 4 and callable(args.func)
     with pytest.raises(ValueError, match="multiple of 32"):
         HATATrainConfig(bits=48)
     with pytest.raises(ValueError, match="target='mse' must be"):
