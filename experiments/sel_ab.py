@@ -34,7 +34,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.sel_diagnose import build  # noqa: E402
+from experiments.sel_diagnose import add_sample_args, build, setup_logging  # noqa: E402
 from jkv.eval.fidelity import fidelity_metrics, fidelity_sample  # noqa: E402
 from jkv.selection import get_selector  # noqa: E402
 from jkv.selection.base import group_queries, reduce_group, scores_to_index, token_valid  # noqa: E402
@@ -122,19 +122,12 @@ def make(variant, base, host):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_sample_args(parser)
     parser.add_argument("--variants", default="oracle,oracle+v,oracle+vo")
     parser.add_argument("--baseline", default=None, help="default: the first variant")
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--first", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--hata-weights", default=None)
     parser.add_argument("--csv", default=None)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("absl", "jax._src.xla_bridge"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging()
     from models import load_model
 
     model = load_model(args.model)

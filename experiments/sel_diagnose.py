@@ -140,6 +140,22 @@ class Probe:
             s["entropy"] += list(-(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0)).sum(-1).mean(-1))
 
 
+def add_sample_args(parser: argparse.ArgumentParser) -> None:
+    """The fidelity-window arguments sel_diagnose and sel_ab share: which samples, how decoded."""
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--samples", type=int, default=16)
+    parser.add_argument("--first", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--hata-weights", default=None, help="load from / train and save to this dir")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax._src.xla_bridge"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
 def build(model, names, hata_weights, hata_steps):
     from jkv.selection.calibration import calibration_tokens, collect_calibration
 
@@ -167,20 +183,13 @@ def build(model, names, hata_weights, hata_steps):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_sample_args(parser)
     parser.add_argument("--selectors", default="infinigen,quest,hata")
-    parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--first", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--hata-weights", default=None, help="load from / train and save to this dir")
     parser.add_argument("--hata-train-steps", type=int, default=150)
     parser.add_argument("--attribute", type=int, default=0, help="layer blocks for the hybrid runs (0: none)")
     parser.add_argument("--out", default=RESULTS)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("absl", "jax._src.xla_bridge"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging()
     from models import load_model
 
     model = load_model(args.model)
