@@ -34,14 +34,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.sel_diagnose import add_sample_args, build, setup_logging  # noqa: E402
-from jkv.eval.fidelity import fidelity_metrics, fidelity_sample  # noqa: E402
+from experiments.sel_diagnose import add_sample_args, build, fidelity_batches, setup_logging  # noqa: E402
+from jkv.eval.fidelity import fidelity_metrics  # noqa: E402
 from jkv.selection import get_selector  # noqa: E402
 from jkv.selection.base import group_queries, reduce_group, scores_to_index, token_valid  # noqa: E402
 from jkv.selection.infinigen import infinigen_rank  # noqa: E402
 from jkv.selection.hata import hamming_similarity, hash_codes  # noqa: E402
-from jkv.selection.simple import Dense  # noqa: E402
-from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host  # noqa: E402
+from jkv.selection.sparse_decode import decode  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -171,12 +170,7 @@ def main() -> int:
     samples = list(range(args.first, args.first + args.samples))
     results = {v: [] for v in variants}
     start = time.perf_counter()
-    for chunk in [samples[i:i + args.batch] for i in range(0, len(samples), args.batch)]:
-        pairs = [fidelity_sample(model.tokenizer, args.length, 32, i) for i in chunk]
-        prompts = [p for p, _ in pairs]
-        targets = np.stack([t for _, t in pairs])
-        host = prefill_to_host(model, prompts, pool_capacity(prompts, targets.shape[1]))
-        dense = decode(model, host, Dense(), targets.shape[1], forced_tokens=targets, keep_logits=True).logits
+    for chunk, host, targets, dense in fidelity_batches(model, args, samples):
         for v in variants:
             logits = decode(model, host, make(v, base, host), targets.shape[1], forced_tokens=targets,
                             keep_logits=True).logits

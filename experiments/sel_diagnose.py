@@ -156,6 +156,19 @@ def setup_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def fidelity_batches(model, args, samples):
+    """Per batch of `args.batch` fidelity windows from `samples`: (chunk, host pool after the
+    prefill, targets i32[b, T], the dense teacher-forced decode's logits) — the shared reference
+    every variant is compared with."""
+    for chunk in [samples[i:i + args.batch] for i in range(0, len(samples), args.batch)]:
+        pairs = [fidelity_sample(model.tokenizer, args.length, 32, i) for i in chunk]
+        prompts = [p for p, _ in pairs]
+        targets = np.stack([t for _, t in pairs])
+        host = prefill_to_host(model, prompts, pool_capacity(prompts, targets.shape[1]))
+        dense = decode(model, host, Dense(), targets.shape[1], forced_tokens=targets, keep_logits=True).logits
+        yield chunk, host, targets, dense
+
+
 def build(model, names, hata_weights, hata_steps):
     from jkv.selection.calibration import calibration_tokens, collect_calibration
 
@@ -202,12 +215,7 @@ def main() -> int:
     stats = {name: {} for name in names}
     attribution = {}  # (name, block) -> list of (kl, agree bits)
     start = time.perf_counter()
-    for chunk in [samples[i:i + args.batch] for i in range(0, len(samples), args.batch)]:
-        pairs = [fidelity_sample(model.tokenizer, args.length, 32, i) for i in chunk]
-        prompts = [p for p, _ in pairs]
-        targets = np.stack([t for _, t in pairs])
-        host = prefill_to_host(model, prompts, pool_capacity(prompts, targets.shape[1]))
-        dense = decode(model, host, Dense(), targets.shape[1], forced_tokens=targets, keep_logits=True).logits
+    for chunk, host, targets, dense in fidelity_batches(model, args, samples):
 
         def score(selector):
             logits = decode(model, host, selector, targets.shape[1], forced_tokens=targets, keep_logits=True).logits
