@@ -91,49 +91,40 @@ def edf() -> Policy:
     return Policy("edf", lambda r: (r.deadline_s, r.arrival_s))
 
 
-def _lstf_terms(cost_model: CostModel):
-    """(t_comp(info), t_load(tokens)) for the LSTF keys. The keys run for every queued request
-    at every dispatch, under the pipeline's lock and the GIL: T_comp (fixed per request) is
-    computed once and cached, T_load takes the cost model's scalar path. (Through numpy each
-    key cost ~13 us; with 60 queued requests the pipeline spent 10x EDF's CPU dispatching, CPU
-    the fetch and compute stages needed.)"""
-    t_comp = functools.lru_cache(maxsize=1 << 16)(
-        lambda r: float(cost_model.t_comp(r.compute_tokens, r.cached_tokens)))
-    return t_comp, cost_model.t_load
+def _lstf(name: str, cost_model: CostModel, reevaluate: bool) -> Policy:
+    """`lstf` / `lstf-reeval`: both demote a request that can no longer meet its deadline even if
+    served now (deadline - now - T_load_remaining - T_comp < 0) behind every feasible one
+    (shortest remaining cost first among them); feasible requests go by the admission-time
+    LST (CALVO §3.2 (2)) or, with `reevaluate`, by that slack re-evaluated now.
 
-
-def lstf(cost_model: CostModel) -> Policy:
-    # CALVO §3.2: LST = DDL - T_load - T_comp, computed at admission; plus a feasibility check
-    # at each dispatch with `now` and the loading still to do (a request whose prefix is half
-    # in L1 has half its T_load left): a hopeless request is demoted.
-    t_comp, t_load = _lstf_terms(cost_model)
-    admission = functools.lru_cache(maxsize=1 << 16)(
-        lambda r: r.deadline_s - t_load(float(r.cached_tokens)) - t_comp(r))
+    The key runs for every queued request at every dispatch, under the pipeline's lock and the
+    GIL: T_comp and the admission LST (fixed per request) are computed once and cached, T_load
+    takes the cost model's scalar path. (Through numpy each key cost ~13 us; with 60 queued
+    requests the pipeline spent 10x EDF's CPU dispatching, CPU the fetch and compute stages
+    needed.)"""
+    cache = functools.lru_cache(maxsize=1 << 16)
+    t_load = cost_model.t_load
+    t_comp = cache(lambda r: float(cost_model.t_comp(r.compute_tokens, r.cached_tokens)))
+    admission = cache(lambda r: r.deadline_s - t_load(float(r.cached_tokens)) - t_comp(r))
 
     def key(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
-        remaining = t_load(remaining_load_tokens) + t_comp(r)
-        if r.deadline_s - now - remaining < 0:      # already hopeless: after every feasible one
-            return (1, remaining, r.arrival_s)
-        return (0, admission(r), r.arrival_s)
-
-    return Policy("lstf", lambda r: (0, r.deadline_s - cost_model.cost(r.cached_tokens,
-                                                                        r.compute_tokens),
-                                     r.arrival_s), progress_key=key)
-
-
-def lstf_reeval(cost_model: CostModel) -> Policy:
-    """LSTF with the slack re-evaluated at every dispatch (jkv's earlier `lstf`; thrashes)."""
-    t_comp, t_load = _lstf_terms(cost_model)
-
-    def slack(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
         remaining = t_load(remaining_load_tokens) + t_comp(r)
         lst = r.deadline_s - now - remaining
         if lst < 0:                      # already hopeless: after every feasible request
             return (1, remaining, r.arrival_s)
-        return (0, lst, r.arrival_s)
+        return (0, lst if reevaluate else admission(r), r.arrival_s)
 
-    return Policy("lstf-reeval", lambda r: (0, r.deadline_s - cost_model.cost(
-        r.cached_tokens, r.compute_tokens), r.arrival_s), progress_key=slack)
+    return Policy(name, lambda r: (0, admission(r), r.arrival_s), progress_key=key)
+
+
+def lstf(cost_model: CostModel) -> Policy:
+    """Admission-time LST plus the dispatch-time demotion of hopeless requests."""
+    return _lstf("lstf", cost_model, reevaluate=False)
+
+
+def lstf_reeval(cost_model: CostModel) -> Policy:
+    """LSTF with the slack re-evaluated at every dispatch (jkv's earlier `lstf`; thrashes)."""
+    return _lstf("lstf-reeval", cost_model, reevaluate=True)
 
 
 def lstf_static(cost_model: CostModel) -> Policy:
