@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import csv
 import logging
-import math
 import os
 import sys
 import time
@@ -37,9 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments.sel_diagnose import add_sample_args, build, fidelity_batches, setup_logging  # noqa: E402
 from jkv.eval.fidelity import fidelity_metrics  # noqa: E402
 from jkv.selection import get_selector  # noqa: E402
-from jkv.selection.base import group_queries, reduce_group, scores_to_index, token_valid  # noqa: E402
+from jkv.selection.base import reduce_group, scores_to_index  # noqa: E402
 from jkv.selection.infinigen import infinigen_rank  # noqa: E402
-from jkv.selection.hata import hamming_similarity, hash_codes  # noqa: E402
 from jkv.selection.sparse_decode import decode  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -72,13 +70,9 @@ class ValueAware:
         cfg = self.inner.config
         name = self.inner.name
         count = None
-        if name == "oracle":
-            K = jnp.asarray(self.host.keys[layer])
-            grouped = group_queries(jnp.asarray(q), K.shape[1])
-            logits = jnp.einsum("bhgd,bhnd->bhgn", grouped, K) / math.sqrt(K.shape[-1])
-            valid = token_valid(lengths, K.shape[2])[:, None, None, :]
-            logits = jnp.where(valid, logits, -jnp.inf)
-            if self.mode == "vo":  # sum_g w_g,i ||v_i - o_g||
+        if name in ("oracle", "hata"):  # the selector's own per-head logits
+            logits = self.inner._logits(self.inner.layer_state(layer), jnp.asarray(q), meta, lengths)
+            if name == "oracle" and self.mode == "vo":  # sum_g w_g,i ||v_i - o_g||
                 w = jax.nn.softmax(logits, axis=-1)  # [B, H_kv, G, N]
                 out = jnp.einsum("bhgn,bhnd->bhgd", w, values)
                 dist = jnp.linalg.norm(values[:, :, None] - out[:, :, :, None], axis=-1)
@@ -87,13 +81,6 @@ class ValueAware:
                 scores = reduce_group(logits, "mass")
         elif name == "infinigen":
             scores, count = infinigen_rank(cfg, self.inner.layer_state(layer), jnp.asarray(q), meta, lengths)
-        elif name == "hata":
-            projection = self.inner.layer_state(layer)
-            grouped = group_queries(jnp.asarray(q), meta.shape[1])
-            codes_q = jax.vmap(lambda g: hash_codes(g, projection), in_axes=2, out_axes=2)(grouped)
-            sim = hamming_similarity(codes_q[:, :, :, None, :], meta[:, :, None, :, :], cfg.bits)
-            valid = token_valid(lengths, meta.shape[2])[:, None, None, :]
-            scores = reduce_group(jnp.where(valid, sim.astype(jnp.float32) * cfg.logit_scale, -jnp.inf), "mass")
         else:
             raise ValueError(f"value-aware variant not implemented for {name}")
         if self.mode == "norm":

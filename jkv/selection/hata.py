@@ -127,13 +127,17 @@ class HATA(Selector):
     def kv_geometry(self, metadata):
         return metadata.shape[1], metadata.shape[2]
 
-    def _select(self, projection, q, metadata, lengths):
+    def _logits(self, projection, q, metadata, lengths):
+        """Scaled Hamming similarity per query head: f32[B, H_kv, G, N_cap], -inf on padding."""
         codes_k = metadata  # [B, H_kv, N_cap, W]
         grouped = group_queries(q, codes_k.shape[1])  # [B, H_kv, G, D]
         codes_q = jax.vmap(lambda g: hash_codes(g, projection), in_axes=2, out_axes=2)(grouped)  # [B,H_kv,G,W]
         similarity = hamming_similarity(codes_q[:, :, :, None, :], codes_k[:, :, None, :, :], self.config.bits)
         logits = similarity.astype(jnp.float32) * self.config.logit_scale  # [B, H_kv, G, N_cap]
         valid = token_valid(lengths, codes_k.shape[2])[:, None, None, :]
-        scores = reduce_group(jnp.where(valid, logits, -jnp.inf), self.config.group_score)  # [B, H_kv, N_cap]
+        return jnp.where(valid, logits, -jnp.inf)
+
+    def _select(self, projection, q, metadata, lengths):
+        scores = reduce_group(self._logits(projection, q, metadata, lengths), self.config.group_score)  # [B, H_kv, N_cap]
         return scores_to_index(scores, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
                                recent=self.config.keep_recent)

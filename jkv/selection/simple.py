@@ -137,12 +137,17 @@ class Oracle(Selector):
     def kv_geometry(self, metadata):
         return metadata.shape[1], metadata.shape[2]
 
-    def _select(self, state, q, metadata, lengths):
+    def _logits(self, state, q, metadata, lengths):
+        """Exact attention logits per query head: f32[B, H_kv, G, N_cap], -inf on padding."""
+        del state
         K = metadata
         grouped = group_queries(q, K.shape[1])  # [B, H_kv, G, D]
         logits = jnp.einsum("bhgd,bhnd->bhgn", grouped.astype(jnp.float32), K.astype(jnp.float32))
         logits = logits / math.sqrt(K.shape[-1])
         valid = token_valid(lengths, K.shape[2])[:, None, None, :]
-        scores = reduce_group(jnp.where(valid, logits, -jnp.inf), self.config.group_score)
+        return jnp.where(valid, logits, -jnp.inf)
+
+    def _select(self, state, q, metadata, lengths):
+        scores = reduce_group(self._logits(state, q, metadata, lengths), self.config.group_score)
         return scores_to_index(scores, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
                                recent=self.config.keep_recent)
