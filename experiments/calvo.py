@@ -6,7 +6,8 @@ A `jkv pool` server runs as a child process and paces everything it sends at `--
 SmolLM2-135M (`PrefixPrefill`). Compared side by side on the same requests:
 
   serialized-fifo   vLLM + LMCache-like baseline: one request at a time, load then compute
-  fifo, sjf-pt, sjf, edf, lstf   the pipelined engine (`LoadingPipeline`) under each policy
+  fifo, sjf-pt, sjf, srpt, edf, lstf   the pipelined engine (`LoadingPipeline`) under each
+                    policy (srpt: SJF on the remaining modelled cost)
 
 Workload: long-context / short-query requests built from local documents (tokenized with the
 model's tokenizer), Poisson arrivals, SLO = {2, 4, 8} x the request's interference-free TTFT

@@ -14,7 +14,7 @@ import numpy as np
 from experiments.calvo_capacity import (MAX_UTILISATION, pooled_throughput_ratio,
                                         pooled_utilisation)
 
-POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf")
+POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "srpt", "edf", "lstf")
 # The same policies ordered by the paper's plain cost lines (A/B for the bucketed compute part).
 PLAIN_POLICIES = ("sjf-plain", "lstf-plain")
 SCENARIOS = {"full-hit": (1.0,), "mixed-hit": (0.75, 0.875, 1.0)}
@@ -59,6 +59,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
     each metric, plus the per-seed paired comparisons the goals are stated in (each seed's
     policy against the same seed's baseline / SJF / EDF, then mean and std over seeds):
     `vs_baseline_pct` (mean TTFT change vs serialized-fifo, %), `vs_sjf_x` (mean TTFT / SJF's),
+    `vs_srpt_x` (mean TTFT / SRPT's: SJF on the remaining modelled cost),
     `slo_vs_baseline_pts`, `slo_vs_edf_pts` (SLO attainment difference, points)."""
     by_point: dict = {}
     for r in rows:
@@ -81,6 +82,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
             paired = {"vs_baseline_pct": ("serialized-fifo", lambda x, y: 100 * (
                           x["mean_s"] / y["mean_s"] - 1)),
                       "vs_sjf_x": ("sjf", lambda x, y: x["mean_s"] / y["mean_s"]),
+                      "vs_srpt_x": ("srpt", lambda x, y: x["mean_s"] / y["mean_s"]),
                       "slo_vs_baseline_pts": ("serialized-fifo", lambda x, y: 100 * (
                           x["slo_attainment"] - y["slo_attainment"])),
                       "slo_vs_edf_pts": ("edf", lambda x, y: 100 * (
@@ -106,7 +108,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
 
 def plot(summary: list[dict], path: pathlib.Path) -> None:
     """Figs. 7 (mean TTFT vs load), 8 (SLO attainment vs load) per scenario, and Fig. 10 (mixed
-    hits: SJF-PT vs SJF mean TTFT, EDF vs LSTF SLO attainment); error bars: std over seeds.
+    hits: SJF-PT vs SJF / SRPT mean TTFT, EDF vs LSTF SLO attainment); error bars: std over seeds.
     x is the offered load (fraction of the baseline's capacity, measured per seed), not QPS:
     QPS differs per seed and run with the measured capacity, so its mean is no common axis."""
     import matplotlib
@@ -142,7 +144,8 @@ def plot(summary: list[dict], path: pathlib.Path) -> None:
         ax = axes[2][col]
         loads = sorted({r["load"] for r in mine})
         bars = [("serialized-fifo", "mean_s", "baseline TTFT"), ("fifo", "mean_s", "FIFO TTFT"),
-                ("sjf-pt", "mean_s", "SJF-PT TTFT"), ("sjf", "mean_s", "SJF TTFT")]
+                ("sjf-pt", "mean_s", "SJF-PT TTFT"), ("sjf", "mean_s", "SJF TTFT"),
+                ("srpt", "mean_s", "SRPT TTFT")]
         width = 0.8 / len(bars)
         for i, (policy, metric, label) in enumerate(bars):
             vals = [next((r for r in mine if r["load"] == load and r["policy"] == policy), None)
@@ -203,7 +206,8 @@ def report(summary: list[dict]) -> None:
         print(f"{scenario} @ load {load} ({link}, {seeds} seeds, {b['qps'] if b else 0:.2f} QPS): "
               f"SJF vs baseline {pm(s, 'vs_baseline_pct')}% (mean TTFT {pm(s, 'mean_s', '{:.3f}')}"
               f" s vs {pm(b, 'mean_s', '{:.3f}')} s); pipelined FIFO {pm(f, 'vs_baseline_pct')}%"
-              f"; SJF-PT / SJF {pm(pt, 'vs_sjf_x', '{:.2f}')}x; SLO LSTF "
+              f"; SJF-PT / SJF {pm(pt, 'vs_sjf_x', '{:.2f}')}x; SJF-PT / SRPT "
+              f"{pm(pt, 'vs_srpt_x', '{:.2f}')}x; SLO LSTF "
               f"{pm(l, 'slo_attainment', '{:.3f}')} EDF {pm(e, 'slo_attainment', '{:.3f}')} "
               f"baseline {pm(b, 'slo_attainment', '{:.3f}')}; LSTF - EDF "
               f"{pm(l, 'slo_vs_edf_pts')} pts; LSTF - baseline {pm(l, 'slo_vs_baseline_pts')} pts"
@@ -248,8 +252,8 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
 
     points = sorted({(r["scenario"], r["load"]) for r in summary},
                     key=lambda p: (list(SCENARIOS).index(p[0]), p[1]))
-    names = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "edf", "lstf")
-    heads = ("baseline", "pipelined FIFO", "SJF-PT", "SJF", "EDF", "LSTF")
+    names = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "srpt", "edf", "lstf")
+    heads = ("baseline", "pipelined FIFO", "SJF-PT", "SJF", "SRPT", "EDF", "LSTF")
     out = ["Mean TTFT and SLO attainment (mean ± std over seeds):", "",
            "| scenario @ load | seeds × requests | QPS | " + " | ".join(heads) + " |",
            "| --- " * (3 + len(heads)) + "|"]
@@ -267,9 +271,9 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
             f"pooled over seeds (<= {MAX_UTILISATION}: sustained); baseline / M/G/1 = its mean "
             "TTFT / the steady-state mean TTFT predicted from the probe's service times:", "",
             "| scenario @ load | baseline sustained | baseline / M/G/1 | SJF vs baseline | "
-            "pipelined FIFO vs baseline | SJF-PT / SJF | LSTF − EDF | LSTF − baseline | LSTF "
-            "demoted (met SLO anyway) |",
-            "| --- " * 9 + "|"]
+            "pipelined FIFO vs baseline | SJF-PT / SJF | SJF-PT / SRPT | LSTF − EDF | "
+            "LSTF − baseline | LSTF demoted (met SLO anyway) |",
+            "| --- " * 10 + "|"]
     for point in points:
         b, s, f = get(point, "serialized-fifo"), get(point, "sjf"), get(point, "fifo")
         pt, l = get(point, "sjf-pt"), get(point, "lstf")
@@ -286,13 +290,15 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
         out.append(f"| {point[0]} @ {point[1]} | {sustained} | {vs_mg1}"
                    f" | {pm(s, 'vs_baseline_pct', '{:.1f}', '%')}"
                    f" | {pm(f, 'vs_baseline_pct', '{:.1f}', '%')} | {pm(pt, 'vs_sjf_x', unit='×')}"
+                   f" | {pm(pt, 'vs_srpt_x', unit='×')}"
                    f" | {pm(l, 'slo_vs_edf_pts', '{:.1f}', ' pts')}"
                    f" | {pm(l, 'slo_vs_baseline_pts', '{:.1f}', ' pts')} | {demoted} |")
     out += ["", "Per seed (load avg: mean 1-minute load average over the seed's policy runs):", "",
             "| scenario @ load | seed | QPS (capacity) | load avg | baseline in-run utilisation; "
             "completed / arrived |"
-            " baseline | SJF | SJF vs baseline | SJF-PT / SJF | SLO EDF / LSTF / baseline |",
-            "| --- " * 10 + "|"]
+            " baseline | SJF | SJF vs baseline | SJF-PT / SJF | SJF-PT / SRPT | SLO EDF / LSTF /"
+            " baseline |",
+            "| --- " * 11 + "|"]
     by_run: dict = {}
     for r in rows:
         by_run.setdefault((r["scenario"], float(r["load"]), int(r["seed"])), {})[r["policy"]] = r
@@ -305,6 +311,8 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
         slo = " / ".join(f"{100 * x['slo_attainment']:.0f}" if x else "—" for x in (e, l, b))
         cap = b.get("capacity_measured_qps", "")
         ratio = f"{pt['mean_s'] / s['mean_s']:.2f}×" if pt else "—"
+        r = runs.get("srpt")
+        ratio_srpt = f"{pt['mean_s'] / r['mean_s']:.2f}×" if pt and r else "—"
         out.append(" | ".join([
             f"| {scenario} @ {load}", str(seed),
             f"{b['qps']:.2f}" + (f" ({cap:.2f})" if cap != "" else ""),
@@ -312,5 +320,5 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
             (f"{b['baseline_utilisation']:.3f}; " if b.get("baseline_utilisation", "") != ""
              else "") + f"{b.get('baseline_completed', '?')} / {b.get('baseline_arrived', '?')}",
             f"{b['mean_s']:.2f} s", f"{s['mean_s']:.2f} s",
-            f"{100 * (s['mean_s'] / b['mean_s'] - 1):.0f}%", ratio, f"{slo}% |"]))
+            f"{100 * (s['mean_s'] / b['mean_s'] - 1):.0f}%", ratio, ratio_srpt, f"{slo}% |"]))
     return "\n".join(out) + "\n"

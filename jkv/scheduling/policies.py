@@ -7,6 +7,11 @@ admission (the paper computes LST "for each incoming request"), so dispatch neve
     fifo    arrival time                                 (vLLM default)
     sjf-pt  prefill (uncached) tokens only               (PrefillOnly-style, blind to loading)
     sjf     modelled cost T_load + T_comp                (minimises mean TTFT, §3.2 (1))
+    srpt    the same modelled cost, *remaining*: T_load(prefix tokens not yet in L1) + T_comp,
+            re-evaluated at every dispatch (shortest remaining processing time). A request's
+            own loading progress only lowers its key, so a partly loaded request keeps its
+            place (no interleaved loads), and among requests whose prefix is in L1 the compute
+            stage goes by T_comp alone, the order that stage's queue needs
     edf     deadline                                     (static, cost-blind)
     lstf    orders by LST = deadline - T_load - T_comp fixed at admission (§3.2 (2): computed
             "for each incoming request"); at every dispatch a request that can no longer meet
@@ -87,6 +92,20 @@ def sjf(cost_model: CostModel) -> Policy:
                                     r.arrival_s))
 
 
+def srpt(cost_model: CostModel) -> Policy:
+    """SJF on the remaining modelled cost (see the module docstring). T_comp is fixed per
+    request and cached: the key runs for every queued request at every dispatch."""
+    t_load = cost_model.t_load
+    t_comp = functools.lru_cache(maxsize=1 << 16)(
+        lambda r: float(cost_model.t_comp(r.compute_tokens, r.cached_tokens)))
+
+    def key(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
+        return (t_load(remaining_load_tokens) + t_comp(r), r.arrival_s)
+
+    return Policy("srpt", lambda r: (cost_model.cost(r.cached_tokens, r.compute_tokens),
+                                     r.arrival_s), progress_key=key)
+
+
 def edf() -> Policy:
     return Policy("edf", lambda r: (r.deadline_s, r.arrival_s))
 
@@ -134,11 +153,11 @@ def lstf_static(cost_model: CostModel) -> Policy:
                                             r.arrival_s))
 
 
-POLICY_NAMES = ("fifo", "sjf-pt", "sjf", "edf", "lstf", "lstf-reeval", "lstf-static")
+POLICY_NAMES = ("fifo", "sjf-pt", "sjf", "srpt", "edf", "lstf", "lstf-reeval", "lstf-static")
 
 
 def make_policy(name: str, cost_model: CostModel | None = None) -> Policy:
-    """The policy called `name` (one of POLICY_NAMES); sjf and lstf need a cost model."""
+    """The policy called `name` (one of POLICY_NAMES); sjf, srpt and the lstf variants need a cost model."""
     key = name.strip().lower().replace("_", "-")
     if key == "fifo":
         return fifo()
@@ -146,6 +165,8 @@ def make_policy(name: str, cost_model: CostModel | None = None) -> Policy:
         return sjf_pt()
     if key == "sjf":
         return sjf(_needs_cost_model(key, cost_model))
+    if key == "srpt":
+        return srpt(_needs_cost_model(key, cost_model))
     if key == "edf":
         return edf()
     if key == "lstf":

@@ -5,7 +5,7 @@ import pytest
 from experiments.calvo_report import aggregate, merge_rows, read_rows, write_outputs
 
 POLICY_TTFT = {"serialized-fifo": (2.0, 0.5), "fifo": (1.0, 0.7), "sjf-pt": (0.9, 0.8),
-               "sjf": (0.6, 0.9), "edf": (0.8, 0.85), "lstf": (0.7, 0.95)}
+               "sjf": (0.6, 0.9), "srpt": (0.45, 0.9), "edf": (0.8, 0.85), "lstf": (0.7, 0.95)}
 
 
 def rows_for(seed, scale, scenario="mixed-hit", load=0.7):
@@ -28,6 +28,7 @@ def test_aggregate_reports_mean_spread_and_paired_ratios():
     assert sjf["vs_baseline_pct_mean"] == pytest.approx(-70.0)
     assert sjf["vs_baseline_pct_std"] == pytest.approx(0.0)
     assert summary["sjf-pt"]["vs_sjf_x_mean"] == pytest.approx(1.5)
+    assert summary["sjf-pt"]["vs_srpt_x_mean"] == pytest.approx(2.0)
     assert lstf["slo_vs_edf_pts_mean"] == pytest.approx(100 * (0.95 - 0.85) * (1 + 0.025))
     assert lstf["slo_vs_baseline_pts_mean"] > 40
     assert base["qps"] == pytest.approx(1.5)
@@ -108,6 +109,7 @@ def test_markdown_tables_carry_the_paired_figures_and_the_sustain_check():
     text = markdown_tables(aggregate(rows), rows)
     point = next(line for line in text.splitlines()
                  if line.startswith("| mixed-hit @ 0.7 | 0.980"))
-    assert "(no)" in point and "-70.0 ± 0.0%" in point and "1.50 ± 0.00×" in point
+    assert "(no)" in point and "-70.0 ± 0.0%" in point and "| 1.50 ± 0.00× | 2.00 ± 0.00× |" in point
     assert "| 3.00 / 8.00 s |" in point        # baseline mean TTFT over seeds / M/G/1
     assert "| mixed-hit @ 0.7 | 1 | 2.00 (2.00) |" in text and "| 1.000; 30 / 32 |" in text
+    assert "| 1.50× | 2.00× | 85 / 95 / 50% |" in text     # SJF-PT / SJF, / SRPT; SLOs (seed 0)

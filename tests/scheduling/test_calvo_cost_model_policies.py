@@ -123,7 +123,7 @@ def test_ties_fall_back_to_arrival():
 
 
 def test_policy_names_are_validated():
-    with pytest.raises(ValueError, match="valid: fifo, sjf-pt, sjf, edf, lstf, lstf-reeval, lstf-static"):
+    with pytest.raises(ValueError, match="valid: fifo, sjf-pt, sjf, srpt, edf, lstf, lstf-reeval, lstf-static"):
         make_policy("round-robin")
     with pytest.raises(ValueError, match="pass cost_model"):
         make_policy("lstf")
@@ -240,3 +240,38 @@ def test_lstf_fast_key_matches_the_model_and_computes_t_comp_once_per_request():
                 got = admission_key(info, remaining, now)
                 assert got[0] == want[0] and got[1] == pytest.approx(want[1], abs=1e-12)
     assert len(calls) == 2 * len(infos)        # T_comp once per request and key, not per dispatch
+
+
+def test_srpt_orders_by_remaining_modelled_cost():
+    key = make_policy("srpt", PAPER).progress_key
+    assert order(make_policy("srpt", PAPER), [R1, R2]) == ["R2", "R1"]   # admission: as sjf
+    # R1 with 30K of its 36.1K prefix in L1: 0.061 + 0.019 s left < R2's 0.199 + 0.025 s.
+    assert key(R1, 6_100, 0.0) < key(R2, 19_900, 0.0)
+    assert key(R1, 6_100, 0.0)[0] == pytest.approx(0.061 + 0.019)
+    # Prefix fully in L1: only T_comp is left, whatever the prefix length.
+    long_ready = info("L", 0.0, cached=90_000, compute=10)
+    short_ready = info("S", 0.0, cached=1_000, compute=20)
+    assert key(long_ready, 0.0, 0.0) < key(short_ready, 0.0, 0.0)
+    assert key(long_ready, 90_000, 0.0) > key(short_ready, 1_000, 0.0)
+    assert key(R1, 6_100, 5.0) == key(R1, 6_100, 0.0)                  # no deadline, no clock
+
+
+def test_srpt_loads_one_request_at_a_time_and_computes_the_shortest_ready_one_first():
+    # Near-equal requests: a request's own progress only lowers its key, so A keeps the link.
+    assert fetch_order("srpt", 0.0) == "AAAABBBB"
+    from jkv.scheduling.core import PipelineCore, PipelineRequest, Stage
+    core = PipelineCore(16, 16, progress_key=make_policy("srpt", PAPER).progress_key,
+                        clock=lambda: 0.0)
+    # Admission (sjf) order: L (0.9 + 0.01 s) after S (0.01 + 0.2 s). Once both prefixes are in
+    # L1, srpt computes L first (0.01 s left vs 0.2 s); static sjf would keep S first.
+    reqs = {"L": PipelineRequest(info("L", 0.0, cached=90_000, compute=10), 2),
+            "S": PipelineRequest(info("S", 0.0, cached=1_000, compute=200), 1)}
+    sjf_core = PipelineCore(16, 16)
+    for c, priority in ((core, None), (sjf_core, make_policy("sjf", PAPER).key)):
+        for r in reqs.values():
+            c.add(r, (priority or make_policy("srpt", PAPER).key)(r.info))
+        while (task := c.next_task(Stage.FETCH)) is not None:
+            c.complete(task)
+            c.complete(c.next_task(Stage.UPLOAD))
+    assert core.next_task(Stage.COMPUTE).request.request_id == "L"
+    assert sjf_core.next_task(Stage.COMPUTE).request.request_id == "S"
