@@ -345,6 +345,12 @@ def main(argv=None) -> None:
     if baseline_only and policies[0] != "serialized-fifo":
         parser.error(f"--baseline-only-loads {args.baseline_only_loads} runs the baseline alone: "
                      f"--policies must start with serialized-fifo, got {policies[0]}")
+    swept = {load for scenario in scenarios for load in loads.get(scenario, [])}
+    if baseline_only - swept:
+        # a control load outside the sweep would be silently skipped
+        parser.error(f"--baseline-only-loads {sorted(baseline_only - swept)} not among the swept "
+                     f"loads {sorted(swept)}: add them to --loads / --mixed-loads too (e.g. "
+                     "--loads 0.9,0.95,1.0 --baseline-only-loads 1.0)")
     SCENARIOS["mixed-hit"] = tuple(float(h) for h in args.hit_ratios.split(","))
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

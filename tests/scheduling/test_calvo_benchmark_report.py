@@ -113,3 +113,13 @@ def test_markdown_tables_carry_the_paired_figures_and_the_sustain_check():
     assert "| 3.00 / 8.00 s |" in point        # baseline mean TTFT over seeds / M/G/1
     assert "| mixed-hit @ 0.7 | 1 | 2.00 (2.00) |" in text and "| 1.000; 30 / 32 |" in text
     assert "| 1.50× | 2.00× | 85 / 95 / 50% |" in text     # SJF-PT / SJF, / SRPT; SLOs (seed 0)
+
+
+def test_calvo_refuses_a_control_load_outside_the_sweep(tmp_path, capsys):
+    from experiments.calvo import main
+    with pytest.raises(SystemExit):       # before any model or pool starts
+        main(["--scenarios", "full-hit", "--loads", "0.9,0.95", "--baseline-only-loads", "1.0",
+              "--policies", "serialized-fifo,sjf", "--out-dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert "--baseline-only-loads [1.0] not among the swept loads [0.9, 0.95]" in err
+    assert list(tmp_path.iterdir()) == []

@@ -54,7 +54,7 @@ def mixed_requests():
 
 
 @pytest.mark.parametrize("proactive", [True, False])
-@pytest.mark.parametrize("policy", ["fifo", "sjf-pt", "sjf", "edf", "lstf"])
+@pytest.mark.parametrize("policy", ["fifo", "sjf-pt", "sjf", "srpt", "edf", "lstf"])
 def test_results_equal_serialized_run(policy, proactive):
     requests = mixed_requests()
     serial = run_serialized(requests, FakeStages(8, 8).functions(), 8, 8)

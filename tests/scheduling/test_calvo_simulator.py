@@ -69,11 +69,12 @@ def test_pipelining_and_sjf_cut_mean_ttft_and_deadline_policies_meet_more_slos()
     infos = [RequestInfo(i.request_id, i.arrival_s, i.cached_tokens, i.compute_tokens,
                          i.arrival_s + s) for i, s in zip(infos, slo)]
     runs = {"serial": simulate_serialized(infos, TIMES)}
-    for name in ("fifo", "sjf", "edf", "lstf"):
+    for name in ("fifo", "sjf", "srpt", "edf", "lstf"):
         runs[name] = simulate_pipelined(infos, TIMES, make_policy(name, model))
     stats = {k: summarize([r.ttft_s for r in v], slo) for k, v in runs.items()}
     assert stats["fifo"].mean_s < stats["serial"].mean_s
     assert stats["sjf"].mean_s < stats["fifo"].mean_s
+    assert stats["srpt"].mean_s < stats["fifo"].mean_s
     for name in ("edf", "lstf"):
         assert stats[name].slo_attainment > stats["fifo"].slo_attainment
         assert stats[name].slo_attainment > stats["serial"].slo_attainment + 0.4
