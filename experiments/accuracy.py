@@ -207,10 +207,11 @@ def main() -> int:
     from jkv.eval.fidelity import fidelity_windows
 
     for task, length, samples, _ in workload:  # past the distinct windows, samples would repeat
-        if task == "fidelity" and min(samples, args.limit or samples) > fidelity_windows(
-                model.tokenizer, length, base.fidelity_tokens):
-            raise SystemExit(f"fidelity@{length}: {samples} samples > the corpus's "
-                             f"{fidelity_windows(model.tokenizer, length, base.fidelity_tokens)} distinct windows")
+        if task != "fidelity":
+            continue
+        distinct = fidelity_windows(model.tokenizer, length, base.fidelity_tokens)
+        if min(samples, args.limit or samples) > distinct:
+            raise SystemExit(f"fidelity@{length}: {samples} samples > the corpus's {distinct} distinct windows")
     rows = read_rows(args.merge) if args.merge else []
     for task, length, samples, curve in workload:
         samples = min(samples, args.limit or samples)

@@ -21,7 +21,6 @@ Variants tried here (see docs/selection.md "What was tried"):
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import os
 import sys
@@ -35,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.sel_diagnose import add_sample_args, build, fidelity_batches, setup_logging  # noqa: E402
 from jkv.eval.fidelity import fidelity_metrics  # noqa: E402
+from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.selection import get_selector  # noqa: E402
 from jkv.selection.base import reduce_group, scores_to_index  # noqa: E402
 from jkv.selection.infinigen import infinigen_rank  # noqa: E402
@@ -177,10 +177,7 @@ def main() -> int:
         rows.append({"variant": v, "first": samples[0], "samples": len(samples), "top1": bits.count("1") / len(bits),
                      "kl": kl, "lost_vs_baseline": lost, "won_vs_baseline": won, "agree": bits})
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
+        write_csv(args.csv, rows)
     print(f"total {time.perf_counter() - start:.0f}s")
     return 0
 

@@ -20,7 +20,6 @@ sel_diagnose_attribution.csv; prints the summaries.
 from __future__ import annotations
 
 import argparse
-import csv
 import logging
 import math
 import os
@@ -32,6 +31,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jkv.eval.fidelity import fidelity_metrics, fidelity_sample  # noqa: E402
+from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.selection import get_selector  # noqa: E402
 from jkv.selection.simple import Dense  # noqa: E402
 from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host  # noqa: E402
@@ -242,10 +242,7 @@ def main() -> int:
             row = {"selector": name, "layer": layer, "kv_head": head, "samples": args.samples,
                    **{k: float(np.mean(v)) for k, v in s.items()}}
             rows.append(row)
-    with open(os.path.join(args.out, "sel_diagnose_layers.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(os.path.join(args.out, "sel_diagnose_layers.csv"), rows)
     print(f"\nper selector (samples {samples[0]}-{samples[-1]}, mean over sparse layers, KV heads, steps):")
     print(f"{'selector':<10}{'kept':>8}{'oracle':>8}{'gap':>8}{'recall':>8}  missed mass by region " +
           " ".join(f"{r:>13}" for r in REGIONS))
@@ -271,10 +268,7 @@ def main() -> int:
         arows.append({"selector": name, "layers": block, "samples": len(metrics), "tokens": len(bits),
                       "top1": bits.count("1") / len(bits), "kl": float(np.mean([m["kl"] for m in metrics])),
                       "agree": bits})
-    with open(os.path.join(args.out, "sel_diagnose_attribution.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(arows[0]))
-        writer.writeheader()
-        writer.writerows(arows)
+    write_csv(os.path.join(args.out, "sel_diagnose_attribution.csv"), arows)
     oracle_bits = next(r["agree"] for r in arows if r["selector"] == "oracle")
     print("\nselector on the given layers, Oracle elsewhere (paired with full Oracle: tokens where only "
           "one of the two agrees with dense)")

@@ -92,15 +92,25 @@ def sjf(cost_model: CostModel) -> Policy:
                                     r.arrival_s))
 
 
-def srpt(cost_model: CostModel) -> Policy:
-    """SJF on the remaining modelled cost (see the module docstring). T_comp is fixed per
-    request and cached: the key runs for every queued request at every dispatch."""
+def _remaining_cost(cost_model: CostModel) -> Callable[[RequestInfo, float], float]:
+    """(info, prefix tokens not yet in L1) -> T_load(those tokens) + T_comp, in modelled seconds.
+
+    Dynamic keys run this for every queued request at every dispatch, under the pipeline's lock
+    and the GIL: T_comp (fixed per request) is computed once and cached, T_load takes the cost
+    model's scalar path. (Through numpy each key cost ~13 us; with 60 queued requests the
+    pipeline spent 10x EDF's CPU dispatching, CPU the fetch and compute stages needed.)"""
     t_load = cost_model.t_load
     t_comp = functools.lru_cache(maxsize=1 << 16)(
         lambda r: float(cost_model.t_comp(r.compute_tokens, r.cached_tokens)))
+    return lambda r, remaining_load_tokens: t_load(remaining_load_tokens) + t_comp(r)
+
+
+def srpt(cost_model: CostModel) -> Policy:
+    """SJF on the remaining modelled cost (see the module docstring)."""
+    remaining = _remaining_cost(cost_model)
 
     def key(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
-        return (t_load(remaining_load_tokens) + t_comp(r), r.arrival_s)
+        return (remaining(r, remaining_load_tokens), r.arrival_s)
 
     return Policy("srpt", lambda r: (cost_model.cost(r.cached_tokens, r.compute_tokens),
                                      r.arrival_s), progress_key=key)
@@ -114,20 +124,14 @@ def _lstf(name: str, cost_model: CostModel, reevaluate: bool) -> Policy:
     """`lstf` / `lstf-reeval`: both demote a request that can no longer meet its deadline even if
     served now (deadline - now - T_load_remaining - T_comp < 0) behind every feasible one
     (shortest remaining cost first among them); feasible requests go by the admission-time
-    LST (CALVO §3.2 (2)) or, with `reevaluate`, by that slack re-evaluated now.
-
-    The key runs for every queued request at every dispatch, under the pipeline's lock and the
-    GIL: T_comp and the admission LST (fixed per request) are computed once and cached, T_load
-    takes the cost model's scalar path. (Through numpy each key cost ~13 us; with 60 queued
-    requests the pipeline spent 10x EDF's CPU dispatching, CPU the fetch and compute stages
-    needed.)"""
-    cache = functools.lru_cache(maxsize=1 << 16)
-    t_load = cost_model.t_load
-    t_comp = cache(lambda r: float(cost_model.t_comp(r.compute_tokens, r.cached_tokens)))
-    admission = cache(lambda r: r.deadline_s - t_load(float(r.cached_tokens)) - t_comp(r))
+    LST (CALVO §3.2 (2)) or, with `reevaluate`, by that slack re-evaluated now. The admission
+    LST is cached per request, like T_comp (`_remaining_cost`)."""
+    remaining_cost = _remaining_cost(cost_model)
+    admission = functools.lru_cache(maxsize=1 << 16)(
+        lambda r: r.deadline_s - remaining_cost(r, float(r.cached_tokens)))
 
     def key(r: RequestInfo, remaining_load_tokens: float, now: float) -> tuple:
-        remaining = t_load(remaining_load_tokens) + t_comp(r)
+        remaining = remaining_cost(r, remaining_load_tokens)
         lst = r.deadline_s - now - remaining
         if lst < 0:                      # already hopeless: after every feasible request
             return (1, remaining, r.arrival_s)
