@@ -98,7 +98,7 @@ class Endpoint:
     ``payload_checksum=False`` skips the crc32c of WRITE payloads (headers, RPC and
     notifications stay checksummed) — both sides must agree, a checksumming receiver rejects
     unchecksummed writes. Only for trusted links where the CPU cost matters.
-    ``handshake_timeout``: overall deadline of one handshake (either side);
+    ``handshake_timeout``: overall deadline of one handshake, either side (default ``timeout``);
     ``max_handshakes``: incoming connections allowed to be unauthenticated at once — more are
     refused on accept (the client's ``connect`` retries them until its deadline)."""
 
@@ -106,7 +106,7 @@ class Endpoint:
                  bandwidth: str | float | None = None, timeout: float = 5.0,
                  heartbeat: float | None = None, op_timeout: float | None = 60.0,
                  max_message: int = 256 << 20, rpc_workers: int = 4, ring_bytes: int = 32 << 20,
-                 payload_checksum: bool = True, rdma_device=None, handshake_timeout: float = 5.0,
+                 payload_checksum: bool = True, rdma_device=None, handshake_timeout: float | None = None,
                  max_handshakes: int = 32):
         if not isinstance(name, str) or not name or len(name.encode()) > 200:
             raise ValueError(f"endpoint name {name!r} must be a non-empty string (<= 200 bytes)")
@@ -128,6 +128,7 @@ class Endpoint:
             raise ValueError(f"max_message={max_message} must be >= 4096 bytes")
         if rpc_workers < 1:
             raise ValueError(f"rpc_workers={rpc_workers} must be >= 1")
+        handshake_timeout = timeout if handshake_timeout is None else handshake_timeout
         if not handshake_timeout > 0:
             raise ValueError(f"handshake_timeout={handshake_timeout} must be > 0 seconds")
         self.name, self.backend = name, backend
