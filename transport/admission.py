@@ -8,13 +8,22 @@ authentication, deadline) go through :class:`RefusalLog`, which logs the first o
 period in full and then one summary line per ``interval`` with the count, so a flood of bad
 connections cannot flood the log.
 
-Concurrency: both classes take their own lock; the acceptor and the handshake threads call them.
+:class:`Acceptor` runs the accept loop (thread ``jkvt-accept-<name>``) and the short-lived
+``jkvt-auth-<name>`` handshake threads; ``close()`` joins them all.
+
+Concurrency: the gate and the log take their own lock; the acceptor and the handshake threads
+call them.
 """
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
+from typing import Callable
+
+from transport.auth import BUSY_PREFIX, send_frame
+from transport.wire import Op
 
 
 class HandshakeGate:
@@ -87,3 +96,71 @@ class RefusalLog:
             self._window_end = now + self.interval  # still busy: the next line waits a full interval
         else:
             self._window_end = None
+
+
+class Acceptor:
+    """Accept loop of a listening endpoint: each connection gets a gate slot and a handshake
+    thread running ``authenticate(sock)`` (which owns the socket from then on), or is refused
+    at once when ``gate`` is full. Handshake threads end by their deadline, so they never
+    accumulate past ``gate.limit``."""
+
+    def __init__(self, listener: socket.socket, name: str, authenticate: Callable[[socket.socket], None],
+                 gate: HandshakeGate, refusals: RefusalLog, metrics):
+        self.listener, self.name, self.authenticate = listener, name, authenticate
+        self.gate, self.refusals, self.metrics = gate, refusals, metrics
+        listener.settimeout(0.1)  # accept polls so close() never waits on a blocked accept
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._handshakes: set[threading.Thread] = set()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name=f"jkvt-accept-{name}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop accepting, close the listener, wait for the handshakes in progress."""
+        self._stop.set()
+        self._thread.join()
+        self.listener.close()
+        with self._lock:
+            handshakes = list(self._handshakes)
+        for t in handshakes:
+            t.join()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.refusals.flush()
+            try:
+                sock, _ = self.listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not self.gate.try_enter():
+                self._refuse_busy(sock)
+                continue
+            t = threading.Thread(target=self._handshake, args=(sock,), daemon=True,
+                                 name=f"jkvt-auth-{self.name}")
+            with self._lock:
+                self._handshakes = {x for x in self._handshakes if x.is_alive()}
+                self._handshakes.add(t)
+            t.start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        try:
+            self.authenticate(sock)
+        finally:
+            self.gate.leave()
+
+    def _refuse_busy(self, sock: socket.socket) -> None:
+        """Over the cap: a best-effort ERROR frame the client can act on, then close. Never
+        blocks the acceptor: a client that does not read simply misses the reason."""
+        self.metrics.incr("connections_refused")
+        reason = f"{BUSY_PREFIX} {self.gate.limit} unauthenticated connections already (max_handshakes)"
+        try:
+            sock.setblocking(False)
+            send_frame(sock, Op.ERROR, reason.encode(), 1)
+        except OSError:
+            pass
+        sock.close()
+        self.refusals.refused(reason)

@@ -44,9 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from transport.admission import HandshakeGate, RefusalLog
-from transport.auth import (BUSY_PREFIX, Deadline, HandshakeBusy, client_handshake, send_frame,
-                            server_handshake)
+from transport.admission import Acceptor, HandshakeGate, RefusalLog
+from transport.auth import Deadline, HandshakeBusy, client_handshake, server_handshake
 from transport.connection import Connection, Frame, Operation
 from transport.errors import AuthError, OpTimeout, TransportError
 from transport.metrics import Metrics
@@ -162,9 +161,7 @@ class Endpoint:
         self._notify_q: queue.Queue = queue.Queue()
         self._rpc_workers = rpc_workers
         self._executor: ThreadPoolExecutor | None = None
-        self._listener: socket.socket | None = None
-        self._acceptor: threading.Thread | None = None
-        self._auth_threads: set[threading.Thread] = set()
+        self._acceptor: Acceptor | None = None
         self.address: str | None = None
         self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                           name=f"jkvt-watchdog-{name}")
@@ -243,7 +240,7 @@ class Endpoint:
     def listen(self, address: str | tuple | None = None) -> str:
         """Accept peers. tcp: binds 127.0.0.1 on a free port unless ``address`` says otherwise;
         shm: an abstract unix socket. Returns the address string peers pass to connect()."""
-        if self._listener is not None:
+        if self._acceptor is not None:
             raise RuntimeError(f"{self.name!r} is already listening on {self.address}")
         if self.backend == "shm":
             address = address or f"@jkvt-{self.name}-{os.getpid()}-{_secrets.token_hex(4)}"
@@ -257,10 +254,8 @@ class Endpoint:
             sock.bind((host, port))
             self.address = f"{host}:{sock.getsockname()[1]}"
         sock.listen(64)
-        sock.settimeout(0.1)  # accept polls so close() never waits on a blocked accept
-        self._listener = sock
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"jkvt-accept-{self.name}")
+        self._acceptor = Acceptor(sock, self.name, self._authenticate_incoming, self._gate,
+                                  self._refusals, self.metrics)
         self._acceptor.start()
         log.info("%r listening on %s", self.name, self.address)
         return self.address
@@ -381,46 +376,8 @@ class Endpoint:
             self._conns.add(conn)
         conn.start()
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            self._refusals.flush()
-            try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                break
-            if not self._gate.try_enter():
-                self._refuse_busy(sock)
-                continue
-            t = threading.Thread(target=self._handshake_incoming, args=(sock,), daemon=True,
-                                 name=f"jkvt-auth-{self.name}")
-            with self._lock:
-                self._auth_threads = {x for x in self._auth_threads if x.is_alive()}
-                self._auth_threads.add(t)
-            t.start()
-
-    def _refuse_busy(self, sock: socket.socket) -> None:
-        """Over max_handshakes: a best-effort ERROR frame the client can act on, then close.
-        Never blocks the acceptor: a client that does not read simply misses the reason."""
-        self.metrics.incr("connections_refused")
-        reason = (f"{BUSY_PREFIX} {self._gate.limit} unauthenticated connections already "
-                  f"(max_handshakes)")
-        try:
-            sock.setblocking(False)
-            send_frame(sock, Op.ERROR, reason.encode(), 1)
-        except OSError:
-            pass
-        sock.close()
-        self._refusals.refused(reason)
-
-    def _handshake_incoming(self, sock: socket.socket) -> None:
-        try:
-            self._authenticate_incoming(sock)
-        finally:
-            self._gate.leave()
-
     def _authenticate_incoming(self, sock: socket.socket) -> None:
+        """Acceptor: server side of the handshake on a handshake thread; adopts the peer."""
         rings: dict[str, ShmRing] = {}
 
         info: dict = {}
@@ -618,12 +575,7 @@ class Endpoint:
             return
         self._closed.set()
         if self._acceptor is not None:
-            self._acceptor.join()
-            self._listener.close()
-        with self._lock:
-            auth_threads = list(self._auth_threads)
-        for t in auth_threads:
-            t.join()
+            self._acceptor.close()  # joins the acceptor and every handshake thread
         self._refusals.flush(force=True)
         with self._lock:
             conns = list(self._conns)
