@@ -27,7 +27,7 @@ A server over its cap of unauthenticated connections (``Endpoint(max_handshakes=
 with an ERROR "busy: ..." frame and closes (:class:`HandshakeBusy` on the client, which
 ``Endpoint.connect`` retries until its connect deadline).
 Handshake frames are capped at 1 KiB and use the wire ``VERSION``; a peer speaking another
-version gets an ERROR naming both versions. Anything unexpected raises
+version gets an ERROR naming this side's version (and its own header check names both). Anything unexpected raises
 :class:`~transport.errors.AuthError`. Runs on the calling thread.
 """
 from __future__ import annotations
