@@ -116,6 +116,11 @@ class PrefillReconnector:
             if ok:
                 self._lock.release()
 
+    @property
+    def addresses(self) -> list[str]:
+        """The configured addresses, in order."""
+        return [link.address for link in self._links]
+
     def reconnecting(self) -> list[str]:
         """The configured addresses whose connection is down right now."""
         return [link.address for link in self._links if link.down_since is not None]

@@ -118,9 +118,9 @@ class DisaggBatcher:
         """Fail fast (the server answers 503) while no prefill worker can take the request."""
         if self.worker.on_failure == "recompute" or any(self.worker._owner_alive(o) for o in self.worker.owners):
             return
-        down = self._reconnect.reconnecting()
+        configured = self._reconnect.addresses  # none is live, so the reconnector retries them all
         raise RuntimeError("no live prefill worker is connected" + (
-            f"; reconnecting to {', '.join(down)} with backoff, retry shortly" if down else
+            f"; reconnecting to {', '.join(configured)} with backoff, retry shortly" if configured else
             "; start `jkv prefill-worker` processes"))
 
     def _connect_worker(self, address: str, timeout: float) -> str:
