@@ -155,9 +155,12 @@ def test_idle_connections_are_capped_closed_and_logged_once_per_interval(make_en
     socks = []
     with caplog.at_level(logging.WARNING, logger="transport"):
         try:
+            t0 = time.monotonic()
             for _ in range(n):
                 socks.append(_connect(address))
                 peak = max(peak, threading.active_count())
+            # slots free up every handshake_timeout: on a slow box more than one batch of `cap` gets one
+            batches = 2 + int((time.monotonic() - t0) / 1.5)
             closed_by_server = 0
             busy = 0
             for s in socks:  # every one is closed by the server: over the cap at once, else at the deadline
@@ -171,7 +174,7 @@ def test_idle_connections_are_capped_closed_and_logged_once_per_interval(make_en
         assert closed_by_server == n
         assert peak - threads_before <= cap, f"{peak - threads_before} handshake threads for {n} idle connections"
         snap = server.metrics.snapshot()
-        assert busy >= n - 2 * cap and snap["connections_refused"] == busy
+        assert busy >= n - batches * cap and snap["connections_refused"] == busy
         refusals = [r for r in caplog.records if "refused" in r.getMessage()]
         assert 1 <= len(refusals) <= 3, [r.getMessage() for r in refusals]
     assert make_endpoint("friend").connect(address).alive  # the listener still serves
