@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from jkv.selection.base import DEFAULT_MIN_BUDGET
 from models import DEFAULT_MODEL
 
 ROLES = ("all", "prefill", "decode", "router")
@@ -51,6 +52,7 @@ class ServeConfig:
     on_failure: str = "fail"
     lease_s: float = 300.0
     transfer_timeout: float = 5.0
+    min_budget: int = DEFAULT_MIN_BUDGET
     transport_listen: str | None = None
     worker_name: str | None = None
     prefill: tuple[str, ...] = ()
@@ -128,7 +130,7 @@ class ServeConfig:
                   prefill_workers=self.num_prefill_workers, strategy=self.strategy, spec_ratio=self.spec_ratio,
                   max_blocks=self.max_blocks, profile=self.profile, kr_fraction=self.kr_fraction,
                   on_failure=self.on_failure, lease_s=self.lease_s, timeout_s=self.transfer_timeout,
-                  model_spec=self.model, addresses=self.prefill_worker)
+                  model_spec=self.model, addresses=self.prefill_worker, min_budget=self.min_budget)
         kw.update(overrides)
         return Disaggregation(**kw)
 
@@ -177,6 +179,10 @@ _HELP = {
     "on_failure": (str, "when a prefill worker dies: fail its requests (error event) or recompute their KV"),
     "lease_s": (float, "a prefill worker frees a request's KV after this long without decode activity"),
     "transfer_timeout": (float, "seconds before a silent transport peer counts as dead"),
+    "min_budget": (int, "sparse selection keeps at least this many tokens per request, "
+                        "k = min(N, max(ceil(0.2 N), min_budget)), and requests of up to min_budget tokens "
+                        "(prompt + generated) decode densely, exactly like the single-process server; "
+                        "0 keeps the bare 20%% ratio"),
     "transport_listen": (str, "role prefill: host:port of the transport endpoint (default loopback, free port)"),
     "worker_name": (str, "role prefill: the worker's transport name, unique per deployment (default "
                          "prefill-<pid>)"),
