@@ -16,7 +16,7 @@ fitted cost model's T). Scenarios: `full-hit` (every context cached: Figs. 7, 8)
 `mixed-hit` (each request's cached share drawn from {75, 87.5, 100}%: Fig. 10). QPS is swept as
 a fraction of the baseline's capacity measured in the same run by that back-to-back probe
 (`--load-basis modelled`: of 1 / mean modelled T); whether the baseline sustained each load is
-checked from its run (experiments/calvo_capacity.py) and the highest sustained load reported.
+checked from its run (jkv/scheduling/capacity.py) and the highest sustained load reported.
 
 Order of work: start the pool, cache every context (prefill once, write chunks back), profile
 isolated requests on the pipelined engine and fit the cost model T = a*ctx + b + c*query + d
@@ -56,17 +56,17 @@ from jkv.kvpool.remote_pool import RemoteKVPool  # noqa: E402
 from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig,  # noqa: E402
                             PipelineRequest, StageFunctions, make_policy, run_serialized)
 from jkv.scheduling.metrics import summarize  # noqa: E402
-from jkv.scheduling.policies import Policy, RequestInfo  # noqa: E402
+from jkv.scheduling.policies import RequestInfo  # noqa: E402
 from jkv.scheduling.pool_stages import pool_fetch, write_back  # noqa: E402
 from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_shape,  # noqa: E402
                                            split_chunks)
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
-
-from experiments.calvo_capacity import (mg1_mean_ttft, probe_baseline, probe_from_rows,
-                                        sustain_check)  # noqa: E402
-from experiments.calvo_report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa: E402,F401
-                                      aggregate, markdown_tables, merge_rows, read_csv,
-                                      read_rows, report, write_outputs)
+from jkv.scheduling.capacity import (mg1_mean_ttft, probe_baseline, probe_from_rows,  # noqa: E402
+                                     sustain_check)
+from jkv.scheduling.report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa: E402,F401
+                                   aggregate, markdown_tables, merge_rows, read_csv,
+                                   read_rows, report, write_outputs)
+from jkv.scheduling.variants import recording_demotions  # noqa: E402
 
 
 
@@ -128,22 +128,6 @@ def start_pool(args, secret: str) -> tuple[subprocess.Popen, str]:
                              args.pool_capacity, "--bandwidth", args.link, "--stdin-eof-exits"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
     return proc, json.loads(proc.stdout.readline())["address"]
-
-
-def recording_demotions(policy: Policy, demoted: set) -> Policy:
-    """`policy` whose dynamic key also records the ids it ever ranked as hopeless (LSTF's
-    key[0] == 1: modelled remaining work exceeds the time left), to measure how often the cost
-    model's prediction demotes a request that then meets its deadline anyway."""
-    if policy.progress_key is None:
-        return policy
-
-    def key(info, remaining_load_tokens, now):
-        k = policy.progress_key(info, remaining_load_tokens, now)
-        if k[0] == 1:
-            demoted.add(info.request_id)
-        return k
-
-    return dataclasses.replace(policy, progress_key=key)
 
 
 def run_realtime(engine: Engine, requests: list[PipelineRequest], policy_name: str,
@@ -414,7 +398,7 @@ def main(argv=None) -> None:
                 requests, _ = build_requests(engine, workload, cost_model)
                 warm_up(engine, requests)
                 # the modelled capacity (1 / mean modelled service time) and the measured one:
-                # every request back to back on the serialized baseline (calvo_capacity.py)
+                # every request back to back on the serialized baseline (jkv/scheduling/capacity.py)
                 modelled = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
                                                                 r.info.compute_tokens)
                                                 for r in requests]))

@@ -16,12 +16,11 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "scheduling")]
-
-from fake_stages import FakeStages, make_request  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.scheduling import CostModel, LoadingPipeline, PipelineConfig, make_policy  # noqa: E402
+from jkv.scheduling.testing import FakeStages, make_request  # noqa: E402
 
 
 def run(policy_name: str, model: CostModel, requests: int) -> tuple[float, float]:
