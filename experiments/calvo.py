@@ -33,7 +33,6 @@ calvo_cost_model_plain.json (the paper's plain lines) and calvo_profile.csv (pro
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import os
@@ -50,7 +49,6 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.kvpool.hashing import ChunkNamespace, chunk_keys  # noqa: E402
 from jkv.kvpool.remote_pool import RemoteKVPool  # noqa: E402
 from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig,  # noqa: E402
@@ -67,6 +65,8 @@ from jkv.scheduling.report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa:
                                    aggregate, markdown_tables, merge_rows, read_csv,
                                    read_rows, report, write_outputs)
 from jkv.scheduling.variants import recording_demotions  # noqa: E402
+
+from experiments.common import RESULTS, add_model_arg, add_out_arg, write_csv  # noqa: E402
 
 
 
@@ -209,12 +209,11 @@ def profile(engine: Engine, contexts: list[np.ndarray], rng) -> tuple[CostModel,
                              deployment=deployment + ", bucketed compute")
     ctx, query = np.array(ctx_s), np.array(query_s)
     total, comp = np.array(load_s) + np.array(comp_s), np.array(comp_s)
-    with open(pathlib.Path(engine.args.out_dir) / "calvo_profile.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["ctx_tokens", "query_tokens", "t_load_s", "t_comp_s", "plain_T_s",
-                         "bucketed_T_s"])
-        writer.writerows(zip(ctx_s, query_s, load_s, comp_s, plain.cost(ctx, query),
-                             bucketed.cost(ctx, query)))
+    fields = ["ctx_tokens", "query_tokens", "t_load_s", "t_comp_s", "plain_T_s", "bucketed_T_s"]
+    write_csv(pathlib.Path(engine.args.out_dir) / "calvo_profile.csv",
+              [dict(zip(fields, row)) for row in zip(ctx_s, query_s, load_s, comp_s,
+                                                     plain.cost(ctx, query),
+                                                     bucketed.cost(ctx, query))], fields)
     engine.fit_median_error = {}
     for name, model in (("plain", plain), ("bucketed", bucketed)):
         err_t = np.abs(model.cost(ctx, query) / total - 1)
@@ -265,7 +264,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="full-hit only, one load, one seed, 16 requests")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_model_arg(parser)
     parser.add_argument("--link", default="1gbit", help="pool link pacing (server sends)")
     parser.add_argument("--chunk-tokens", type=int, default=64)
     parser.add_argument("--contexts", type=int, default=6)
@@ -315,7 +314,7 @@ def main(argv=None) -> None:
                              "by the other fit")
     parser.add_argument("--hit-ratios", default="0.75,0.875,1.0",
                         help="mixed-hit scenario: cached share of each context, drawn per request")
-    parser.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
+    add_out_arg(parser, RESULTS, flag="--out-dir")
     args = parser.parse_args(argv)
     if args.quick:
         args.scenarios, args.loads, args.contexts, args.queries = "full-hit", "0.9", 4, 4

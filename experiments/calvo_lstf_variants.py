@@ -35,15 +35,15 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
 
-from calvo_sim import SCENARIOS, baseline_capacity_qps  # noqa: E402
 from jkv.scheduling.metrics import summarize  # noqa: E402
 from jkv.scheduling.simulator import (StageTimes, profile_cost_model,  # noqa: E402
                                       simulate_pipelined)
 from jkv.scheduling.variants import VARIANTS, variant_policies  # noqa: E402
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
-from jkv.eval.harness import write_csv  # noqa: E402
+
+from experiments.calvo_sim import SCENARIOS, baseline_capacity_qps  # noqa: E402
+from experiments.common import RESULTS, add_out_arg, write_csv  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class NoisyTimes(StageTimes):
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
     parser.add_argument("--loads", default="0.9,1.0,1.2")
     parser.add_argument("--contexts", type=int, default=8)
     parser.add_argument("--queries", type=int, default=8)
-    parser.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
+    add_out_arg(parser, RESULTS, flag="--out-dir")
     args = parser.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
     rows = []

@@ -11,6 +11,7 @@ import pathlib
 
 import numpy as np
 
+from jkv.eval.csvfile import write_csv
 from jkv.scheduling.capacity import (MAX_UTILISATION, highest_load_within,
                                      pooled_throughput_ratio, pooled_utilisation)
 
@@ -175,16 +176,9 @@ def plot(summary: list[dict], path: pathlib.Path) -> None:
 def write_outputs(rows: list[dict], out: pathlib.Path) -> list[dict]:
     """calvo.csv (one row per scenario, load, seed, policy), calvo_summary.csv (over seeds) and
     calvo.png; returns the summary rows."""
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / "calvo.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "calvo.csv", rows)
     summary = aggregate(rows)
-    with open(out / "calvo_summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(summary[0]))
-        writer.writeheader()
-        writer.writerows(summary)
+    write_csv(out / "calvo_summary.csv", summary)
     plot(summary, out / "calvo.png")
     return summary
 
