@@ -172,11 +172,9 @@ def paced_rate(rate: str, seconds: float) -> tuple[float, float]:
         peer = ep.connect(child.address, bandwidth=rate)
         block = np.ones(4 * MiB, np.uint8)
         total = int(target / 8 * seconds)
-        items, left = [], total
-        while left:
-            k = min(left, block.nbytes)
-            items.append(("pool", 0, block[:k]))
-            left -= k
+        # `total` bytes as writes of at most one block each (the last one shorter)
+        items = [("pool", 0, block[:min(block.nbytes, total - start)])
+                 for start in range(0, total, block.nbytes)]
         t = peer.write_many(items)
         t.wait(seconds * 4 + 10)
         return target, 8 * total / t.elapsed
