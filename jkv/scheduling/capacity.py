@@ -1,4 +1,4 @@
-"""The serialized baseline's measured capacity and whether it sustains a load (calvo.py).
+"""The serialized baseline's measured capacity and whether it sustains a load (CALVO runs).
 
 CALVO's goals are stated "at the highest load the baseline sustains" (§4: Figs. 7, 8 sweep QPS
 up to where vLLM + LMCache saturates). A load defined from the *modelled* capacity (1 / mean
@@ -204,6 +204,12 @@ def highest_sustained_load(rows: Sequence[dict], scenario: str,
     for r in rows:
         if r["scenario"] == scenario and r["policy"] == baseline:
             by_load.setdefault(float(r["load"]), []).append(r)
-    ok = [load for load, mine in by_load.items()
-          if (rho := pooled_utilisation(mine)) is not None and rho <= MAX_UTILISATION]
+    return highest_load_within({load: pooled_utilisation(mine) for load, mine in by_load.items()})
+
+
+def highest_load_within(utilisation_by_load: dict) -> float | None:
+    """The highest load whose pooled utilisation is known and <= MAX_UTILISATION (None: none
+    is): the one "sustains" rule both the per-seed rows and the summary are read with."""
+    ok = [load for load, rho in utilisation_by_load.items()
+          if rho is not None and rho <= MAX_UTILISATION]
     return max(ok) if ok else None

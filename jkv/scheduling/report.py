@@ -11,8 +11,9 @@ import pathlib
 
 import numpy as np
 
-from experiments.calvo_capacity import (MAX_UTILISATION, pooled_throughput_ratio,
-                                        pooled_utilisation)
+from jkv.eval.csvfile import write_csv
+from jkv.scheduling.capacity import (MAX_UTILISATION, highest_load_within,
+                                     pooled_throughput_ratio, pooled_utilisation)
 
 POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "srpt", "edf", "lstf")
 # The same policies ordered by the paper's plain cost lines (A/B for the bucketed compute part).
@@ -87,7 +88,7 @@ def aggregate(rows: list[dict]) -> list[dict]:
                           x["slo_attainment"] - y["slo_attainment"])),
                       "slo_vs_edf_pts": ("edf", lambda x, y: 100 * (
                           x["slo_attainment"] - y["slo_attainment"]))}
-            # the baseline kept up (calvo_capacity.py): pooled over seeds
+            # the baseline kept up (capacity.py): pooled over seeds
             row["baseline_throughput_pooled"] = pooled_throughput_ratio([r for _, r in mine])
             row["baseline_utilisation_pooled"] = pooled_utilisation([r for _, r in mine])
             for k in ("baseline_ttft_trend", "capacity_measured_qps", "baseline_mg1_ttft_s"):
@@ -175,16 +176,9 @@ def plot(summary: list[dict], path: pathlib.Path) -> None:
 def write_outputs(rows: list[dict], out: pathlib.Path) -> list[dict]:
     """calvo.csv (one row per scenario, load, seed, policy), calvo_summary.csv (over seeds) and
     calvo.png; returns the summary rows."""
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / "calvo.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "calvo.csv", rows)
     summary = aggregate(rows)
-    with open(out / "calvo_summary.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(summary[0]))
-        writer.writeheader()
-        writer.writerows(summary)
+    write_csv(out / "calvo_summary.csv", summary)
     plot(summary, out / "calvo.png")
     return summary
 
@@ -230,12 +224,12 @@ def report(summary: list[dict]) -> None:
 
 def sustained_load(summary: list[dict], scenario: str) -> float | None:
     """The highest load of `scenario` whose baseline summary row's pooled in-run utilisation
-    is <= MAX_UTILISATION (calvo_capacity.py); None when no swept load qualifies."""
-    ok = [r["load"] for r in summary if r["scenario"] == scenario
-          and r["policy"] == "serialized-fifo"
-          and r.get("baseline_utilisation_pooled") not in (None, "")
-          and float(r["baseline_utilisation_pooled"]) <= MAX_UTILISATION]
-    return max(ok) if ok else None
+    is <= MAX_UTILISATION (capacity.py); None when no swept load qualifies. The same rule as
+    `capacity.highest_sustained_load` over the per-seed rows, read from the pooled column."""
+    pooled = {r["load"]: r.get("baseline_utilisation_pooled") for r in summary
+              if r["scenario"] == scenario and r["policy"] == "serialized-fifo"}
+    return highest_load_within({load: None if rho in (None, "") else float(rho)
+                                for load, rho in pooled.items()})
 
 
 def markdown_tables(summary: list[dict], rows: list[dict]) -> str:

@@ -1,5 +1,8 @@
 """Instrumented fake stages with hand-computable outputs for the loading pipeline tests.
 
+Shared by tests/scheduling and experiments/calvo_dispatch_cost.py (which times dispatch with
+stages that only sleep), so it lives in the package rather than in either of them.
+
 Chunk i of context `ctx` holds `chunk_data(ctx, i)`; fetch writes it into an L2 row, upload
 copies L2 row -> L1 row, compute reads the loaded prefix *from L1* (so any slot mix-up changes
 the result) and recomputes missed chunks directly. `expected_value` is the same sum computed
