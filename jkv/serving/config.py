@@ -30,6 +30,7 @@ class ServeConfig:
     max_slots: int = 8
     max_model_len: int = 1024
     default_max_tokens: int = 256
+    max_request_bytes: int = 4 * 1024 * 1024
     upstream: tuple[str, ...] = ()
     health_interval: float = 2.0
     health_timeout: float = 1.0
@@ -67,7 +68,7 @@ class ServeConfig:
             raise ValueError(f"port={self.port} must be in [0, 65535] (0 picks a free port)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
-        for name in ("max_slots", "max_model_len", "default_max_tokens"):
+        for name in ("max_slots", "max_model_len", "default_max_tokens", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("health_interval", "health_timeout", "upstream_timeout", "graceful_timeout"):
@@ -151,6 +152,8 @@ _HELP = {
     "max_slots": (int, "decode slots = the continuous batch size; more requests queue"),
     "max_model_len": (int, "max prompt + generated tokens per request; sets the per-slot KV length"),
     "default_max_tokens": (int, "max_tokens for chat requests that do not set it (capped by the context)"),
+    "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
+                               "(all roles, the router included)"),
     "upstream": (str, "router: URL of a `jkv serve --role all` server (repeatable)"),
     "health_interval": (float, "router: seconds between /health checks of each upstream"),
     "health_timeout": (float, "router: seconds before a /health check counts as failed"),

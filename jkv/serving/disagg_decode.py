@@ -171,6 +171,16 @@ class DisaggBatcher:
             raise RuntimeError(f"warm-up request failed: {out[0].metrics.extra.get('error')}")
         log.debug("disaggregated warm-up in %.1fs", time.perf_counter() - t)
 
+    def readiness(self) -> tuple[bool, str | None]:
+        """(ready, why not) for /ready and /health: serving needs at least one live prefill worker."""
+        if not self._threads or not all(t.is_alive() for t in self._threads):
+            return False, "the decode engine is not running (stopped or crashed; see the server log)"
+        peers = self.worker.endpoint.peers
+        if not any(o in peers and peers[o].alive for o in self.worker.owners):
+            return False, (f"no live prefill worker is connected (known: {', '.join(self.worker.owners) or 'none'}); "
+                           "requests would fail until one is back")
+        return True, None
+
     def health(self) -> dict:
         """Extra /health fields: the prefill workers this decode worker knows and the KV it holds."""
         peers = self.worker.endpoint.peers
