@@ -51,7 +51,7 @@ if [ "$MODE" = cpu ]; then
     export JAX_PLATFORMS=cpu
     KERNEL_MODE=interpret
     # A quick subset: the point is that every step of the script runs, not kernel coverage.
-    KERNEL_TESTS=(tests/kernels/test_mosaic_attention.py tests/kernels/test_dispatch.py -k "not pipeline")
+    KERNEL_TESTS=(tests/kernels/test_mosaic_attention.py)
     BENCH_ARGS=(--device cpu --batch 1 --kv-heads 2 --tokens 2048 --head-dim 64 --repeats 1)
     PROGRAM_ARGS=(--small)
 else

@@ -12,6 +12,7 @@ STEPS = ("env", "wheels", "kernels", "bench", "programs")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~1 min of CPU; minutes of wall time on a loaded 2-core box
 def test_cpu_dry_run_leaves_a_summary_of_every_step_under_out(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, JKV_KERNEL_MODE="interpret")
