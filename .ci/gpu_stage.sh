@@ -52,7 +52,8 @@ export JAX_PLATFORMS=cpu PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 t0=$(date +%s)
 echo "# gpu stage 1/2: tests/kernels on jax >= 0.11 (interpret + export)"
-"$VENV/bin/python" -m pytest -q tests/kernels -p no:cacheprovider -W ignore::DeprecationWarning || status=1
+# -m "not slow": the gpu_check.sh dry run (slow) already runs in the main stage.
+"$VENV/bin/python" -m pytest -q tests/kernels -m "not slow" -p no:cacheprovider -W ignore::DeprecationWarning || status=1
 tests_s=$(( $(date +%s) - t0 ))
 
 t0=$(date +%s)
