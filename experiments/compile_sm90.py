@@ -65,7 +65,7 @@ class Case:
 
 def kernel_cases() -> list[Case]:
     """Every kernel configuration the tests lower (tests/kernels/test_gpu_lowering.py) and the
-    Mosaic attention kernel at the decode sizes."""
+    Mosaic attention kernels (selected rows and pages) at decode sizes."""
     cases = []
     for rows, n, k, dtype in [(64, 32_768, 6_554, BF16), (8, 131_072, 26_215, F32), (3, 1000, 77, F32)]:
         cases.append(Case("topk_select", f"R={rows} N={n} k={k} {jnp.dtype(dtype).name}",
@@ -97,6 +97,15 @@ def kernel_cases() -> list[Case]:
         cases.append(Case("sparse_decode_attention[mosaic]",
                           f"B={batch} H_kv={kv_heads} G={group} k={k} D={head_dim} "
                           f"{jnp.dtype(dtype).name}", _mosaic_attention, avals))
+    for page_size, head_dim, pages in [(16, 128, 256), (16, 64, 128), (64, 128, 32)]:
+        batch, kv_heads, group, num_pages = 8, 8, 4, 4096
+        avals = (S((batch, kv_heads * group, head_dim), BF16),
+                 S((num_pages, kv_heads, page_size, head_dim), BF16),
+                 S((num_pages, kv_heads, page_size, head_dim), BF16),
+                 S((batch, pages), I32), S((batch,), I32))
+        cases.append(Case("paged_decode_attention[mosaic]",
+                          f"B={batch} H_kv={kv_heads} G={group} P={page_size} pages={pages} "
+                          f"D={head_dim} bfloat16", _mosaic_paged, avals))
     return cases
 
 
@@ -135,6 +144,10 @@ def _triton_attention(q, ks, vs, c):
 
 def _mosaic_attention(q, ks, vs, c):
     return ma.sparse_decode_attention_partials_mosaic(q, ks, vs, c)
+
+
+def _mosaic_paged(q, kp, vp, table, lengths):
+    return ma.paged_decode_attention_partials_mosaic(q, kp, vp, table, lengths)
 
 
 def _smem_overflow(x, y):

@@ -9,6 +9,8 @@
         -> [B, H, D]
     sparse_decode_attention_partials(...) -> (out f32[B, H, D], lse f32[B, H])
     merge_partials((o1, lse1), (o2, lse2)) -> (o, lse)
+    paged_decode_attention_partials(q: [B, H, D], k_pages, v_pages: [num_pages, H_kv, P, D],
+        page_table: i32[B, max_pages], lengths: i32[B]) -> (out f32[B, H, D], lse f32[B, H])
 
 Backends: "mosaic" (Hopper+: sparse attention by the Mosaic GPU kernel of `mosaic_attention`,
 the other ops by the Triton kernels; shapes or dtypes the Mosaic kernel does not take (f32, a
@@ -48,6 +50,7 @@ __all__ = [
     "backend",
     "get_backend",
     "merge_partials",
+    "paged_decode_attention_partials",
     "resolved_backend",
     "set_backend",
     "sparse_decode_attention",
@@ -251,3 +254,33 @@ def sparse_decode_attention(
     entry give zeros. scale defaults to 1/sqrt(D)."""
     out, _ = sparse_decode_attention_partials(q, k_sel, v_sel, valid_count, scale=scale)
     return out.astype(q.dtype)
+
+
+def paged_decode_attention_partials(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(out f32[B, H, D], lse f32[B, H]) of request b's query heads over its first lengths[b]
+    tokens in the paged KV cache [num_pages, H_kv, P, D] (token t: page page_table[b, t // P],
+    slot t % P). The Mosaic kernel under "mosaic" (when it takes the shapes); there is no Triton
+    paged kernel, so every other backend uses the XLA reference (a gather of the pages)."""
+    if resolved_backend() == "mosaic":
+        group = q.shape[1] // max(1, k_pages.shape[1])
+        try:
+            mosaic_attention.check_supported(q.shape[-1], k_pages.dtype, group)
+            if k_pages.shape[2] not in (8, 16, 32, 64):
+                raise ValueError(f"page size {k_pages.shape[2]} is not 8, 16, 32 or 64")
+        except ValueError as exc:
+            _log_mosaic_fallback(str(exc))
+        else:
+            return mosaic_attention.paged_decode_attention_partials_mosaic(
+                q, k_pages, v_pages, page_table, lengths, scale=scale
+            )
+    return mosaic_attention.paged_decode_attention_partials_reference(
+        q, k_pages, v_pages, page_table, lengths, scale=scale
+    )

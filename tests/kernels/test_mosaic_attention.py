@@ -132,3 +132,73 @@ def test_auto_prefers_mosaic_on_sm90_then_triton_then_xla(platform, capability, 
     chosen, why = dispatch.choose_auto(platform, capability)
     assert chosen == want, why
     assert why  # the start-up log line says why
+
+
+def _paged_case(page_size, head_dim, lengths, max_pages, seed=0):
+    """A paged cache [num_pages, H_kv, P, D] with a NaN page that only table slots past each
+    request's length point to, a -1 sentinel, and shuffled page ids."""
+    rng = np.random.default_rng(seed)
+    batch, kv_heads, group = len(lengths), 2, 3
+    num_pages = batch * max_pages + 1
+    shape = (num_pages, kv_heads, page_size, head_dim)
+    keys = rng.standard_normal(shape).astype(np.float32)
+    values = rng.standard_normal(shape).astype(np.float32)
+    keys[-1] = values[-1] = np.nan
+    table = rng.permutation(num_pages - 1)[: batch * max_pages].reshape(batch, max_pages)
+    for b, length in enumerate(lengths):
+        used = -(-max(int(length), 0) // page_size)
+        table[b, used:] = num_pages - 1 if b % 2 else -1
+        # Slots inside the last used page but past the length are garbage too.
+        if used and length % page_size:
+            keys[table[b, used - 1], :, length % page_size:] = np.nan
+            values[table[b, used - 1], :, length % page_size:] = np.nan
+    q = rng.standard_normal((batch, kv_heads * group, head_dim)).astype(np.float32)
+    bf16 = jnp.bfloat16
+    return (jnp.asarray(q, bf16), jnp.asarray(keys, bf16), jnp.asarray(values, bf16),
+            jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32))
+
+
+@needs_mosaic_interpreter
+@needs_hopper
+@pytest.mark.parametrize("page_size,num_splits", [(16, None), (64, 2)])
+def test_paged_matches_reference(page_size, num_splits):
+    """Lengths 0, 1, a page boundary, mid-page and the full table; NaN past every length."""
+    max_pages = 160 // page_size + 1
+    lengths = [0, 1, 2 * page_size, 77, max_pages * page_size]
+    args = _paged_case(page_size, 64, lengths, max_pages)
+    got_o, got_lse = ma.paged_decode_attention_partials_mosaic(
+        *args, interpret=INTERPRET, num_splits=num_splits)
+    want_o, want_lse = ma.paged_decode_attention_partials_reference(*args)
+    got_o = np.asarray(got_o)
+    assert np.isfinite(got_o).all(), "a slot past a request's length (NaN) reached the output"
+    np.testing.assert_allclose(got_o, np.asarray(want_o), rtol=2e-2, atol=2e-2)
+    empty = np.isneginf(np.asarray(want_lse))
+    assert empty[0].all() and not empty[1:].any()
+    np.testing.assert_array_equal(np.isneginf(np.asarray(got_lse)), empty)
+    np.testing.assert_allclose(np.asarray(got_lse)[~empty], np.asarray(want_lse)[~empty],
+                               rtol=2e-2, atol=2e-2)
+
+
+def test_paged_refuses_page_sizes_that_do_not_tile():
+    args = _paged_case(16, 64, [5], 2)
+    q, k, v, table, lengths = args
+    k24 = jnp.zeros((k.shape[0], k.shape[1], 24, 64), k.dtype)
+    with pytest.raises(ValueError, match="page size P=24"):
+        ma.paged_decode_attention_partials_mosaic(q, k24, k24, table, lengths)
+
+
+@pytest.mark.skipif(not ma.MOSAIC_AVAILABLE, reason="no Mosaic GPU Pallas in this jax")
+def test_dispatch_paged_uses_mosaic_only_under_mosaic():
+    from pallas_kernels._common import export_for_cuda
+
+    args = _paged_case(16, 64, [5, 40], 3)
+    for backend, want in (("mosaic", True), ("pallas", False)):
+        with dispatch.backend(backend):
+            module = export_for_cuda(
+                lambda *a: dispatch.paged_decode_attention_partials(*a), *args, custom_calls=()
+            ).mlir_module()
+        assert ("mosaic_gpu_v2" in module) == want
+    with dispatch.backend("xla"):
+        got = dispatch.paged_decode_attention_partials(*args)
+    want = ma.paged_decode_attention_partials_reference(*args)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
