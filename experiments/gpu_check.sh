@@ -56,7 +56,7 @@ if [ "$MODE" = cpu ]; then
     PROGRAM_ARGS=(--small)
 else
     KERNEL_MODE=compiled
-    KERNEL_TESTS=(tests/kernels)
+    KERNEL_TESTS=(tests/kernels -m "not slow")  # not the CPU dry run of this very script
     BENCH_ARGS=(--device gpu --batch 8 --kv-heads 8 --tokens 10240 --ratio 0.2 --head-dim 128)
     PROGRAM_ARGS=()
 fi
