@@ -25,7 +25,7 @@ import numpy as np
 from jkv.eval.corpus import stdlib_sources
 from jkv.eval.fidelity import fidelity_metrics
 from jkv.selection import get_selector
-from jkv.selection.calibration import Calibration, calibration_tokens, collect_calibration
+from jkv.selection.calibration import calibration_tokens, collect_calibration
 from jkv.selection.infinigen import InfiniGen, InfiniGenConfig, fit_skew
 from jkv.selection.simple import Dense
 from jkv.selection.sparse_decode import decode, prefill_to_host
