@@ -15,12 +15,16 @@ training does not fit the shared box's time); see docs/selection.md.
 from __future__ import annotations
 
 import argparse
-import csv
 import glob
 import logging
 import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from experiments.common import add_model_arg, setup_logging, write_csv
 
 from jkv.eval.corpus import stdlib_sources
 from jkv.eval.fidelity import fidelity_metrics
@@ -73,13 +77,13 @@ def mixed_skew(model, config: InfiniGenConfig) -> InfiniGen:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    add_model_arg(p)
     p.add_argument("--lengths", default="1024")
     p.add_argument("--samples", type=int, default=8, help="windows per domain and length")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--csv", default=None)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    setup_logging()
     model = load_model(args.model)
     from jkv.disagg.selectors import build_selector
 
@@ -116,10 +120,7 @@ def main(argv=None):
                 print(f"{domain:<26}{length:>6} {s:<19}{top1[s]:>7.3f}{100 * (top1[s] - top1['oracle']):>+14.1f}"
                       f"{kl:>9.4f}")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(args.csv, rows)
 
 
 if __name__ == "__main__":
