@@ -227,7 +227,7 @@ class DisaggBatcher:
             return None
         main = address.partition("|")[0]
         name = self._owner_by_main.get(main)
-        if name is not None and self.worker._owner_alive(name):
+        if name is not None and self.worker.owner_alive(name):
             return name
         try:
             name = self.worker.connect_one(address, connect_timeout=CONNECT_TIMEOUT_S)

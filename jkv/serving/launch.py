@@ -91,7 +91,7 @@ def _secret() -> str:
 
 
 def _load(cfg: ServeConfig):
-    from jkv.disagg.prefill_worker import load_model_spec
+    from models import load_model_spec
 
     model = load_model_spec(cfg.model, cfg.dtype)
     ctx = model.cfg.max_position_embeddings
