@@ -6,7 +6,7 @@ Per request the pool holds
     mask: i8[L, N_cap]                 (decode side: PAD 0 / LOCAL 1 / REMOTE 2 per token)
 
 `kv` is one contiguous page-aligned array so a peer addresses any (layer, head, token) with a
-byte offset (`RequestKV.offset`); the prefill side writes a block's rows there and then, in
+byte offset (`RequestKV.offset`, jkv/kvcache/fetch.py); the prefill side writes a block's rows there and then, in
 the same ordered transfer, the block's mask bytes (DESIGN.md "KV mask": a 1 is always safe).
 
 The pool is pure bookkeeping plus numpy buffers: `allocate` reserves bytes against a
@@ -20,6 +20,7 @@ import threading
 
 import numpy as np
 
+from jkv.kvcache.fetch import kv_offset, mask_offset
 from jkv.kvcache.geometry import LOCAL, PAD, REMOTE
 from transport import aligned_empty
 
@@ -60,10 +61,10 @@ class RequestKV:
     def offset(self, kv: int, layer: int, head: int, token: int) -> int:
         """Byte offset of kv[kv, layer, head, token, 0] in the flat buffer."""
         _, L, H, N, D = self.kv.shape
-        return ((((kv * L + layer) * H + head) * N + token) * D) * self.kv.itemsize
+        return kv_offset(L, H, N, D, kv, layer, head, token, self.kv.itemsize)
 
     def mask_offset(self, layer: int, token: int) -> int:
-        return layer * self.capacity + token
+        return mask_offset(self.capacity, layer, token)
 
     def all_local(self) -> bool:
         """Every prompt token of every layer has landed (mask == LOCAL)."""
