@@ -3,7 +3,7 @@
     frame = u32 header_len (little endian) | header JSON | payload bytes
 
 The SmartGen control plane (`jkv.disagg.protocol`), its on-demand row fetch
-(`jkv.kvcache.fetch`) and the compressed-KV frames (`jkv.compression.kv_transfer`) all use it;
+(`jkv.kvbuffers.fetch`) and the compressed-KV frames (`jkv.compression.kv_transfer`) all use it;
 it depends on nothing in jkv so none of them has to import another's package for it.
 """
 from __future__ import annotations

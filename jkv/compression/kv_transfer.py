@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 KIND = "ckv"
 WIRE_DTYPE = np.float16
 WIRE_ITEMSIZE = 2
-LOCAL = 1  # jkv.kvcache.geometry.LOCAL (not imported: this package does not depend on kvcache)
+LOCAL = 1  # jkv.kvbuffers.geometry.LOCAL (not imported: this package does not depend on kvbuffers)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Per layer of a decode step (engine thread; SmartGen §4.2, Algorithm 1):
               local, and `split_reorder` of the selection against it: i32[B*H_kv, k] reordered
               remote-first plus each row's remote count
     remote    one asynchronous "fetch" RPC per owner with each row's remote-first prefix
-              (`jkv.kvcache.fetch.FetchCall`); in the serial modes (`partial`, `+profile`) the
+              (`jkv.kvbuffers.fetch.FetchCall`); in the serial modes (`partial`, `+profile`) the
               replies are awaited before the local lane starts
     local     a numpy gather of every selected slot from the pool (remote slots are overwritten)
     wait      the replies, in owner order
@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.disagg.decode_state import OwnerDown
-from jkv.kvcache.fetch import FetchCall, iter_reply, keep_rows, reply_rows
-from jkv.kvcache.geometry import LOCAL, PAD, REMOTE
+from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, reply_rows
+from jkv.kvbuffers.geometry import LOCAL, PAD, REMOTE
 from transport import RemoteError, TransportError
 
 

@@ -26,7 +26,7 @@ from jkv.compression.kv_transfer import apply_frame
 from jkv.disagg import protocol as proto
 from jkv.disagg.decode_state import LiveRequest
 from jkv.engine import Request
-from jkv.kvcache.geometry import LOCAL, BlockGeometry
+from jkv.kvbuffers.geometry import LOCAL, BlockGeometry
 from jkv.transfer.plan import proactive_order
 from transport import TransportError
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from jkv.engine import Request
-from jkv.kvcache.geometry import BlockGeometry
+from jkv.kvbuffers.geometry import BlockGeometry
 from jkv.outputs import RequestMetrics, RequestOutput
 
 CAPACITY_BUCKET = 256

@@ -59,7 +59,7 @@ Where the parts live (the split vLLM v1 draws for its KV connector):
   jkv/disagg/decode_owners.py    the owner side: connect, notifications, plan, hand-in, speculation
                                  triggers, release, owner failure and recompute (`OwnerSide`)
   jkv/disagg/decode_lanes.py     the fetch lanes: split, local gather, remote call, wait, scatter
-                                 (`FetchLanes`); the wire format is jkv/kvcache/fetch.py
+                                 (`FetchLanes`); the wire format is jkv/kvbuffers/fetch.py
   jkv/disagg/decode_metadata.py  batched selector metadata: stacking and restacking
   this module                    admission (`generate`, `submit`, `step`), the step loop and its
                                  failure policy, `cancel`
@@ -85,8 +85,8 @@ from jkv.disagg.decode_state import (CAPACITY_BUCKET, LiveRequest, RequestFailed
 from jkv.disagg.hint import make_hint as make_set_hint
 from jkv.disagg.lookahead import LayerLookahead
 from jkv.engine import Request, StopChecker, check_context
-from jkv.kvcache.geometry import LOCAL
-from jkv.kvcache.pool import HostKVPool
+from jkv.kvbuffers.geometry import LOCAL
+from jkv.kvbuffers.pool import KVBufferPool
 from jkv.outputs import RequestOutput
 from jkv.sampling import sample_or_argmax
 from jkv.selection.base import dense_layer_count
@@ -137,7 +137,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
             raise ValueError(f"mode {transfer.mode!r} with strategy {transfer.strategy!r} needs an importance "
                              "profile: create one with `jkv profile` and pass it")
         cfg = model.cfg
-        self.pool = HostKVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
         self.endpoint = Endpoint(name, backend, secret=secret, timeout=timeout, op_timeout=None,
                                  max_message=1 << 30)
         self.endpoint.on_notify("meta", self._on_meta)

@@ -41,8 +41,8 @@ import time
 
 import numpy as np
 
-from jkv.kvcache.fetch import FetchCall, iter_reply, keep_rows, reply_rows
-from jkv.kvcache.geometry import REMOTE
+from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, reply_rows
+from jkv.kvbuffers.geometry import REMOTE
 from transport import TransportError
 
 log = logging.getLogger(__name__)

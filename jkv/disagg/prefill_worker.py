@@ -44,9 +44,9 @@ import numpy as np
 from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, KVCodec
 from jkv.disagg import protocol as proto
 from jkv.disagg.selectors import load_selector, needs_metadata
-from jkv.kvcache.fetch import kv_offset, mask_offset, pack_reply, parse_fetch
-from jkv.kvcache.geometry import LOCAL, BlockGeometry
-from jkv.kvcache.pool import HostKVPool
+from jkv.kvbuffers.fetch import kv_offset, mask_offset, pack_reply, parse_fetch
+from jkv.kvbuffers.geometry import LOCAL, BlockGeometry
+from jkv.kvbuffers.pool import KVBufferPool
 from jkv.sampling import sample_or_argmax
 from jkv.selection.base import dense_layer_count
 from jkv.transfer.plan import per_layer
@@ -123,7 +123,7 @@ class PrefillWorker:
         self.model, self.selector = model, selector
         self.codec = codec  # jkv.compression.KVCodec; made on first use by a request that asks for compression
         cfg = model.cfg
-        self.pool = HostKVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
+        self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
         self.lease_s = lease_s
         self.endpoint = Endpoint(name, backend, secret=secret, bandwidth=bandwidth, timeout=timeout,
                                  op_timeout=None, max_message=1 << 30)
@@ -393,7 +393,7 @@ class PrefillWorker:
     # ---------------------------------------------------------------- RPCs
     def _fetch(self, peer_name, payload):
         """On-demand rows (§4.2): rows of each (request, head) contiguous, K block then V block
-        (the wire format is jkv/kvcache/fetch.py)."""
+        (the wire format is jkv/kvbuffers/fetch.py)."""
         try:
             return self._fetch_rows(payload)
         except Exception as e:

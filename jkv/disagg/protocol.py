@@ -11,7 +11,7 @@ decode -> prefill
   notify "spec"     {"rids": [...]}  speculative trigger at the start of an attention layer
   call   "fetch"    {"layer", "items": [[rid, [count per KV head]]]} + i32 positions
                     -> K rows f32[sum counts, D] then V rows (remote-first, row order);
-                    packed, parsed and scattered by jkv.kvcache.fetch only
+                    packed, parsed and scattered by jkv.kvbuffers.fetch only
   call   "free"     {"rid"} -> {"bytes": {...}}  decode holds everything / finished / cancelled
 prefill -> decode
   notify "meta"     {"rid", "layer", "leaves": [[shape, dtype]]} + leaf bytes (selector metadata)

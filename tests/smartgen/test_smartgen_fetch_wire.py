@@ -1,4 +1,4 @@
-"""The on-demand fetch wire format and the pool byte layout (jkv/kvcache/fetch.py): both sides
+"""The on-demand fetch wire format and the pool byte layout (jkv/kvbuffers/fetch.py): both sides
 of the RPC round-trip through the one module, without a transport."""
 import types
 
@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jkv.kvcache.fetch import (FetchCall, iter_reply, keep_rows, kv_offset, mask_offset, pack_reply, parse_fetch,
+from jkv.kvbuffers.fetch import (FetchCall, iter_reply, keep_rows, kv_offset, mask_offset, pack_reply, parse_fetch,
                                reply_rows)
-from jkv.kvcache.pool import RequestKV
+from jkv.kvbuffers.pool import RequestKV
 
 L, H, N, D = 3, 2, 16, 4
 

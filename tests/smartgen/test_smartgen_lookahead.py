@@ -197,7 +197,7 @@ def test_issue_and_complete_scatter_exactly_the_hinted_remote_rows(threaded):
     import types
 
     from jkv.disagg.decode_state import StepPhases
-    from jkv.kvcache.geometry import LOCAL, REMOTE
+    from jkv.kvbuffers.geometry import LOCAL, REMOTE
 
     L, H, N, D = 3, 2, 8, 4
     source = np.random.default_rng(0).standard_normal((2, L, H, N, D)).astype(np.float32)
