@@ -26,9 +26,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jkv.eval.harness import EvalConfig, build_selectors, evaluate, format_table, summarize, write_csv  # noqa: E402
+from experiments.common import add_model_arg, add_out_arg, setup_logging, write_csv  # noqa: E402
+from jkv.eval.harness import EvalConfig, build_selectors, evaluate, format_table, summarize  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SELECTORS = ("oracle", "infinigen", "quest", "hata", "streamingllm")
 MAIN_RATIO = 0.2  # the goals are stated at max_ratio 0.2
 # (task, length, samples, curve): every sample runs at MAIN_RATIO; the first `curve` samples also
@@ -160,14 +160,14 @@ def goals(summary: list[dict], fidelity_tokens: int, rows: list[dict] | None = N
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_model_arg(parser)
     parser.add_argument("--ratios", default="0.1,0.2,0.4")
     parser.add_argument("--limit", type=int, default=None, help="cap samples per (task, length)")
     parser.add_argument("--hata-weights", default=None, help="dir from `jkv train-hata` (default: train here)")
     parser.add_argument("--hata-train-steps", type=int, default=150, help="per calibration window")
     parser.add_argument("--hata-windows", type=int, default=4, help="calibration windows HATA trains on in turn")
     parser.add_argument("--batch", type=int, default=8, help="samples decoded together per (task, length)")
-    parser.add_argument("--out", default=RESULTS)
+    add_out_arg(parser)
     parser.add_argument("--only", default=None,
                         help="comma-separated workload entries to run, e.g. fidelity@1024 (default: all)")
     parser.add_argument("--samples", type=int, default=None, help="samples per selected entry (overrides the table)")
@@ -179,9 +179,7 @@ def main() -> int:
                              "re-runs those selectors over another run's table)")
     parser.add_argument("--tag", default="", help="output names accuracy_<tag>.csv etc. (keeps the full table's)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("absl", "jax._src.xla_bridge"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging()
 
     from models import load_model
 

@@ -10,7 +10,6 @@ experiments/results/bench_controller.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import random
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ import numpy as np
 from jkv.compression.bandwidth import BandwidthEstimator
 from jkv.compression.controller import Context, Controller, ControllerConfig, Profile
 
-ROOT = Path(__file__).resolve().parent.parent
+from experiments.common import RESULTS, add_out_arg, write_csv
 
 
 def synthetic_profiles(n: int, rng: random.Random) -> list[Profile]:
@@ -36,7 +35,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profiles", type=int, default=40)
     ap.add_argument("--decisions", type=int, default=20000)
-    ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "bench_controller.csv"))
+    add_out_arg(ap, RESULTS / "bench_controller.csv")
     args = ap.parse_args()
     rng = random.Random(0)
     workloads = ["code", "qa", "needle", "summary"]
@@ -70,10 +69,7 @@ def main():
     print(f"controller build (envelopes for {len(workloads)} workloads x {len(ctl.buckets)} buckets): {build_ms:.1f} ms; "
           f"envelope sizes at q>=0.9: {sizes}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(args.out, rows)
     print(f"wrote {args.out}")
 
 

@@ -9,7 +9,6 @@ the warm-up). Prints ratios and writes experiments/results/bench_generate.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import statistics
 import sys
@@ -22,9 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from jkv.compare import hf_step, load_hf_reference  # noqa: E402
+from experiments.common import RESULTS, write_csv  # noqa: E402
 from models import load_model  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def corpus_tokens(tok, n: int) -> list[int]:
@@ -134,10 +132,7 @@ def main():
               f"{r.get('hf_tok_s', float('nan')):>9.1f}  {r['metric']} = {r['ratio']:.2f}")
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / ("bench_generate_quick.csv" if args.quick else "bench_generate.csv")
-    with open(out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["case", "jkv_s", "hf_s", "jkv_tok_s", "hf_tok_s", "metric", "ratio"])
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows, fields=["case", "jkv_s", "hf_s", "jkv_tok_s", "hf_tok_s", "metric", "ratio"])
     print(f"wrote {out}")
 
 

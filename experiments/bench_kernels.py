@@ -15,7 +15,6 @@ timed: on CPU only the reference path means anything.
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import math
 import os
@@ -29,9 +28,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from experiments.common import RESULTS, write_csv  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def _median_seconds(fn, args, repeats: int) -> float:
@@ -166,10 +164,7 @@ def main(argv=None) -> int:
 
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"kernels_{args.device}.csv")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(records[0]))
-        writer.writeheader()
-        writer.writerows(records)
+    write_csv(path, records)
     print(f"# wrote {path}")
     return 0
 

@@ -21,7 +21,6 @@ a shared machine hits both sides alike. Prints a table with ratios and writes
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import multiprocessing as mp
 import os
@@ -39,6 +38,8 @@ sys.path.insert(0, str(REPO))
 
 from transport import Endpoint  # noqa: E402
 from transport.tool import read_request  # noqa: E402
+
+from experiments.common import RESULTS, add_out_arg, write_csv  # noqa: E402
 
 SECRET = "bench-secret-123"
 KiB, MiB = 1 << 10, 1 << 20
@@ -171,11 +172,9 @@ def paced_rate(rate: str, seconds: float) -> tuple[float, float]:
         peer = ep.connect(child.address, bandwidth=rate)
         block = np.ones(4 * MiB, np.uint8)
         total = int(target / 8 * seconds)
-        items, left = [], total
-        while left:
-            k = min(left, block.nbytes)
-            items.append(("pool", 0, block[:k]))
-            left -= k
+        # `total` bytes as writes of at most one block each (the last one shorter)
+        items = [("pool", 0, block[:min(block.nbytes, total - start)])
+                 for start in range(0, total, block.nbytes)]
         t = peer.write_many(items)
         t.wait(seconds * 4 + 10)
         return target, 8 * total / t.elapsed
@@ -190,7 +189,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=9, help="measurement rounds per block size")
     ap.add_argument("--blocks", default="64k,1m,16m", help="subset of 64k,1m,16m")
     ap.add_argument("--skip-rpc-pacing", action="store_true")
-    ap.add_argument("--out", default=str(REPO / "experiments/results/bench_transport.csv"))
+    add_out_arg(ap, RESULTS / "bench_transport.csv")
     args = ap.parse_args()
     scale = 0.25 if args.quick else 1.0
     rows = []
@@ -241,11 +240,7 @@ def main() -> int:
                          ratio=achieved / target))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fields = sorted({k for r in rows for k in r})
-    with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out, rows, fields=sorted({k for r in rows for k in r}))
     print(f"wrote {out}")
     return 0
 

@@ -16,7 +16,7 @@ fitted cost model's T). Scenarios: `full-hit` (every context cached: Figs. 7, 8)
 `mixed-hit` (each request's cached share drawn from {75, 87.5, 100}%: Fig. 10). QPS is swept as
 a fraction of the baseline's capacity measured in the same run by that back-to-back probe
 (`--load-basis modelled`: of 1 / mean modelled T); whether the baseline sustained each load is
-checked from its run (experiments/calvo_capacity.py) and the highest sustained load reported.
+checked from its run (jkv/scheduling/capacity.py) and the highest sustained load reported.
 
 Order of work: start the pool, cache every context (prefill once, write chunks back), profile
 isolated requests on the pipelined engine and fit the cost model T = a*ctx + b + c*query + d
@@ -33,7 +33,6 @@ calvo_cost_model_plain.json (the paper's plain lines) and calvo_profile.csv (pro
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import os
@@ -50,23 +49,24 @@ import numpy as np
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.kvpool.hashing import ChunkNamespace, chunk_keys  # noqa: E402
 from jkv.kvpool.remote_pool import RemoteKVPool  # noqa: E402
 from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig,  # noqa: E402
                             PipelineRequest, StageFunctions, make_policy, run_serialized)
 from jkv.scheduling.metrics import summarize  # noqa: E402
-from jkv.scheduling.policies import Policy, RequestInfo  # noqa: E402
+from jkv.scheduling.policies import RequestInfo  # noqa: E402
 from jkv.scheduling.pool_stages import pool_fetch, write_back  # noqa: E402
 from jkv.scheduling.prefix_prefill import (ModelStages, PrefixPrefill, chunk_shape,  # noqa: E402
                                            split_chunks)
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
+from jkv.scheduling.capacity import (mg1_mean_ttft, probe_baseline, probe_from_rows,  # noqa: E402
+                                     sustain_check)
+from jkv.scheduling.report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa: E402,F401
+                                   aggregate, markdown_tables, merge_rows, read_csv,
+                                   read_rows, report, write_outputs)
+from jkv.scheduling.variants import recording_demotions  # noqa: E402
 
-from experiments.calvo_capacity import (mg1_mean_ttft, probe_baseline, probe_from_rows,
-                                        sustain_check)  # noqa: E402
-from experiments.calvo_report import (PLAIN_POLICIES, POLICIES, SCENARIOS,  # noqa: E402,F401
-                                      aggregate, markdown_tables, merge_rows, read_csv,
-                                      read_rows, report, write_outputs)
+from experiments.common import RESULTS, add_model_arg, add_out_arg, write_csv  # noqa: E402
 
 
 
@@ -128,22 +128,6 @@ def start_pool(args, secret: str) -> tuple[subprocess.Popen, str]:
                              args.pool_capacity, "--bandwidth", args.link, "--stdin-eof-exits"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
     return proc, json.loads(proc.stdout.readline())["address"]
-
-
-def recording_demotions(policy: Policy, demoted: set) -> Policy:
-    """`policy` whose dynamic key also records the ids it ever ranked as hopeless (LSTF's
-    key[0] == 1: modelled remaining work exceeds the time left), to measure how often the cost
-    model's prediction demotes a request that then meets its deadline anyway."""
-    if policy.progress_key is None:
-        return policy
-
-    def key(info, remaining_load_tokens, now):
-        k = policy.progress_key(info, remaining_load_tokens, now)
-        if k[0] == 1:
-            demoted.add(info.request_id)
-        return k
-
-    return dataclasses.replace(policy, progress_key=key)
 
 
 def run_realtime(engine: Engine, requests: list[PipelineRequest], policy_name: str,
@@ -225,12 +209,11 @@ def profile(engine: Engine, contexts: list[np.ndarray], rng) -> tuple[CostModel,
                              deployment=deployment + ", bucketed compute")
     ctx, query = np.array(ctx_s), np.array(query_s)
     total, comp = np.array(load_s) + np.array(comp_s), np.array(comp_s)
-    with open(pathlib.Path(engine.args.out_dir) / "calvo_profile.csv", "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["ctx_tokens", "query_tokens", "t_load_s", "t_comp_s", "plain_T_s",
-                         "bucketed_T_s"])
-        writer.writerows(zip(ctx_s, query_s, load_s, comp_s, plain.cost(ctx, query),
-                             bucketed.cost(ctx, query)))
+    fields = ["ctx_tokens", "query_tokens", "t_load_s", "t_comp_s", "plain_T_s", "bucketed_T_s"]
+    write_csv(pathlib.Path(engine.args.out_dir) / "calvo_profile.csv",
+              [dict(zip(fields, row)) for row in zip(ctx_s, query_s, load_s, comp_s,
+                                                     plain.cost(ctx, query),
+                                                     bucketed.cost(ctx, query))], fields)
     engine.fit_median_error = {}
     for name, model in (("plain", plain), ("bucketed", bucketed)):
         err_t = np.abs(model.cost(ctx, query) / total - 1)
@@ -281,7 +264,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
                         help="full-hit only, one load, one seed, 16 requests")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_model_arg(parser)
     parser.add_argument("--link", default="1gbit", help="pool link pacing (server sends)")
     parser.add_argument("--chunk-tokens", type=int, default=64)
     parser.add_argument("--contexts", type=int, default=6)
@@ -331,7 +314,7 @@ def main(argv=None) -> None:
                              "by the other fit")
     parser.add_argument("--hit-ratios", default="0.75,0.875,1.0",
                         help="mixed-hit scenario: cached share of each context, drawn per request")
-    parser.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
+    add_out_arg(parser, RESULTS, flag="--out-dir")
     args = parser.parse_args(argv)
     if args.quick:
         args.scenarios, args.loads, args.contexts, args.queries = "full-hit", "0.9", 4, 4
@@ -414,7 +397,7 @@ def main(argv=None) -> None:
                 requests, _ = build_requests(engine, workload, cost_model)
                 warm_up(engine, requests)
                 # the modelled capacity (1 / mean modelled service time) and the measured one:
-                # every request back to back on the serialized baseline (calvo_capacity.py)
+                # every request back to back on the serialized baseline (jkv/scheduling/capacity.py)
                 modelled = 1.0 / float(np.mean([cost_model.cost(r.info.cached_tokens,
                                                                 r.info.compute_tokens)
                                                 for r in requests]))

@@ -16,12 +16,12 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "scheduling")]
+sys.path.insert(0, str(ROOT))
 
-from fake_stages import FakeStages, make_request  # noqa: E402
-
-from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.scheduling import CostModel, LoadingPipeline, PipelineConfig, make_policy  # noqa: E402
+from jkv.scheduling.testing import FakeStages, make_request  # noqa: E402
+
+from experiments.common import RESULTS, add_out_arg, write_csv  # noqa: E402
 
 
 def run(policy_name: str, model: CostModel, requests: int) -> tuple[float, float]:
@@ -43,10 +43,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--requests", type=int, default=60)
-    parser.add_argument("--cost-model", default=str(ROOT / "experiments" / "results"
-                                                   / "calvo_cost_model.json"))
-    parser.add_argument("--out", default=str(ROOT / "experiments" / "results"
-                                             / "calvo_dispatch_cost.csv"))
+    parser.add_argument("--cost-model", default=str(RESULTS / "calvo_cost_model.json"))
+    add_out_arg(parser, RESULTS / "calvo_dispatch_cost.csv")
     args = parser.parse_args(argv)
     model = CostModel.load(args.cost_model)
     rows = []

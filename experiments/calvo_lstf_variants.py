@@ -35,20 +35,15 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "experiments"))
 
-from calvo_sim import SCENARIOS, baseline_capacity_qps  # noqa: E402
-from jkv.scheduling import make_policy  # noqa: E402
 from jkv.scheduling.metrics import summarize  # noqa: E402
-from jkv.scheduling.policies import Policy  # noqa: E402
 from jkv.scheduling.simulator import (StageTimes, profile_cost_model,  # noqa: E402
                                       simulate_pipelined)
+from jkv.scheduling.variants import VARIANTS, variant_policies  # noqa: E402
 from jkv.scheduling.workload import WorkloadConfig, build_workload  # noqa: E402
-from jkv.eval.harness import write_csv  # noqa: E402
 
-VARIANTS = ("edf", "lstf-static", "lstf", "lstf-reeval", "lstf-margin", "lstf-freeze",
-            "lstf-mono")
-
+from experiments.calvo_sim import SCENARIOS, baseline_capacity_qps  # noqa: E402
+from experiments.common import RESULTS, add_out_arg, write_csv  # noqa: E402
 
 @dataclasses.dataclass(frozen=True)
 class NoisyTimes(StageTimes):
@@ -64,40 +59,6 @@ class NoisyTimes(StageTimes):
         return super().compute_s(compute_tokens, cached_tokens) * factor
 
 
-def margin_lstf(cost_model, margin: float) -> Policy:
-    """Hopeless only if deadline - now < (1 - margin) * modelled remaining work."""
-    def key(r, remaining_load_tokens, now):
-        remaining = (cost_model.t_load(remaining_load_tokens)
-                     + cost_model.t_comp(r.compute_tokens, r.cached_tokens))
-        if r.deadline_s - now < (1.0 - margin) * remaining:
-            return (1, remaining, r.arrival_s)
-        return (0, r.deadline_s - now - remaining, r.arrival_s)
-
-    base = make_policy("lstf-reeval", cost_model)
-    return Policy("lstf-margin", base.key, progress_key=key)
-
-
-def sticky_lstf(cost_model, mode: str) -> Policy:
-    """mode 'freeze': a started request (some prefix chunk in L1) keeps the key it had then;
-    'mono': its key may only decrease from then on."""
-    base = make_policy("lstf-reeval", cost_model)
-    held: dict = {}
-
-    def key(r, remaining_load_tokens, now):
-        k = base.progress_key(r, remaining_load_tokens, now)
-        if remaining_load_tokens >= r.cached_tokens:        # nothing in L1 yet
-            return k
-        if r.request_id not in held:
-            held[r.request_id] = k
-        elif mode == "freeze":
-            k = held[r.request_id]
-        else:
-            k = held[r.request_id] = min(k, held[r.request_id])
-        return k
-
-    return Policy(f"lstf-{mode}", base.key, progress_key=key)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=6)
@@ -107,7 +68,7 @@ def main(argv=None) -> None:
     parser.add_argument("--loads", default="0.9,1.0,1.2")
     parser.add_argument("--contexts", type=int, default=8)
     parser.add_argument("--queries", type=int, default=8)
-    parser.add_argument("--out-dir", default=str(ROOT / "experiments" / "results"))
+    add_out_arg(parser, RESULTS, flag="--out-dir")
     args = parser.parse_args(argv)
     loads = [float(x) for x in args.loads.split(",")]
     rows = []
@@ -130,13 +91,7 @@ def main(argv=None) -> None:
                     budget = w.slo_factor * cost_model.cost(w.cached_tokens, w.compute_tokens)
                     infos.append(w.info(w.arrival_s + budget))
                     slo.append(budget)
-                policies = {"edf": make_policy("edf"),
-                            "lstf-static": make_policy("lstf-static", cost_model),
-                            "lstf": make_policy("lstf", cost_model),
-                            "lstf-reeval": make_policy("lstf-reeval", cost_model),
-                            "lstf-margin": margin_lstf(cost_model, args.margin),
-                            "lstf-freeze": sticky_lstf(cost_model, "freeze"),
-                            "lstf-mono": sticky_lstf(cost_model, "mono")}
+                policies = variant_policies(cost_model, args.margin)
                 for name in VARIANTS:
                     records = simulate_pipelined(infos, times, policies[name])
                     s = summarize([r.ttft_s for r in records], slo)

@@ -20,7 +20,6 @@ Writes experiments/results/calvo_sim.csv, calvo_sim.png and calvo_sim_cost_model
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import pathlib
 import sys
@@ -35,6 +34,8 @@ from jkv.scheduling.metrics import summarize  # noqa: E402
 from jkv.scheduling.simulator import (StageTimes, isolated_ttft_s, profile_cost_model,  # noqa: E402
                                       simulate_pipelined, simulate_serialized)
 from jkv.scheduling.workload import WorkloadConfig, build_workload, with_deadlines  # noqa: E402
+
+from experiments.common import RESULTS, add_out_arg, add_seed_arg, write_csv  # noqa: E402
 
 POLICIES = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "srpt", "edf", "lstf", "lstf-static")
 # name -> (pool link Gbps, hit ratios)
@@ -94,7 +95,7 @@ def plot(rows: list[dict], path: pathlib.Path) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seed", type=int, default=0)
+    add_seed_arg(parser)
     parser.add_argument("--contexts", type=int, default=16, help="distinct contexts")
     parser.add_argument("--queries", type=int, default=16, help="queries per context")
     parser.add_argument("--min-context", type=int, default=4096)
@@ -102,7 +103,7 @@ def main(argv=None) -> None:
     parser.add_argument("--chunk-tokens", type=int, default=256)
     parser.add_argument("--host-slots", type=int, default=512, help="L2 capacity in chunks")
     parser.add_argument("--device-slots", type=int, default=2048, help="L1 capacity in chunks")
-    parser.add_argument("--out-dir", default=str(pathlib.Path(__file__).parent / "results"))
+    add_out_arg(parser, RESULTS, flag="--out-dir")
     args = parser.parse_args(argv)
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,10 +136,7 @@ def main(argv=None) -> None:
                              for r in point)
             print(f"{load:>5.2f} {qps:>6.2f} {cells}")
 
-    with open(out / "calvo_sim.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "calvo_sim.csv", rows)
     plot(rows, out / "calvo_sim.png")
 
     def get(scenario, load, policy):

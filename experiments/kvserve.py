@@ -64,8 +64,8 @@ from jkv.compression.streaming import StreamingConfig  # noqa: E402
 from jkv.compression.tokens import TierConfig  # noqa: E402
 from jkv.compression.workloads import WORKLOADS, ModelObjective, layer_sensitivity, workload_samples  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "experiments" / "results"
+from experiments.common import RESULTS, write_csv  # noqa: E402
+
 SECRET = "kvserve-benchmark-secret"
 BANDWIDTHS_GBIT = (5, 10, 25, 50, 100)
 
@@ -355,14 +355,6 @@ def _number(v: str):
         return float(v)
     except ValueError:
         return v
-
-
-def write_csv(path, rows):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
 
 
 def plot(table, jct, path):

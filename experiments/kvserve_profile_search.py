@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,10 +22,9 @@ import numpy as np
 from jkv.compression import (CodecSpec, FidelityObjective, QuantizerSpec, SearchConfig, TransformSpec,
                              bayesian_search, build_profile, enumerate_space, exhaustive_search, nominal_cr,
                              save_profile)
-from kvserve_real_kv import document_tokens
-from jkv.eval.harness import write_csv
 
-ROOT = Path(__file__).resolve().parent.parent
+from experiments.common import RESULTS, write_csv
+from experiments.kvserve_real_kv import document_tokens
 
 
 class Cached:
@@ -77,13 +75,13 @@ def main():
                          "best_acc": round(best.accuracy, 4) if best else 0,
                          "wall_s": round(time.perf_counter() - t0, 1)})
             if seed == 0 and use_prior:
-                out = ROOT / "experiments" / "results" / "kvserve_profile_docs.json"
+                out = RESULTS / "kvserve_profile_docs.json"
                 save_profile(out, build_profile(result, "docs", objective.fn.probe_bytes))
     for r in rows:
         ratio = r["best_cr"] / rows[0]["best_cr"]
         print(f"{r['method']:28s} evals {r['evaluations']:3d}/{len(space)}  best {r['best']:28s} "
               f"CR {r['best_cr']:6.3f} ({ratio:.3f} of exhaustive)  acc {r['best_acc']:.4f}  (search {r['wall_s']} s)")
-    out = ROOT / "experiments" / "results" / "kvserve_profile_search.csv"
+    out = RESULTS / "kvserve_profile_search.csv"
     write_csv(out, rows)
     print(f"wrote {out}")
 

@@ -31,9 +31,9 @@ import numpy as np
 
 from jkv.compression import Calibration, Pipeline, PipelineSpec, decode_block
 from jkv.compression.heads import observation_scores
-from jkv.eval.harness import write_csv
 
-ROOT = Path(__file__).resolve().parent.parent
+from experiments.common import REPO as ROOT, RESULTS, add_out_arg, write_csv
+
 SPECS = ["identity+none+zstd3", "identity+kivi8g32+none", "identity+kivi4g32+none", "identity+kivi4g32+zstd3",
          "identity+kivi2g32+none", "identity+kivi2g32+zstd3", "hadamard+kivi4g32+none", "hadamard+kivi2g32+none",
          "hadamard+tok4g32+none", "hadamard+tok2g32+none", "identity+tok4g32+none", "identity+tok2g32+none",
@@ -142,7 +142,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--out", default=str(ROOT / "experiments" / "results" / "kvserve_real_kv.csv"))
+    add_out_arg(ap, RESULTS / "kvserve_real_kv.csv")
     args = ap.parse_args()
     from models import load_model
 

@@ -33,9 +33,8 @@ import numpy as np  # noqa: E402
 from jkv.compression.spec import PipelineSpec  # noqa: E402
 from jkv.compression.tokens import TierConfig  # noqa: E402
 from jkv.compression.workloads import ModelObjective, workload_samples  # noqa: E402
-from jkv.eval.harness import write_csv  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent.parent / "experiments" / "results"
+from experiments.common import RESULTS, write_csv  # noqa: E402
 LO2 = "hadamard+kivi2g128+zstdh3"
 HI4 = "hadamard+kivi4g128+zstdh3"
 HI3 = "hadamard+kivi3g128+zstdh3"

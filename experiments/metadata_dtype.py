@@ -25,9 +25,8 @@ from jkv.selection import get_selector
 from jkv.selection.calibration import calibration_tokens, collect_calibration
 from jkv.selection.simple import Dense
 from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host
-from jkv.eval.harness import write_csv
 
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
+from experiments.common import RESULTS, add_model_arg, write_csv
 
 
 def metadata_bytes_per_token(selector, cfg, n: int = 1024) -> float:
@@ -38,7 +37,7 @@ def metadata_bytes_per_token(selector, cfg, n: int = 1024) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="smollm2-135m-instruct")
+    add_model_arg(p)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--ratio", type=float, default=0.2)
     p.add_argument("--limit", type=int, default=2)

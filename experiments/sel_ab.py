@@ -32,15 +32,13 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from experiments.sel_diagnose import add_sample_args, build, fidelity_batches, setup_logging  # noqa: E402
+from experiments.common import setup_logging, write_csv  # noqa: E402
+from experiments.sel_diagnose import add_sample_args, build, fidelity_batches  # noqa: E402
 from jkv.eval.fidelity import fidelity_metrics  # noqa: E402
-from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.selection import get_selector  # noqa: E402
 from jkv.selection.base import reduce_group, scores_to_index  # noqa: E402
 from jkv.selection.infinigen import infinigen_rank  # noqa: E402
 from jkv.selection.sparse_decode import decode  # noqa: E402
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 class ValueAware:

@@ -31,12 +31,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jkv.eval.fidelity import fidelity_metrics, fidelity_sample  # noqa: E402
-from jkv.eval.harness import write_csv  # noqa: E402
 from jkv.selection import get_selector  # noqa: E402
 from jkv.selection.simple import Dense  # noqa: E402
 from jkv.selection.sparse_decode import decode, pool_capacity, prefill_to_host  # noqa: E402
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from experiments.common import add_model_arg, add_out_arg, setup_logging, write_csv  # noqa: E402
 REGIONS = ("sinks", "newest16", "decoded", "prompt_last64", "middle")
 
 
@@ -142,18 +141,12 @@ class Probe:
 
 def add_sample_args(parser: argparse.ArgumentParser) -> None:
     """The fidelity-window arguments sel_diagnose and sel_ab share: which samples, how decoded."""
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    add_model_arg(parser)
     parser.add_argument("--samples", type=int, default=16)
     parser.add_argument("--first", type=int, default=0)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=1024)
     parser.add_argument("--hata-weights", default=None, help="load from / train and save to this dir")
-
-
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("absl", "jax._src.xla_bridge"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 def fidelity_batches(model, args, samples):
@@ -200,7 +193,7 @@ def main() -> int:
     parser.add_argument("--selectors", default="infinigen,quest,hata")
     parser.add_argument("--hata-train-steps", type=int, default=150)
     parser.add_argument("--attribute", type=int, default=0, help="layer blocks for the hybrid runs (0: none)")
-    parser.add_argument("--out", default=RESULTS)
+    add_out_arg(parser)
     args = parser.parse_args()
     setup_logging()
     from models import load_model

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import csv
 import json
 import os
 import random
@@ -38,6 +37,10 @@ import httpx
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from experiments.common import RESULTS, add_model_arg, add_out_arg, add_seed_arg, write_csv  # noqa: E402
+
 PROMPTS = [
     "The capital of France is",
     "Write one sentence about the ocean:",
@@ -165,7 +168,6 @@ def start_disaggregated(args, common, out: Path) -> list[Server]:
     """2 x --role prefill, 1 x --role decode (smartgen), router --prefill --decode (last in the list)."""
     import secrets
 
-    sys.path.insert(0, str(REPO))
     from jkv.disagg.selectors import build_selector, save_selector
     from models import load_model
 
@@ -227,7 +229,7 @@ def kv_metrics(servers: list[Server]) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    add_model_arg(ap)
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0], help="request rates (req/s, Poisson)")
     ap.add_argument("--num-prompts", type=int, default=12, help="requests per (target, rate)")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (ignore_eos)")
@@ -237,8 +239,8 @@ def main(argv=None):
     ap.add_argument("--kr-fraction", type=float, default=0.3, help="disagg: proactive share of the KV blocks")
     ap.add_argument("--max-slots", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(REPO / "experiments" / "results"))
+    add_seed_arg(ap)
+    add_out_arg(ap, RESULTS)
     ap.add_argument("--csv", default=None, help="summary CSV name under --out (default serve_load.csv)")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -283,10 +285,7 @@ def main(argv=None):
             "mean_tbt_ms", "median_tbt_ms", "p99_tbt_ms", "mean_e2el_ms", "mean_on_demand_ratio", "kv_bytes_proactive",
             "kv_bytes_speculative", "kv_bytes_on_demand", "decode_batches", "prefill0_requests", "prefill1_requests"]
     csv_name = "serve_load.csv" if args.csv is None else args.csv
-    with open(out / csv_name, "w", newline="") as f:
-        w = csv.DictWriter(f, keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / csv_name, rows, fields=keys)
     print(f"wrote {out}/{csv_name} and {len(rows)} JSON files")
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 

@@ -19,7 +19,6 @@ Writes experiments/results/smartgen_lookahead_ab.csv.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ import numpy as np
 from jkv.disagg.harness import Harness
 from models import DEFAULT_MODEL
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from experiments.common import RESULTS, add_model_arg, write_csv
 VARIANTS = dict(select=dict(hint_margin=None, lookahead_gate="always"),
                 set=dict(hint_margin=0, lookahead_gate="always"),
                 margin=dict(hint_margin=8, lookahead_gate="always"),
@@ -49,7 +48,7 @@ def steady(outs, first: int, last: int) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_arg(p, DEFAULT_MODEL)
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=2048)
     p.add_argument("--max-tokens", type=int, default=24)
@@ -90,12 +89,10 @@ def main(argv=None) -> int:
         h.close()
     os.makedirs(RESULTS, exist_ok=True)
     keys = sorted({k for r in rows for k in r} - {"variant", "repeat", "load"})
-    with open(os.path.join(RESULTS, "smartgen_lookahead_ab.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["variant", "repeat", "load", "tp_s", "bandwidth_mbit"] + keys)
-        for r in rows:
-            w.writerow([r["variant"], r["repeat"], f"{r['load']:.1f}", f"{tp:.2f}", f"{bw / 1e6:.2f}"]
-                       + [r.get(k, 0) for k in keys])
+    write_csv(os.path.join(RESULTS, "smartgen_lookahead_ab.csv"),
+              [dict({k: r.get(k, 0) for k in keys}, variant=r["variant"], repeat=r["repeat"],
+                    load=f"{r['load']:.1f}", tp_s=f"{tp:.2f}", bandwidth_mbit=f"{bw / 1e6:.2f}")
+               for r in rows], fields=["variant", "repeat", "load", "tp_s", "bandwidth_mbit"] + keys)
     print(f"Tp {tp:.2f}s, {bw / 1e6:.2f} Mbit/s per worker; identical tokens in every run: {same}")
     return 0 if same else 1
 

@@ -21,7 +21,6 @@ TBT over steps 2-10, and whether every mode generated the same tokens.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ import numpy as np
 from jkv.disagg.harness import Harness, summarize
 from models import DEFAULT_MODEL
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from experiments.common import RESULTS, add_model_arg, write_csv
 MODES = ("full", "partial", "+profile", "+parallel", "smartgen")
 SPEC_RATIOS = (0.05, 0.10, 0.20)
 STRATEGIES = ("profile", "sequential", "random", "streaming", "oracle")
@@ -92,7 +91,7 @@ def link_bounds(runs, bw_bps: float, workers: int, max_tokens: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description="SmartGen TTST/TBT benchmark")
     p.add_argument("--quick", action="store_true", help="4 x 512-token prompts, 24 new tokens")
-    p.add_argument("--model", default=DEFAULT_MODEL)
+    add_model_arg(p, DEFAULT_MODEL)
     p.add_argument("--selector", default="infinigen")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=None)
@@ -218,11 +217,11 @@ def main(argv=None) -> int:
 
 def write_strategy(runs, tag, fractions):
     rows = [(frac, s, summarize(v)) for (kind, key), v in runs.items() if kind == "strategy" for frac, s in [key]]
-    with open(os.path.join(RESULTS, f"{tag}_strategy.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["proactive_fraction", "strategy", "on_demand_ratio", "bytes_proactive", "bytes_on_demand"])
-        for frac, s, sm in rows:
-            w.writerow([frac, s, sm["on_demand_ratio"], sm["bytes_proactive"], sm["bytes_on_demand"]])
+    write_csv(os.path.join(RESULTS, f"{tag}_strategy.csv"),
+              [dict(proactive_fraction=frac, strategy=s, on_demand_ratio=sm["on_demand_ratio"],
+                    bytes_proactive=sm["bytes_proactive"], bytes_on_demand=sm["bytes_on_demand"])
+               for frac, s, sm in rows],
+              fields=["proactive_fraction", "strategy", "on_demand_ratio", "bytes_proactive", "bytes_on_demand"])
     for frac, s, sm in rows:
         print(f"on-demand ratio, proactive {s:<10} at {frac:.0%}: {sm['on_demand_ratio']:.3f}")
     import matplotlib
@@ -241,16 +240,17 @@ def write_strategy(runs, tag, fractions):
 
 
 def write_spec(runs, tag):
-    with open(os.path.join(RESULTS, f"{tag}_spec.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["spec_ratio", "ttst", "mean_tbt", "tbt_steps_3_10", "tbt_steps_11_64", "on_demand_ratio"])
-        for (kind, r), outs in runs.items():
-            if kind == "spec":
-                s = summarize(outs)
-                w.writerow([r, s["ttst"], s["mean_tbt"], tbt_window(outs, 3, 10), tbt_window(outs, 11, 64),
-                            s["on_demand_ratio"]])
-                print(f"spec {r:.0%}: TTST {s['ttst']:.2f}s, mean TBT {s['mean_tbt'] * 1e3:.0f} ms, "
-                      f"on-demand ratio {s['on_demand_ratio']:.3f}")
+    rows = []
+    for (kind, r), outs in runs.items():
+        if kind == "spec":
+            s = summarize(outs)
+            rows.append(dict(spec_ratio=r, ttst=s["ttst"], mean_tbt=s["mean_tbt"],
+                             tbt_steps_3_10=tbt_window(outs, 3, 10), tbt_steps_11_64=tbt_window(outs, 11, 64),
+                             on_demand_ratio=s["on_demand_ratio"]))
+            print(f"spec {r:.0%}: TTST {s['ttst']:.2f}s, mean TBT {s['mean_tbt'] * 1e3:.0f} ms, "
+                  f"on-demand ratio {s['on_demand_ratio']:.3f}")
+    write_csv(os.path.join(RESULTS, f"{tag}_spec.csv"), rows,
+              fields=["spec_ratio", "ttst", "mean_tbt", "tbt_steps_3_10", "tbt_steps_11_64", "on_demand_ratio"])
     plot_spec(runs, tag)
 
 
@@ -268,35 +268,29 @@ def write_modes(runs, modes, tag, max_tokens, tp, bw, same, args):
         figures["tbt_partial_3_10"] = tbt_window(runs[("mode", "partial")], 3, 10)
     figures.update(link_bounds(runs, bw, args.workers, max_tokens))
 
-    with open(os.path.join(RESULTS, f"{tag}_modes.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        keys = list(summary["full"])
-        w.writerow(["mode"] + keys + ["tbt_steps_3_10", f"tbt_steps_11_{hi}"])
-        for mode in modes:
-            outs = runs[("mode", mode)]
-            w.writerow([mode] + [summary[mode][k] for k in keys] + [tbt_window(outs, 3, 10), tbt_window(outs, 11, hi)])
-    with open(os.path.join(RESULTS, f"{tag}_ctl.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["run", "request", "token", "ctl_s", "step_on_demand_ratio"])
-        for (kind, name), outs in runs.items():
-            if kind == "strategy":
-                continue
-            for o in outs:
-                ratios = [None] + o.metrics.extra["step_on_demand_ratio"]
-                for i, c in enumerate(o.metrics.ctl):
-                    w.writerow([f"{kind}:{name}", o.request_id, i + 1, c, ratios[i] if i < len(ratios) else None])
-    with open(os.path.join(RESULTS, f"{tag}_summary.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["figure", "value"])
-        for k, v in figures.items():
-            w.writerow([k, v])
-    with open(os.path.join(RESULTS, f"{tag}_phases.csv"), "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["mode", "steps", "phase", "mean_per_step"])
-        for mode in modes:
-            for window, phases in phase_table(runs[("mode", mode)]).items():
-                for k, v in phases.items():
-                    w.writerow([mode, window, k, v])
+    keys = list(summary["full"])
+    window_hi = f"tbt_steps_11_{hi}"
+    write_csv(os.path.join(RESULTS, f"{tag}_modes.csv"),
+              [dict(mode=mode, **summary[mode], tbt_steps_3_10=tbt_window(runs[("mode", mode)], 3, 10),
+                    **{window_hi: tbt_window(runs[("mode", mode)], 11, hi)}) for mode in modes],
+              fields=["mode"] + keys + ["tbt_steps_3_10", window_hi])
+    ctl = []
+    for (kind, name), outs in runs.items():
+        if kind == "strategy":
+            continue
+        for o in outs:
+            ratios = [None] + o.metrics.extra["step_on_demand_ratio"]
+            ctl += [dict(run=f"{kind}:{name}", request=o.request_id, token=i + 1, ctl_s=c,
+                         step_on_demand_ratio=ratios[i] if i < len(ratios) else None)
+                    for i, c in enumerate(o.metrics.ctl)]
+    write_csv(os.path.join(RESULTS, f"{tag}_ctl.csv"), ctl,
+              fields=["run", "request", "token", "ctl_s", "step_on_demand_ratio"])
+    write_csv(os.path.join(RESULTS, f"{tag}_summary.csv"),
+              [dict(figure=k, value=v) for k, v in figures.items()], fields=["figure", "value"])
+    write_csv(os.path.join(RESULTS, f"{tag}_phases.csv"),
+              [dict(mode=mode, steps=window, phase=k, mean_per_step=v) for mode in modes
+               for window, phases in phase_table(runs[("mode", mode)]).items() for k, v in phases.items()],
+              fields=["mode", "steps", "phase", "mean_per_step"])
     plot(runs, summary, modes, tag)
 
     print(f"\nTp={tp:.2f}s (samples: {figures['tp_samples_s']}, load {args.pace_load:.1f}), paced "

@@ -1,111 +1,212 @@
-"""Mutual HMAC challenge-response run on a fresh connection before any region is exposed.
+"""Mutual HMAC handshake run on a fresh connection before any region is exposed.
 
-Client C and server S share ``secret``; ``backend`` is bound into every proof so a tcp
-client cannot talk to an shm server by accident::
+Client C and server S share ``secret``. The client proves first, so nothing keyed by the
+secret ever reaches a peer that has not proved it (an anonymous client cannot collect
+``(nonce, HMAC)`` pairs to guess the secret offline)::
 
     C -> S  HELLO      nonce_c(32) | backend(8) | C's name
-    S -> C  CHALLENGE  nonce_s(32) | proof_s(32) | S's name
-                       proof_s = HMAC-SHA256(secret, "jkvt-server" | nonce_c | nonce_s | backend)
-    C -> S  AUTH       proof_c(32) | extra      (C checked proof_s first: S knows the secret)
-                       proof_c = HMAC-SHA256(secret, "jkvt-client" | nonce_s | nonce_c | backend)
-    S -> C  WELCOME    extra                    (or ERROR "authentication failed" and close)
+    S -> C  CHALLENGE  nonce_s(32) | S's name          (nothing here depends on the secret)
+    C -> S  AUTH       proof_c(32) | extra
+    S -> C  WELCOME    proof_s(32) | extra             (or ERROR "authentication failed", close)
 
-``extra`` carries the shm ring names. Nonces are fresh per connection, so a recorded
-exchange cannot be replayed. Handshake frames are capped at 1 KiB; anything unexpected
-raises :class:`~transport.errors.AuthError`. Runs on the calling thread with a socket timeout.
+    transcript = "jkvt-v2" | backend | nonce_c | nonce_s | u16 len | C's name | u16 len | S's name
+    proof_c    = HMAC-SHA256(secret, "client\\0" | transcript)
+    proof_s    = HMAC-SHA256(secret, "server\\0" | transcript)
+
+Both proofs cover both nonces, both names and the backend, and the role label differs, so a
+proof cannot be reflected back (a client proof is never a valid server proof) or replayed on
+another connection (nonces are fresh per connection). The server checks ``proof_c`` before it
+computes anything with the secret; the client checks ``proof_s`` before it trusts the
+WELCOME ``extra`` (the shm ring names). A client that connects to an impostor does hand it one
+proof over a transcript with the client's own fresh nonce; clients only connect to addresses
+they were configured with.
+
+Every handshake runs under one overall :class:`Deadline` (``Endpoint(handshake_timeout=)``),
+not just a per-read timeout, so a peer dribbling a byte at a time is cut off when it expires.
+A server over its cap of unauthenticated connections (``Endpoint(max_handshakes=)``) answers
+with an ERROR "busy: ..." frame and closes (:class:`HandshakeBusy` on the client, which
+``Endpoint.connect`` retries until its connect deadline).
+Handshake frames are capped at 1 KiB and use the wire ``VERSION``; a peer speaking another
+version gets an ERROR naming this side's version (and its own header check names both). Anything unexpected raises
+:class:`~transport.errors.AuthError`. Runs on the calling thread.
 """
 from __future__ import annotations
 
 import hashlib
 import hmac
 import os
+import socket
+import struct
+import time
 
 from transport.errors import AuthError, FrameError
-from transport.wire import HEADER_SIZE, Header, Op, crc32c, decode_header, encode_header
+from transport.wire import HEADER_SIZE, MAGIC, VERSION, Header, Op, crc32c, decode_header, encode_header
 
 MAX_HANDSHAKE_PAYLOAD = 1024
-_NONCE = 32
+NONCE_BYTES = 32
+PROOF_BYTES = 32
+BUSY_PREFIX = "busy:"
 
 
-def _proof(secret: bytes, role: bytes, a: bytes, b: bytes, backend: bytes) -> bytes:
-    return hmac.new(secret, b"jkvt-" + role + a + b + backend, hashlib.sha256).digest()
+class HandshakeBusy(AuthError):
+    """The server refused the connection because too many handshakes are in progress."""
 
 
-def _send(sock, op: Op, payload: bytes, seq: int) -> None:
+class VersionMismatch(AuthError):
+    """The peer's frames carry another wire protocol version."""
+
+
+class _Refused(AuthError):
+    """The peer answered with an ERROR frame; ``text`` is its reason."""
+
+    def __init__(self, text: str):
+        super().__init__(f"peer refused the connection: {text}")
+        self.text = text
+
+
+class Deadline:
+    """One time budget for a whole handshake (monotonic clock)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        """Seconds left; raises AuthError once the budget is spent."""
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise self.expired()
+        return left
+
+    def expired(self) -> AuthError:
+        return AuthError(f"handshake did not complete within its {self.seconds:g}s deadline "
+                         f"(handshake_timeout)")
+
+
+def _nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def _transcript(tag: bytes, nonce_c: bytes, nonce_s: bytes, client: bytes, server: bytes) -> bytes:
+    return (b"jkvt-v2" + tag + nonce_c + nonce_s + struct.pack("<H", len(client)) + client
+            + struct.pack("<H", len(server)) + server)
+
+
+def proof(secret: bytes, role: str, transcript: bytes) -> bytes:
+    """HMAC-SHA256 proof of ``role`` ("client" or "server") over a handshake transcript."""
+    return hmac.new(secret, role.encode() + b"\0" + transcript, hashlib.sha256).digest()
+
+
+def send_frame(sock, op: Op, payload: bytes, seq: int, deadline: Deadline | None = None) -> None:
+    """One handshake frame (also used to refuse a connection with Op.ERROR)."""
     h = Header(op, 0, 0, seq, 0, len(payload), 0, crc32c(payload))
-    sock.sendall(encode_header(h) + payload)
+    if deadline is None:
+        sock.sendall(encode_header(h) + payload)
+        return
+    sock.settimeout(deadline.remaining())
+    try:
+        sock.sendall(encode_header(h) + payload)
+    except socket.timeout:
+        raise deadline.expired() from None
 
 
-def _recv_exact(sock, n: int) -> bytes:
+def _recv_exact(sock, n: int, deadline: Deadline) -> bytes:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        sock.settimeout(deadline.remaining())  # per read: what is left of the whole budget
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            raise deadline.expired() from None
         if k == 0:
-            raise AuthError("peer closed the connection during the handshake")
+            raise AuthError(f"peer closed the connection during the handshake (after {got} of {n} "
+                            f"bytes); a peer speaking an older transport protocol than version "
+                            f"{VERSION} closes without a reason")
         got += k
     return bytes(buf)
 
 
-def _recv(sock, expect: Op) -> bytes:
+def recv_frame(sock, expect: Op, deadline: Deadline) -> bytes:
+    """Receive one handshake frame of type ``expect``; an ERROR frame raises _Refused."""
+    raw = _recv_exact(sock, HEADER_SIZE, deadline)
+    if raw[:4] == MAGIC and raw[4] != VERSION:
+        raise VersionMismatch(f"peer speaks transport protocol version {raw[4]}, this side version {VERSION}: "
+                        f"run the same jkv release on both sides")
     try:
-        h = decode_header(_recv_exact(sock, HEADER_SIZE))
+        h = decode_header(raw)
     except FrameError as e:
         raise AuthError(f"handshake failed: {e}") from None
     if h.length > MAX_HANDSHAKE_PAYLOAD:
         raise AuthError(f"handshake frame of {h.length} bytes exceeds {MAX_HANDSHAKE_PAYLOAD}")
-    payload = _recv_exact(sock, h.length)
+    payload = _recv_exact(sock, h.length, deadline)
     if crc32c(payload) != h.payload_crc:
         raise AuthError("handshake payload checksum mismatch")
     if h.op == Op.ERROR and expect != Op.ERROR:
-        raise AuthError(f"peer refused the connection: {payload.decode(errors='replace')}")
+        text = payload.decode(errors="replace")
+        raise HandshakeBusy(f"peer refused the connection: {text}") if text.startswith(BUSY_PREFIX) \
+            else _Refused(text)
     if h.op != expect:
         raise AuthError(f"handshake expected {expect.name}, got {h.op.name}")
     return payload
 
 
-def _backend_tag(backend: str) -> bytes:
+def backend_tag(backend: str) -> bytes:
     return backend.encode().ljust(8, b"\0")[:8]
 
 
-def client_handshake(sock, secret: bytes, name: str, backend: str,
+def client_handshake(sock, secret: bytes, name: str, backend: str, deadline: Deadline,
                      extra_fn=lambda: b"") -> tuple[str, bytes]:
     """Run the client side. Returns (server name, server's WELCOME extra)."""
-    tag = _backend_tag(backend)
-    nonce_c = os.urandom(_NONCE)
-    _send(sock, Op.HELLO, nonce_c + tag + name.encode(), 1)
-    payload = _recv(sock, Op.CHALLENGE)
-    if len(payload) < 2 * _NONCE:
+    tag = backend_tag(backend)
+    nonce_c = _nonce()
+    send_frame(sock, Op.HELLO, nonce_c + tag + name.encode(), 1, deadline)
+    payload = recv_frame(sock, Op.CHALLENGE, deadline)
+    if len(payload) < NONCE_BYTES:
         raise AuthError("malformed CHALLENGE")
-    nonce_s, proof_s, server_name = payload[:32], payload[32:64], payload[64:].decode(errors="replace")
-    if not hmac.compare_digest(proof_s, _proof(secret, b"server", nonce_c, nonce_s, tag)):
+    nonce_s, server_raw = payload[:NONCE_BYTES], payload[NONCE_BYTES:]
+    server_name = server_raw.decode(errors="replace")
+    transcript = _transcript(tag, nonce_c, nonce_s, name.encode(), server_raw)
+    send_frame(sock, Op.AUTH, proof(secret, "client", transcript) + extra_fn(), 2, deadline)
+    try:
+        payload = recv_frame(sock, Op.WELCOME, deadline)
+    except _Refused as e:
+        raise AuthError(f"endpoint {server_name!r} refused this endpoint ({e.text}): it failed to prove "
+                        f"the shared secret (secrets differ)") from None
+    if len(payload) < PROOF_BYTES or not hmac.compare_digest(payload[:PROOF_BYTES],
+                                                              proof(secret, "server", transcript)):
         raise AuthError(f"endpoint {server_name!r} failed to prove the shared secret "
-                        f"(secrets differ, or backend mismatch: this side uses {backend!r})")
-    _send(sock, Op.AUTH, _proof(secret, b"client", nonce_s, nonce_c, tag) + extra_fn(), 2)
-    return server_name, _recv(sock, Op.WELCOME)
+                        f"(secrets differ, or it is not the jkv endpoint this side meant to reach)")
+    return server_name, payload[PROOF_BYTES:]
 
 
-def server_handshake(sock, secret: bytes, name: str, backend: str,
+def server_handshake(sock, secret: bytes, name: str, backend: str, deadline: Deadline,
                      extra_fn=lambda client_extra: b"") -> tuple[str, bytes]:
     """Run the server side. Returns (client name, client's AUTH extra). ``extra_fn`` is
     called only after the client proved the secret and returns the WELCOME extra."""
-    tag = _backend_tag(backend)
-    payload = _recv(sock, Op.HELLO)
-    if len(payload) < _NONCE + 8:
+    tag = backend_tag(backend)
+    try:
+        payload = recv_frame(sock, Op.HELLO, deadline)
+    except VersionMismatch:  # tell the old peer why; its header check names both versions
+        send_frame(sock, Op.ERROR, f"transport protocol version mismatch: this endpoint speaks "
+                                   f"version {VERSION}".encode(), 1, deadline)
+        raise
+    if len(payload) < NONCE_BYTES + 8:
         raise AuthError("malformed HELLO")
-    nonce_c, client_tag = payload[:32], payload[32:40]
-    client_name = payload[40:].decode(errors="replace")
+    nonce_c, client_tag = payload[:NONCE_BYTES], payload[NONCE_BYTES:NONCE_BYTES + 8]
+    client_raw = payload[NONCE_BYTES + 8:]
+    client_name = client_raw.decode(errors="replace")
     if client_tag != tag:
-        _send(sock, Op.ERROR, f"backend mismatch: server uses {backend!r}".encode(), 1)
+        send_frame(sock, Op.ERROR, f"backend mismatch: server uses {backend!r}".encode(), 1, deadline)
         raise AuthError(f"client {client_name!r} uses backend "
                         f"{client_tag.rstrip(bytes(1)).decode(errors='replace')!r}, server {backend!r}")
-    nonce_s = os.urandom(_NONCE)
-    _send(sock, Op.CHALLENGE, nonce_s + _proof(secret, b"server", nonce_c, nonce_s, tag)
-          + name.encode(), 1)
-    payload = _recv(sock, Op.AUTH)
-    if not hmac.compare_digest(payload[:32], _proof(secret, b"client", nonce_s, nonce_c, tag)):
-        _send(sock, Op.ERROR, b"authentication failed: wrong shared secret", 2)
+    nonce_s = _nonce()
+    send_frame(sock, Op.CHALLENGE, nonce_s + name.encode(), 1, deadline)
+    payload = recv_frame(sock, Op.AUTH, deadline)
+    transcript = _transcript(tag, nonce_c, nonce_s, client_raw, name.encode())
+    if not hmac.compare_digest(payload[:PROOF_BYTES], proof(secret, "client", transcript)):
+        send_frame(sock, Op.ERROR, b"authentication failed: wrong shared secret", 2, deadline)
         raise AuthError(f"client {client_name!r} failed to prove the shared secret")
-    client_extra = payload[32:]
-    _send(sock, Op.WELCOME, extra_fn(client_extra), 2)
+    client_extra = payload[PROOF_BYTES:]
+    send_frame(sock, Op.WELCOME, proof(secret, "server", transcript) + extra_fn(client_extra), 2, deadline)
     return client_name, client_extra

@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from transport.errors import FrameError, OpTimeout, PeerDeadError, RemoteError, TransportError
 from transport.pacing import TokenBucket
@@ -83,8 +84,32 @@ class Operation:
     wait_seq: int = 0
 
 
+class ConnectionHost(Protocol):
+    """What a Connection needs from the endpoint that owns it (:class:`transport.Endpoint`)."""
+
+    name: str
+    metrics: object  # transport.metrics.Metrics
+    regions: object  # transport.region.RegionTable
+    timeout: float  # seconds of peer silence before the connection fails
+    heartbeat: float  # seconds without sending before a PING goes out
+    max_message: int
+    payload_checksum: bool
+
+    def incoming_call(self, conn: "Connection", seq: int, method: str, payload: memoryview) -> None:
+        """Reader thread: a CALL arrived; the reply is submitted on ``conn`` later."""
+
+    def incoming_notify(self, conn: "Connection", kind: str, payload: memoryview) -> None:
+        """Reader thread: a NOTIFY arrived (must not block)."""
+
+    def connection_failed(self, conn: "Connection", error: TransportError) -> None:
+        """Once, from whichever thread failed ``conn`` first."""
+
+    def connection_closed(self, conn: "Connection") -> None:
+        """Reader thread, last: both threads are done and the socket is closed."""
+
+
 class Connection:
-    def __init__(self, host, sock: socket.socket, peer_name: str, *,
+    def __init__(self, host: ConnectionHost, sock: socket.socket, peer_name: str, *,
                  pacers: list[TokenBucket] = (), ring_tx: ShmRing | None = None,
                  ring_rx: ShmRing | None = None):
         self.host = host  # the Endpoint: regions, metrics, handlers, timeouts
@@ -160,7 +185,7 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self.host._connection_failed(self, error)
+        self.host.connection_failed(self, error)
         return True
 
     def tick(self, now: float) -> None:
@@ -381,7 +406,7 @@ class Connection:
             self.fail(error, farewell)
             self._sender.join()
             self.sock.close()
-            self.host._connection_closed(self)
+            self.host.connection_closed(self)
 
     def _dispatch(self, h: Header) -> None:
         op = h.op
@@ -391,9 +416,9 @@ class Connection:
             payload = self._recv_payload(h, self.host.max_message)
             name, body = unpack_named(memoryview(payload))
             if op == Op.CALL:
-                self.host._submit_call(self, h.seq, name, body)
+                self.host.incoming_call(self, h.seq, name, body)
             else:
-                self.host._deliver_notify(self, name, body)
+                self.host.incoming_notify(self, name, body)
                 self.host.metrics.begin("rx", "notify")
                 self.host.metrics.end("rx", "notify", len(payload), True)
             if h.flags & FLAG_ACK:

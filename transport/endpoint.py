@@ -20,7 +20,9 @@ Threads an endpoint starts (all named ``jkvt-*``, all joined by :meth:`Endpoint.
 * ``jkvt-notify-<name>`` — delivers notifications in arrival order to ``on_notify``
   handlers, or queues them for :meth:`Endpoint.next_notification`.
 * ``jkvt-accept-<name>`` (after :meth:`listen`) and one short-lived ``jkvt-auth-*`` thread
-  per incoming connection, so a slow client cannot stall others' handshakes.
+  per incoming connection, so a slow client cannot stall others' handshakes. At most
+  ``max_handshakes`` of them run at once (more connections are refused on accept), each for
+  at most ``handshake_timeout`` seconds (transport/admission.py).
 * ``jkvt-rpc-<name>_N`` — a pool (``rpc_workers``) running ``serve`` handlers; replies are
   queued on the requesting connection.
 * per connection, a sender and a reader thread (see :mod:`transport.connection`).
@@ -42,7 +44,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-from transport.auth import client_handshake, server_handshake
+from transport.admission import Acceptor, HandshakeGate, RefusalLog
+from transport.auth import Deadline, HandshakeBusy, client_handshake, server_handshake
 from transport.connection import Connection, Frame, Operation
 from transport.errors import AuthError, OpTimeout, TransportError
 from transport.metrics import Metrics
@@ -93,13 +96,17 @@ class Endpoint:
     ``bandwidth``: per-endpoint pacing for all peers (``connect(bandwidth=)`` adds per-peer);
     ``payload_checksum=False`` skips the crc32c of WRITE payloads (headers, RPC and
     notifications stay checksummed) — both sides must agree, a checksumming receiver rejects
-    unchecksummed writes. Only for trusted links where the CPU cost matters."""
+    unchecksummed writes. Only for trusted links where the CPU cost matters.
+    ``handshake_timeout``: overall deadline of one handshake, either side (default ``timeout``);
+    ``max_handshakes``: incoming connections allowed to be unauthenticated at once — more are
+    refused on accept (the client's ``connect`` retries them until its deadline)."""
 
     def __init__(self, name: str, backend: str = "tcp", *, secret: bytes | str,
                  bandwidth: str | float | None = None, timeout: float = 5.0,
                  heartbeat: float | None = None, op_timeout: float | None = 60.0,
                  max_message: int = 256 << 20, rpc_workers: int = 4, ring_bytes: int = 32 << 20,
-                 payload_checksum: bool = True, rdma_device=None):
+                 payload_checksum: bool = True, rdma_device=None, handshake_timeout: float | None = None,
+                 max_handshakes: int = 32):
         if not isinstance(name, str) or not name or len(name.encode()) > 200:
             raise ValueError(f"endpoint name {name!r} must be a non-empty string (<= 200 bytes)")
         if backend not in BACKENDS:
@@ -120,11 +127,17 @@ class Endpoint:
             raise ValueError(f"max_message={max_message} must be >= 4096 bytes")
         if rpc_workers < 1:
             raise ValueError(f"rpc_workers={rpc_workers} must be >= 1")
+        handshake_timeout = timeout if handshake_timeout is None else handshake_timeout
+        if not handshake_timeout > 0:
+            raise ValueError(f"handshake_timeout={handshake_timeout} must be > 0 seconds")
         self.name, self.backend = name, backend
         self._secret = bytes(secret)
         self.timeout, self.heartbeat, self.op_timeout = timeout, heartbeat, op_timeout
         self.max_message, self.ring_bytes = max_message, ring_bytes
         self.payload_checksum = bool(payload_checksum)
+        self.handshake_timeout = handshake_timeout
+        self._gate = HandshakeGate(max_handshakes)
+        self._refusals = RefusalLog(log, name)
         self.rdma = None
         if backend == "rdma":
             from transport.rdma import open_device
@@ -148,9 +161,7 @@ class Endpoint:
         self._notify_q: queue.Queue = queue.Queue()
         self._rpc_workers = rpc_workers
         self._executor: ThreadPoolExecutor | None = None
-        self._listener: socket.socket | None = None
-        self._acceptor: threading.Thread | None = None
-        self._auth_threads: set[threading.Thread] = set()
+        self._acceptor: Acceptor | None = None
         self.address: str | None = None
         self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                           name=f"jkvt-watchdog-{name}")
@@ -229,7 +240,7 @@ class Endpoint:
     def listen(self, address: str | tuple | None = None) -> str:
         """Accept peers. tcp: binds 127.0.0.1 on a free port unless ``address`` says otherwise;
         shm: an abstract unix socket. Returns the address string peers pass to connect()."""
-        if self._listener is not None:
+        if self._acceptor is not None:
             raise RuntimeError(f"{self.name!r} is already listening on {self.address}")
         if self.backend == "shm":
             address = address or f"@jkvt-{self.name}-{os.getpid()}-{_secrets.token_hex(4)}"
@@ -243,10 +254,8 @@ class Endpoint:
             sock.bind((host, port))
             self.address = f"{host}:{sock.getsockname()[1]}"
         sock.listen(64)
-        sock.settimeout(0.1)  # accept polls so close() never waits on a blocked accept
-        self._listener = sock
-        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True,
-                                          name=f"jkvt-accept-{self.name}")
+        self._acceptor = Acceptor(sock, self.name, self._authenticate_incoming, self._gate,
+                                  self._refusals, self.metrics)
         self._acceptor.start()
         log.info("%r listening on %s", self.name, self.address)
         return self.address
@@ -279,37 +288,45 @@ class Endpoint:
         return peer
 
     def _open_stream(self, address, deadline: float, info: dict):
+        """Connect and authenticate one stream; refused connections and busy servers are
+        retried with backoff until the monotonic ``deadline``."""
         delay = 0.02
         while True:
-            sock = self._new_socket()
             try:
-                sock.settimeout(max(0.1, deadline - time.monotonic()))
-                sock.connect(_parse_unix(address) if self.backend == "shm" else _parse_tcp(address))
-                break
-            except (ConnectionRefusedError, FileNotFoundError, socket.timeout) as e:
-                sock.close()
+                return self._try_stream(address, deadline, info)
+            except (ConnectionRefusedError, FileNotFoundError, socket.timeout, HandshakeBusy) as e:
                 if time.monotonic() + delay > deadline:
                     raise TransportError(f"{self.name!r} could not connect to {address!r}: {e}") from None
                 self.metrics.incr("retries")
                 time.sleep(delay)
                 delay = min(delay * 2, 0.5)
+
+    def _try_stream(self, address, deadline: float, info: dict):
+        sock = self._new_socket()
+        try:
+            sock.settimeout(max(0.1, deadline - time.monotonic()))
+            sock.connect(_parse_unix(address) if self.backend == "shm" else _parse_tcp(address))
+        except OSError:
+            sock.close()
+            raise
         ring_tx = ring_rx = None
         try:
-            sock.settimeout(self.timeout)
             if self.backend == "shm":
                 ring_tx = ShmRing.create(self.ring_bytes)
             extra = json.dumps({**info, "ring": ring_tx.name if ring_tx else None}).encode()
-            peer_name, server_extra = client_handshake(sock, self._secret, self.name,
-                                                       self.backend, lambda: extra)
+            peer_name, server_extra = client_handshake(sock, self._secret, self.name, self.backend,
+                                                       Deadline(self.handshake_timeout), lambda: extra)
             if ring_tx is not None:
                 ring_rx = ShmRing.attach(json.loads(server_extra)["ring"])
             sock.settimeout(None)
         except (AuthError, OSError, ValueError, KeyError, TypeError) as e:
-            self.metrics.incr("auth_failures")
             for ring in (ring_tx, ring_rx):
                 if ring is not None:
                     ring.close()
             sock.close()
+            if isinstance(e, HandshakeBusy):
+                raise
+            self.metrics.incr("auth_failures")
             if isinstance(e, AuthError):
                 raise
             raise AuthError(f"handshake with {address!r} failed: {e}") from e
@@ -339,7 +356,7 @@ class Endpoint:
         conn.start()
         self.metrics.incr("peers_connected")
         if old is not None:
-            for c in old._conns:
+            for c in old.connections:
                 c.fail(TransportError(f"replaced by a new connection from {peer_name!r}"))
         return peer
 
@@ -355,26 +372,12 @@ class Endpoint:
                     if ring is not None:
                         ring.close()
                 raise TransportError(f"peer {peer.name!r} is gone; stream not attached")
-            peer._conns.append(conn)
+            peer.add_stream(conn)
             self._conns.add(conn)
         conn.start()
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                break
-            t = threading.Thread(target=self._handshake_incoming, args=(sock,), daemon=True,
-                                 name=f"jkvt-auth-{self.name}")
-            with self._lock:
-                self._auth_threads = {x for x in self._auth_threads if x.is_alive()}
-                self._auth_threads.add(t)
-            t.start()
-
-    def _handshake_incoming(self, sock: socket.socket) -> None:
+    def _authenticate_incoming(self, sock: socket.socket) -> None:
+        """Acceptor: server side of the handshake on a handshake thread; adopts the peer."""
         rings: dict[str, ShmRing] = {}
 
         info: dict = {}
@@ -388,11 +391,10 @@ class Endpoint:
             return json.dumps({"ring": rings["tx"].name}).encode()
 
         try:
-            sock.settimeout(self.timeout)
             if self.backend != "shm":
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             peer_name, _ = server_handshake(sock, self._secret, self.name, self.backend,
-                                            welcome_extra)
+                                            Deadline(self.handshake_timeout), welcome_extra)
             sock.settimeout(None)
             session = str(info.get("session", ""))
             if int(info.get("stream", 0)) == 0:
@@ -406,23 +408,26 @@ class Endpoint:
                 self._attach(peer, sock, None, rings.get("tx"), rings.get("rx"))
         except (AuthError, OSError, ValueError, KeyError, TypeError, TransportError) as e:
             self.metrics.incr("auth_failures")
-            log.warning("%r refused an incoming connection: %s", self.name, e)
+            self._refusals.refused(str(e))
             for ring in rings.values():
                 ring.close()
             sock.close()
 
-    # ------------------------------------------------------------------ callbacks from connections
-    def _connection_failed(self, conn: Connection, error: TransportError) -> None:
+    # ------------------------------------------------------------------ called by its connections
+    # Connection's host interface (transport.connection.ConnectionHost): the reader thread
+    # reports calls, notifications and its end here; not for users of the endpoint.
+    def connection_failed(self, conn: Connection, error: TransportError) -> None:
+        """``conn`` failed: its peer (every stream of it, and its rdma channels) goes down."""
         with self._lock:
             p = self._peers.get(conn.peer_name)
-            if p is None or conn not in p._conns:
+            if p is None or conn not in p.connections:
                 return  # a stream of a peer that is already gone (or was replaced)
             del self._peers[conn.peer_name]
             channel = self._rdma_out.pop(conn.peer_name, None)
             passive = self._rdma_in.pop(conn.peer_name, None)
         if not self._closed.is_set():
             self.metrics.incr("peers_failed")
-        for other in p._conns:  # one stream down takes the whole peer down
+        for other in p.connections:  # one stream down takes the whole peer down
             other.fail(error)
         if channel is not None:  # the control channel is the liveness signal for RDMA too
             channel.fail(error)
@@ -449,8 +454,9 @@ class Endpoint:
             old.close()
         return qp.local_info()
 
-    def _rdma_channel(self, peer: Peer):
-        """The channel this endpoint writes to ``peer`` through (QP set up on first use)."""
+    def rdma_channel(self, peer: Peer):
+        """rdma backend: the channel this endpoint writes to ``peer`` through (its QP is set
+        up over ``peer``'s control connection on first use). Used by :class:`Peer`."""
         from transport.rdma import RdmaChannel
         with self._lock:
             channel = self._rdma_out.get(peer.name)
@@ -491,14 +497,16 @@ class Endpoint:
             if not completed:
                 self._closed.wait(0.0002)
 
-    def _connection_closed(self, conn: Connection) -> None:
+    def connection_closed(self, conn: Connection) -> None:
+        """``conn``'s threads are done and its socket closed: release its shm rings."""
         with self._lock:
             self._conns.discard(conn)
         for ring in (conn.ring_tx, conn.ring_rx):
             if ring is not None:
                 ring.close()
 
-    def _submit_call(self, conn: Connection, seq: int, method: str, payload: memoryview) -> None:
+    def incoming_call(self, conn: Connection, seq: int, method: str, payload: memoryview) -> None:
+        """A CALL arrived on ``conn``: run its handler on the RPC pool; the reply goes back on ``conn``."""
         with self._lock:
             if self._closed.is_set():
                 return
@@ -529,7 +537,8 @@ class Endpoint:
         conn.submit(Operation(Transfer("reply", conn.peer_name, frame.length, deadline),
                               [frame], "none"))
 
-    def _deliver_notify(self, conn: Connection, kind: str, payload: memoryview) -> None:
+    def incoming_notify(self, conn: Connection, kind: str, payload: memoryview) -> None:
+        """A NOTIFY arrived on ``conn``: queue it for the dispatcher thread (arrival order)."""
         self._notify_q.put(Notification(conn.peer_name, kind, bytes(payload)))
 
     def _dispatch_notifications(self) -> None:
@@ -566,12 +575,8 @@ class Endpoint:
             return
         self._closed.set()
         if self._acceptor is not None:
-            self._acceptor.join()
-            self._listener.close()
-        with self._lock:
-            auth_threads = list(self._auth_threads)
-        for t in auth_threads:
-            t.join()
+            self._acceptor.close()  # joins the acceptor and every handshake thread
+        self._refusals.flush(force=True)
         with self._lock:
             conns = list(self._conns)
         for conn in conns:

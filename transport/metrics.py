@@ -5,6 +5,7 @@
     {"tx": {kind: {"ops", "bytes", "failures", "busy_s", "busy_bandwidth_bps"}},
      "rx": {kind: {...same...}},
      "retries": int, "frames_rejected": int, "auth_failures": int,
+     "connections_refused": int,  # over max_handshakes, refused before any handshake
      "peers_connected": int, "peers_failed": int}
 
 ``kind`` is one of ``write``, ``call``, ``reply``, ``notify``. Busy time is the union of the
@@ -81,7 +82,7 @@ class Metrics:
                     out[d][kind] = {"ops": c.ops, "bytes": c.bytes, "failures": c.failures,
                                     "busy_s": busy,
                                     "busy_bandwidth_bps": 8 * c.bytes / busy if busy > 0 else 0.0}
-            for name in ("retries", "frames_rejected", "auth_failures", "peers_connected",
-                         "peers_failed"):
+            for name in ("retries", "frames_rejected", "auth_failures", "connections_refused",
+                         "peers_connected", "peers_failed"):
                 out[name] = self._scalars[name]
             return out

@@ -73,6 +73,16 @@ class Peer:
         return len(self._conns)
 
     @property
+    def connections(self) -> tuple:
+        """Its connections (streams), stream 0 first."""
+        return tuple(self._conns)
+
+    def add_stream(self, conn) -> None:
+        """Endpoint: one more authenticated connection of this peer (``connect(streams=N)``)."""
+        with self._lock:
+            self._conns.append(conn)
+
+    @property
     def error(self) -> TransportError | None:
         """Why the connection failed (None while alive)."""
         return next((c.failed for c in self._conns if c.failed is not None), None)
@@ -182,7 +192,7 @@ class Peer:
                 nbytes += len(mview)
             planned.append((region, offset, view, mask))
             nbytes += len(view)
-        channel = self.endpoint._rdma_channel(self)
+        channel = self.endpoint.rdma_channel(self)
         t = Transfer("write", self.name, nbytes, self._deadline(timeout))
         metrics = self.endpoint.metrics
         metrics.begin("tx", "write")

@@ -6,7 +6,7 @@ the header's ``aux`` field says where)::
 
     offset size field
     0      4    magic        b"JKVT"
-    4      1    version      1
+    4      1    version      2 (1: the handshake before the client proved first)
     5      1    op           Op
     6      2    flags        FLAG_*
     8      4    region       region id (WRITE) / 0
@@ -33,7 +33,7 @@ import crc32c as _crc32c
 from transport.errors import FrameError
 
 MAGIC = b"JKVT"
-VERSION = 1
+VERSION = 2  # 2: the client proves the secret first (transport.auth)
 _HEADER = struct.Struct("<4sBBHIQQQQII")
 HEADER_SIZE = _HEADER.size  # 52
 _CRC_SPAN = HEADER_SIZE - 4
@@ -45,10 +45,10 @@ FLAG_ALL = FLAG_ACK | FLAG_ERR | FLAG_NOCRC
 
 
 class Op(enum.IntEnum):
-    HELLO = 1  # handshake: client nonce + name
-    CHALLENGE = 2  # handshake: server nonce + name + server proof
+    HELLO = 1  # handshake: client nonce + backend + name
+    CHALLENGE = 2  # handshake: server nonce + name (nothing keyed by the secret)
     AUTH = 3  # handshake: client proof (+ shm ring name)
-    WELCOME = 4  # handshake: accepted (+ shm ring name)
+    WELCOME = 4  # handshake: accepted: server proof (+ shm ring name)
     WRITE = 10  # one-sided write into a registered region
     CALL = 11  # two-sided RPC request: u16 method length, method, payload
     REPLY = 12  # RPC reply (aux = request seq)

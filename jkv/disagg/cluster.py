@@ -98,7 +98,10 @@ class DisaggregatedEngine:
         if spec is None and not config.addresses:
             raise ValueError("starting local prefill workers needs a model they can load: construct LLM with a "
                              "model name/path or pass Disaggregation(model_spec=...)")
-        self.selector = selector or build_selector(model, config.selector, **config.selector_options)
+        # The budget floor is the engine's (Disaggregation.min_budget), also for a selector built
+        # elsewhere (`jkv serve --selector-file`); it travels to the prefill workers in its config.
+        self.selector = (selector or build_selector(model, config.selector, **config.selector_options)
+                         ).with_min_budget(config.min_budget)
         profile = ImportanceProfile.load(config.profile) if config.profile else None
         transfer = config.transfer_config()
         if profile is not None and profile.selector != self.selector.name:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jkv.selection.base import DEFAULT_MIN_BUDGET, check_min_budget
 from jkv.transfer.plan import TransferConfig
 from transport import parse_bandwidth
 
@@ -22,7 +23,10 @@ class Disaggregation:
     model_spec: how workers load the model when LLM was given a Model object;
     compression: "off" | "auto" | a pipeline id (KVServe, jkv.compression.policy), with
     compression_options {"profiles": [files], "workload", "q_min", "t_slo_s"}; lookahead: layer
-    lookahead of on-demand fetches (None: on in smartgen mode; jkv/disagg/lookahead.py)."""
+    lookahead of on-demand fetches (None: on in smartgen mode; jkv/disagg/lookahead.py);
+    min_budget: the selection budget's floor in tokens, k = min(N, max(ceil(max_ratio*N), min_budget)),
+    so requests of up to min_budget cached tokens decode densely (SelectorConfig.min_budget; 0: the
+    bare ratio)."""
 
     mode: str = "smartgen"
     selector: str = "infinigen"
@@ -44,6 +48,7 @@ class Disaggregation:
     compression: str = "off"
     compression_options: dict = dataclasses.field(default_factory=dict)
     lookahead: bool | None = None
+    min_budget: int = DEFAULT_MIN_BUDGET
 
     def __post_init__(self):
         if self.transport not in ("tcp", "shm", "rdma"):
@@ -56,6 +61,10 @@ class Disaggregation:
             raise ValueError(f"lease_s={self.lease_s!r} must be > 0 seconds")
         if self.bandwidth is not None:
             parse_bandwidth(self.bandwidth)  # raises naming the value
+        check_min_budget(self.min_budget)
+        if "min_budget" in self.selector_options:
+            raise ValueError(f"selector_options min_budget={self.selector_options['min_budget']!r}: set "
+                             "Disaggregation(min_budget=...) instead (it applies to every selector)")
         self.compression_config()  # validates compression and its options
         self.transfer_config()  # validates mode, strategy, spec_ratio, max_blocks, kr_fraction
 

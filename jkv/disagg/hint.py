@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.selection.base import protected_tokens, selection_budget, token_valid
+from jkv.selection.base import protected_tokens, token_valid
 from jkv.selection.infinigen import InfiniGen, infinigen_rank
 
 
@@ -60,7 +60,7 @@ class InfiniGenHint:
                                 jnp.asarray(lengths, jnp.int32))
         rank, keep = np.asarray(rank), np.asarray(keep)
         rows, capacity = rank.shape
-        width = selection_budget(capacity, self.selector.config.max_ratio) + self.margin
+        width = self.selector.config.budget(capacity) + self.margin
         out = np.full((rows, min(width, capacity)), -1, np.int32)
         valid = rank > -np.inf  # -inf: invalid slots
         for r in range(rows):
@@ -91,7 +91,7 @@ def _hint_rank(config, skew, q, metadata, lengths):
         protect = protected_tokens(lengths, capacity, config.keep_sinks, config.keep_recent)
         rank = jnp.where(protect[:, None, :], jnp.inf, rank)
     rank = jnp.where(token_valid(lengths, capacity)[:, None, :], rank, -jnp.inf)
-    keep = jnp.minimum(count, selection_budget(lengths.astype(jnp.int32), config.max_ratio))
+    keep = jnp.minimum(count, config.budget(lengths.astype(jnp.int32)))
     return rank.reshape(batch * num_kv_heads, capacity), jnp.repeat(keep, num_kv_heads)
 
 

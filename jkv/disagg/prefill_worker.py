@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 PREFILL_BUCKET = 64
 
 
+class DecodePeerGone(RuntimeError):
+    """The decode worker that sent a prefill batch is no longer connected (it died or went away)."""
+
+
 class _YieldToOnDemand:
     """The bulk lane's pacer: the worker's shared token bucket, but bulk chunks wait while an
     on-demand reply is draining (its bytes at the link rate) and take only banked credit (never
@@ -213,10 +217,23 @@ class PrefillWorker:
             try:
                 self.prefill_batch(job.peer, header["requests"])
             except Exception as e:  # report to decode; the worker keeps serving
+                if isinstance(e, DecodePeerGone) or (isinstance(e, TransportError) and not self._connected(job.peer)):
+                    # handled, not a fault here: nobody is left to hand the KV to or to tell
+                    log.warning("%s: decode peer %r went away mid-prefill (%s); dropped its requests %s", self.name,
+                                job.peer, e, [r["rid"] for r in header["requests"]])
+                    for r in header["requests"]:
+                        self._release(r["rid"])
+                    continue
                 log.exception("prefill of a batch from %r failed", job.peer)
                 for r in header["requests"]:
                     self._release(r["rid"])
                     self._notify(job.peer, "failed", dict(rid=r["rid"], error=f"prefill failed: {e}"))
+
+    def _connected(self, peer_name: str) -> bool:
+        try:
+            return self.bulk.peer(peer_name).alive
+        except KeyError:
+            return False
 
     def _notify(self, peer_name, kind, header, *arrays):
         try:
@@ -226,8 +243,12 @@ class PrefillWorker:
             self.on_notify_failed(kind, peer_name)
 
     def prefill_batch(self, peer_name: str, requests: list[dict]) -> None:
+        """Raises DecodePeerGone when the decode worker that sent the batch is no longer connected."""
         model, cfg = self.model, self.model.cfg
-        peer = self.bulk.peer(peer_name)
+        try:
+            peer = self.bulk.peer(peer_name)
+        except KeyError:
+            raise DecodePeerGone(f"decode peer {peer_name!r} disconnected before its prefill started") from None
         lengths = np.asarray([len(r["tokens"]) for r in requests], np.int32)
         T = -(-int(lengths.max()) // PREFILL_BUCKET) * PREFILL_BUCKET
         tokens = np.zeros((len(requests), T), np.int32)

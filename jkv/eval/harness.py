@@ -15,13 +15,13 @@ dense score.
 """
 from __future__ import annotations
 
-import csv
 import dataclasses
 import logging
 import time
 
 import numpy as np
 
+from jkv.eval.csvfile import write_csv  # noqa: F401  (re-exported: jkv eval --csv, tests)
 from jkv.eval.fidelity import fidelity_metrics, fidelity_sample
 from jkv.eval.tasks import TASKS
 from jkv.selection import get_selector
@@ -196,16 +196,6 @@ def summarize(rows: list[dict]) -> list[dict]:
         summary.append({"task": task, "length": length, "selector": name, "max_ratio": ratio,
                         "samples": len(group), "dense_score": reference, **mean})
     return summary
-
-
-def write_csv(path: str, rows: list[dict]) -> None:
-    keys: list[str] = []
-    for row in rows:
-        keys += [k for k in row if k not in keys]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
 
 
 def format_table(summary: list[dict]) -> str:

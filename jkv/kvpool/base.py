@@ -142,6 +142,19 @@ class Reachability:
                 self._dead = False
                 log.warning("KV pool %s reachable again", self._where)
 
+    def _fill_verified(self, key: ChunkKey, meta: ChunkMeta | None, payload: memoryview,
+                       view: memoryview, index: int) -> ChunkMeta | None:
+        """Copy a fetched chunk into the caller's `view` (buffers[index]) iff it is what was
+        written under `key` (`verified`); otherwise log it and return None (a miss, never
+        copied). ValueError if it verifies but does not fit the buffer."""
+        if meta is None or not verified(key, meta, payload):
+            log.warning("KV pool %s sent %s failing verification; treated as a miss",
+                        self._where, key.name)
+            return None
+        check_fits(key, meta, view, index)
+        view[:meta.nbytes] = payload
+        return meta
+
 
 def buffer_views(keys: Sequence[ChunkKey], buffers) -> list[memoryview]:
     """One writable view per key for `get_many` (ValueError on a count mismatch or unusable buffer)."""

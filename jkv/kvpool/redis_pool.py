@@ -24,7 +24,7 @@ import numpy as np
 import redis
 
 from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, Reachability, buffer_views,
-                             check_fits, checked_put, verified)
+                             checked_put)
 from jkv.kvpool.hashing import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -94,19 +94,10 @@ class RedisKVPool(Reachability, KVPool):
             with self._lock:
                 self._misses += len(keys)
             return [None] * len(keys)
-        out: list[ChunkMeta | None] = []
-        for i, (key, view, (payload, raw_meta)) in enumerate(zip(keys, views, replies)):
-            meta = _parse_meta(key, raw_meta)
-            if payload is None or meta is None or not verified(key, meta, memoryview(payload)):
-                if payload is not None:
-                    log.warning("KV pool entry %s failed verification; treated as a miss",
-                                key.name)
-                out.append(None)
-                continue
-            check_fits(key, meta, view, i)
-            view[:meta.nbytes] = payload
-            out.append(meta)
-        return self._tally(out)
+        return self._tally([
+            None if payload is None          # no entry under this key: a plain miss
+            else self._fill_verified(key, _parse_meta(key, raw_meta), memoryview(payload), view, i)
+            for i, (key, view, (payload, raw_meta)) in enumerate(zip(keys, views, replies))])
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
         if not keys:

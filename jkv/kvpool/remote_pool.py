@@ -30,7 +30,7 @@ import numpy as np
 
 from jkv.kvpool import protocol
 from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, Reachability, buffer_views,
-                             check_fits, checked_put, verified)
+                             checked_put)
 from jkv.kvpool.hashing import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -172,14 +172,7 @@ class RemoteKVPool(Reachability, KVPool):
             meta = protocol.meta_from_dict(raw)
             payload = tail[offset:offset + meta.nbytes]
             offset += meta.nbytes
-            if not verified(key, meta, payload):
-                log.warning("KV pool %s sent %s failing verification; treated as a miss",
-                            self.address, key.name)
-                out.append(None)
-                continue
-            check_fits(key, meta, view, i)
-            view[:meta.nbytes] = payload
-            out.append(meta)
+            out.append(self._fill_verified(key, meta, payload, view, i))
         return self._tally(out)
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:

@@ -158,25 +158,17 @@ def lstf_static(cost_model: CostModel) -> Policy:
 
 
 POLICY_NAMES = ("fifo", "sjf-pt", "sjf", "srpt", "edf", "lstf", "lstf-reeval", "lstf-static")
+_COST_BLIND = {"fifo": fifo, "sjf-pt": sjf_pt, "edf": edf}
+_COST_AWARE = {"sjf": sjf, "srpt": srpt, "lstf": lstf, "lstf-reeval": lstf_reeval,
+               "lstf-static": lstf_static}
+assert set(_COST_BLIND) | set(_COST_AWARE) == set(POLICY_NAMES)
 
 
 def make_policy(name: str, cost_model: CostModel | None = None) -> Policy:
     """The policy called `name` (one of POLICY_NAMES); sjf, srpt and the lstf variants need a cost model."""
     key = name.strip().lower().replace("_", "-")
-    if key == "fifo":
-        return fifo()
-    if key == "sjf-pt":
-        return sjf_pt()
-    if key == "sjf":
-        return sjf(_needs_cost_model(key, cost_model))
-    if key == "srpt":
-        return srpt(_needs_cost_model(key, cost_model))
-    if key == "edf":
-        return edf()
-    if key == "lstf":
-        return lstf(_needs_cost_model(key, cost_model))
-    if key == "lstf-reeval":
-        return lstf_reeval(_needs_cost_model(key, cost_model))
-    if key == "lstf-static":
-        return lstf_static(_needs_cost_model(key, cost_model))
+    if key in _COST_BLIND:
+        return _COST_BLIND[key]()
+    if key in _COST_AWARE:
+        return _COST_AWARE[key](_needs_cost_model(key, cost_model))
     raise ValueError(f"unknown scheduling policy {name!r}; valid: {', '.join(POLICY_NAMES)}")

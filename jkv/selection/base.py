@@ -11,15 +11,18 @@ Shapes: `K: [B, H_kv, N_cap, D]` (slots >= lengths[b] are padding), `q: [B, H, D
 request b and KV head h; the valid entries form a prefix of the row and every slot after
 them is -1. The query heads `h*G .. h*G+G-1` (G = H / H_kv) share KV head h, and their
 scores are aggregated per KV head (GQA). Layers below `dense_layers` (0 and 1 by default)
-always return every token. The per-row budget is `k = ceil(max_ratio * N)` (SmartGen §5.1,
-max ratio 0.2); the row width is the budget of the capacity `N_cap`, so shapes stay static
-under `jit` while N grows.
+always return every token. The per-row budget is `k = min(N, max(ceil(max_ratio * N), min_budget))`
+(SmartGen §5.1, max ratio 0.2, plus a floor of `min_budget` tokens, `selection_budget`), and a row
+with `N <= min_budget` takes every token in position order, exactly as a dense layer does
+(`Selector.select`), so a prompt shorter than the floor decodes like dense attention. The row
+width is the budget of the capacity `N_cap`, so shapes stay static under `jit` while N grows.
 
 Everything here is pure JAX on device arrays; the metadata is a small pytree per layer.
 """
 from __future__ import annotations
 
 import abc
+import copy
 import dataclasses
 from typing import Any, ClassVar
 
@@ -43,6 +46,11 @@ class SelectorConfig:
     # the approximate selectors set their own defaults (see their configs).
     keep_sinks: int = 0
     keep_recent: int = 0
+    # Floor of the per-row budget, in tokens: k = min(N, max(ceil(max_ratio * N), min_budget)), and
+    # rows with N <= min_budget attend to every token (dense). 0 here (the bare ratio, what the
+    # accuracy harness measures); the engines (Disaggregation, `jkv serve`) default to
+    # DEFAULT_MIN_BUDGET, so short prompts decode exactly like the dense server.
+    min_budget: int = 0
 
     def __post_init__(self):
         if not (isinstance(self.max_ratio, (int, float)) and 0.0 < self.max_ratio <= 1.0):
@@ -53,10 +61,33 @@ class SelectorConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 0):
                 raise ValueError(f"{name}={value!r} must be an int >= 0 (tokens always kept, inside the budget)")
+        check_min_budget(self.min_budget)
+
+    def budget(self, num_tokens):
+        """This config's per-row budget k for `num_tokens` cached tokens (see `selection_budget`)."""
+        return selection_budget(num_tokens, self.max_ratio, self.min_budget)
 
 
-def selection_budget(num_tokens, max_ratio: float):
-    """k = ceil(max_ratio * N), at least 1 and at most N; works on ints, numpy and jnp arrays.
+# The engines' default floor (Disaggregation.min_budget, `jkv serve --min-budget`). With it every
+# prompt of up to 256 tokens decodes densely (chat turns, short completions: where sparse
+# attention saves nothing, it costs nothing), and up to 1280 tokens the budget is 256 rather
+# than 0.2 * N. Below ~200 tokens the bare ratio keeps a few dozen tokens or fewer (2 of a
+# 6-token prompt) and greedy answers of SmolLM2-135M degenerate (issue 23); at 1K, where the
+# floor only lifts k from 205 to 256, the selectors already agree with dense on 0.95-0.97 of next
+# tokens (docs/selection.md), and from 1280 tokens on the floor changes nothing.
+DEFAULT_MIN_BUDGET = 256
+
+
+def check_min_budget(value) -> None:
+    if isinstance(value, bool) or not (isinstance(value, int) and value >= 0):
+        raise ValueError(f"min_budget={value!r} must be an int >= 0: the fewest tokens a selection keeps "
+                         f"(prompts up to that length decode densely); 0 keeps the bare max_ratio budget, "
+                         f"the engines default to {DEFAULT_MIN_BUDGET}")
+
+
+def selection_budget(num_tokens, max_ratio: float, min_budget: int = 0):
+    """k = max(ceil(max_ratio * N), min_budget), at least 1 and at most N; works on ints, numpy
+    and jnp arrays. THE budget rule: every selector and every sparse path sizes its rows with it.
 
     The product is taken in float32 and nudged down by one part in 1e6 so 0.1 * 30 gives 3,
     identically on host and device.
@@ -65,7 +96,7 @@ def selection_budget(num_tokens, max_ratio: float):
     n = xp.asarray(num_tokens, dtype=xp.int32)
     raw = n.astype(xp.float32) * xp.float32(max_ratio) * xp.float32(1.0 - 1e-6)
     k = xp.ceil(raw).astype(xp.int32)
-    k = xp.minimum(xp.maximum(k, 1), n)
+    k = xp.minimum(xp.maximum(xp.maximum(k, min_budget), 1), n)
     return int(k) if np.ndim(num_tokens) == 0 and xp is np else k
 
 
@@ -118,24 +149,25 @@ def protected_tokens(lengths: jax.Array, capacity: int, sinks: int, recent: int)
 
 
 def scores_to_index(scores: jax.Array, lengths: jax.Array, max_ratio: float,
-                    keep: jax.Array | None = None, sinks: int = 0, recent: int = 0) -> jax.Array:
+                    keep: jax.Array | None = None, sinks: int = 0, recent: int = 0,
+                    min_budget: int = 0) -> jax.Array:
     """Top-budget positions of per-KV-head scores.
 
     scores: f32[B, H_kv, N_cap]; lengths: i32[B]; keep: optional bool[B, H_kv, N_cap] that must
     also hold for a slot to be selected (entries failing it become -1 at the row's tail).
     sinks / recent: the first `sinks` and last `recent` tokens rank first (they are always
     selected while the budget holds them; they count in it).
-    Returns kv_index: i32[B*H_kv, selection_budget(N_cap)].
+    Returns kv_index: i32[B*H_kv, selection_budget(N_cap, max_ratio, min_budget)].
     """
     batch, num_kv_heads, capacity = scores.shape
     if sinks or recent:
         protect = protected_tokens(lengths, capacity, sinks, recent)[:, None, :]
         scores = jnp.where(protect, jnp.inf, scores)
-    k_max = selection_budget(capacity, max_ratio)
+    k_max = selection_budget(capacity, max_ratio, min_budget)
     rows = scores.reshape(batch * num_kv_heads, capacity)
     row_lengths = jnp.repeat(lengths.astype(jnp.int32), num_kv_heads)
     index = topk_select(rows, row_lengths, k_max)
-    budget = selection_budget(row_lengths, max_ratio)
+    budget = selection_budget(row_lengths, max_ratio, min_budget)
     slot = jnp.arange(k_max, dtype=jnp.int32)[None, :]
     index = jnp.where(slot < budget[:, None], index, -1)
     if keep is not None:
@@ -152,6 +184,19 @@ def all_tokens_index(lengths: jax.Array, num_kv_heads: int, capacity: int) -> ja
     positions = jnp.arange(capacity, dtype=jnp.int32)[None, :]
     row_lengths = jnp.repeat(lengths.astype(jnp.int32), num_kv_heads)
     return jnp.where(positions < row_lengths[:, None], positions, -1)
+
+
+def dense_below_budget(index: jax.Array, lengths: jax.Array, min_budget: int) -> jax.Array:
+    """index: i32[B*H_kv, k] from a selector; rows of requests with lengths[b] <= min_budget are
+    replaced by every token in position order (exactly what a dense layer attends to, so the
+    output does not depend on the selector's ranking or summation order). Traceable."""
+    rows, width = index.shape
+    num_kv_heads = rows // lengths.shape[0]
+    row_lengths = jnp.repeat(lengths.astype(jnp.int32), num_kv_heads)
+    short = row_lengths <= min_budget
+    positions = jnp.arange(width, dtype=jnp.int32)[None, :]
+    dense = jnp.where(positions < row_lengths[:, None], positions, -1)
+    return jnp.where(short[:, None], dense, index)
 
 
 METADATA_DTYPES = ("float16", "bfloat16", "float32")
@@ -206,7 +251,7 @@ class Selector(abc.ABC):
         self.config = config
         self._prepare_jit = jax.jit(self._prepare)
         self._append_jit = jax.jit(self._append)
-        self._select_jit = jax.jit(self._select)
+        self._select_jit = jax.jit(self._select_budgeted)
 
     # ---- public protocol ---------------------------------------------------------------
     def prepare(self, layer: int, K: jax.Array, lengths: jax.Array) -> Metadata:
@@ -228,6 +273,31 @@ class Selector(abc.ABC):
         if layer < self.config.dense_layers:
             return all_tokens_index(lengths, num_kv_heads, capacity)
         return self._select_jit(self.layer_state(layer), jnp.asarray(q), metadata, lengths)
+
+    def _select_budgeted(self, state, q, metadata, lengths):
+        """`_select`, then the budget floor: rows of requests with N <= min_budget take every token."""
+        index = self._select(state, q, metadata, lengths)
+        min_budget = self.config.min_budget
+        if not min_budget:
+            return index
+        capacity = self.kv_geometry(metadata)[1]
+        if index.shape[1] < min(min_budget, capacity):  # a selector sized its rows without the floor
+            raise AssertionError(f"{self.name}: kv_index width {index.shape[1]} < min(min_budget={min_budget}, "
+                                 f"N_cap={capacity}); size rows with config.budget()")
+        return dense_below_budget(index, lengths, min_budget)
+
+    def with_min_budget(self, min_budget: int) -> "Selector":
+        """This selector (same fitted state: skew, hash projection) with budget floor `min_budget`
+        (see SelectorConfig.min_budget); itself when the floor is already that."""
+        check_min_budget(min_budget)
+        if self.config.min_budget == min_budget:
+            return self
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, min_budget=min_budget)
+        other._prepare_jit = jax.jit(other._prepare)  # the jits trace self.config: fresh ones
+        other._append_jit = jax.jit(other._append)
+        other._select_jit = jax.jit(other._select_budgeted)
+        return other
 
     def decode_query(self, layer: int, q: jax.Array, speculate) -> jax.Array:
         """The query `select` scores with. `speculate()` returns layer `layer`'s query computed

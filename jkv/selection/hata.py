@@ -140,4 +140,4 @@ class HATA(Selector):
     def _select(self, projection, q, metadata, lengths):
         scores = reduce_group(self._logits(projection, q, metadata, lengths), self.config.group_score)  # [B, H_kv, N_cap]
         return scores_to_index(scores, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
-                               recent=self.config.keep_recent)
+                               recent=self.config.keep_recent, min_budget=self.config.min_budget)

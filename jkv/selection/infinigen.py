@@ -132,7 +132,7 @@ class InfiniGen(Selector):
     def _select(self, skew, q, metadata, lengths):
         rank, count = infinigen_rank(self.config, skew, q, metadata, lengths)
         index = scores_to_index(rank, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
-                                recent=self.config.keep_recent)
+                                recent=self.config.keep_recent, min_budget=self.config.min_budget)
         slot = jnp.arange(index.shape[1], dtype=jnp.int32)[None, :]
         return jnp.where(slot < jnp.repeat(count, rank.shape[1])[:, None], index, -1)
 
@@ -142,7 +142,8 @@ def infinigen_rank(config: InfiniGenConfig, skew, q, metadata, lengths):
 
     skew: f32[H_kv, D, d_p]; q: [B, H, D]; metadata: partial keys [B, H_kv, N_cap, d_p];
     lengths: i32[B]. Returns rank f32[B, H_kv, N_cap] (-inf on invalid slots for "max") and the
-    fetch count i32[B] (tokens within alpha of the max, before the max_ratio cap).
+    fetch count i32[B] (tokens within alpha of the max, at least min(min_budget, N), before the
+    budget cap).
     """
     partial_keys = metadata.astype(jnp.float32)  # [B, H_kv, N_cap, d_p], stored as metadata_dtype
     head_dim = skew.shape[1]
@@ -156,5 +157,7 @@ def infinigen_rank(config: InfiniGenConfig, skew, q, metadata, lengths):
     # heads, so peaky heads borrow budget from flat ones; capped by the max_ratio budget.
     within = (relative > -config.alpha).sum(axis=2)  # [B, H_kv]
     count = jnp.ceil(within.mean(axis=1)).astype(jnp.int32)  # [B]
+    # The budget floor holds for the fetch count too: at least min(min_budget, N) tokens per row.
+    count = jnp.maximum(count, jnp.minimum(config.min_budget, lengths.astype(jnp.int32)))
     rank = relative if config.group_score == "max" else reduce_group(scores, config.group_score)
     return rank, count

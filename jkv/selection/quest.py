@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jkv.selection.base import (METADATA_DTYPES, Selector, SelectorConfig, check_group_score, group_queries,
-                                reduce_group, round_outward, selection_budget, token_valid)
+                                reduce_group, round_outward, token_valid)
 from jkv.selection._ops import topk_select
 
 
@@ -157,7 +157,10 @@ class Quest(Selector):
     name = "quest"
 
     def _prepare(self, state, K, lengths):
-        capacity = jnp.zeros((K.shape[2],), jnp.int8)
+        # N_cap travels in the shape of an empty leaf [B, N_cap, 0] (no bytes): like every metadata
+        # leaf it has the request axis first, along which the decode worker stacks and splits a
+        # batch (a leaf without it broke `--selector quest` disaggregated, issue 23).
+        capacity = jnp.zeros((K.shape[0], K.shape[2], 0), jnp.int8)
         if self.config.metadata_dtype == "int8":
             kmin, kmax = page_bounds(K, lengths, self.config.page_size)
             scale = int8_scale(K, lengths)
@@ -195,12 +198,12 @@ class Quest(Selector):
         return {**metadata, "kmin": kmin, "kmax": kmax}
 
     def kv_geometry(self, metadata):
-        return metadata["kmin"].shape[1], metadata["capacity"].shape[0]
+        return metadata["kmin"].shape[1], metadata["capacity"].shape[1]
 
     def _select(self, state, q, metadata, lengths):
         kmin, kmax = self.bounds(metadata)
         batch, num_kv_heads, num_pages, _ = kmin.shape
-        capacity = metadata["capacity"].shape[0]
+        capacity = metadata["capacity"].shape[1]
         page_size = self.config.page_size
         bound = page_upper_bound(group_queries(q, num_kv_heads), kmin, kmax)  # [B, H_kv, G, P]
         # A +inf bound (a channel saturated: a decoded key beyond the int8 grid or float16's
@@ -222,10 +225,10 @@ class Quest(Selector):
             last_page = (lengths - 1) // page_size
             protect |= page == last_page[:, None, None]
         bound = jnp.where(protect, jnp.inf, bound)
-        pages_max = min(num_pages, -(-selection_budget(capacity, self.config.max_ratio) // page_size))
+        pages_max = min(num_pages, -(-self.config.budget(capacity) // page_size))
         row_pages = jnp.repeat(-(-lengths // page_size), num_kv_heads)  # non-empty pages per row
         page_index = topk_select(bound.reshape(batch * num_kv_heads, num_pages), row_pages, pages_max)
-        budget_pages = -(-selection_budget(jnp.repeat(lengths, num_kv_heads), self.config.max_ratio) // page_size)
+        budget_pages = -(-self.config.budget(jnp.repeat(lengths, num_kv_heads)) // page_size)
         slot = jnp.arange(pages_max, dtype=jnp.int32)[None, :]
         page_index = jnp.where(slot < budget_pages[:, None], page_index, -1)
         # Expand pages to tokens, drop padding, then move the valid tokens to the row's front.

@@ -74,7 +74,8 @@ class StreamingLLM(_LengthOnly):
         capacity = metadata.shape[1]
         # Sinks outrank everything, then recency: top-k takes sinks first, then the newest.
         scores = jnp.where(pos < self.config.sinks, 2.0 * capacity, pos).astype(jnp.float32)
-        return scores_to_index(scores, lengths, self.config.max_ratio)
+        return scores_to_index(scores, lengths, self.config.max_ratio,
+                               min_budget=self.config.min_budget)
 
 
 class Sequential(_LengthOnly):
@@ -84,7 +85,8 @@ class Sequential(_LengthOnly):
 
     def _select(self, state, q, metadata, lengths):
         pos = self._positions(metadata, lengths)
-        return scores_to_index(-pos.astype(jnp.float32), lengths, self.config.max_ratio)
+        return scores_to_index(-pos.astype(jnp.float32), lengths, self.config.max_ratio,
+                               min_budget=self.config.min_budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +106,8 @@ class Random(_LengthOnly):
         num_kv_heads, capacity = metadata.shape
         keys = jax.vmap(lambda n: jax.random.fold_in(state, n))(lengths)
         scores = jax.vmap(lambda key: jax.random.uniform(key, (num_kv_heads, capacity)))(keys)
-        return scores_to_index(scores, lengths, self.config.max_ratio)
+        return scores_to_index(scores, lengths, self.config.max_ratio,
+                               min_budget=self.config.min_budget)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,4 +153,4 @@ class Oracle(Selector):
     def _select(self, state, q, metadata, lengths):
         scores = reduce_group(self._logits(state, q, metadata, lengths), self.config.group_score)
         return scores_to_index(scores, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
-                               recent=self.config.keep_recent)
+                               recent=self.config.keep_recent, min_budget=self.config.min_budget)

@@ -23,6 +23,10 @@ by their loop. `stop()` asks the loop to finish, fails requests still queued or 
 an error event, and joins the thread. Order per iteration: drain inbox (new requests,
 cancellations) → admit waiting requests into free slots (prefill + insert + first token) →
 one decode step for all running slots → emit deltas, free finished slots.
+
+Log-probabilities (`EngineRequest.logprobs` / `prompt_logprobs`) are of the model's own
+distribution, log_softmax of the raw logits, before temperature, top-k and top-p. They are
+computed on the engine thread only for steps where some running request asked for them.
 """
 from __future__ import annotations
 
@@ -62,10 +66,22 @@ class BatcherConfig:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability and the `top` most likely alternatives at its position,
+    as ((token_id, logprob), ...) best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class StreamEvent:
     """One update for a request. `finish_reason` is set on the last event ("stop", "length",
-    "cancelled" or "error" — then `error` says why)."""
+    "cancelled" or "error" — then `error` says why). `logprobs` (when the request asked for them)
+    is aligned with `token_ids`; `prompt_logprobs` comes once, on the request's first event, one
+    entry per prompt token (None for the first, which has no context)."""
 
     request_id: str
     text: str = ""
@@ -75,16 +91,25 @@ class StreamEvent:
     completion_tokens: int = 0
     error: str | None = None
     final_text: str | None = None  # the whole output on the last event
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclasses.dataclass
 class EngineRequest:
+    """logprobs / prompt_logprobs: None (not wanted) or the number of top alternatives to return
+    with each generated / prompt token's log-probability. prompt_only: score the prompt and
+    generate nothing (OpenAI's echo with max_tokens 0); params.max_tokens is then unused."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     emit: Callable[[StreamEvent], None]
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     kv_owner: str | None = None  # disaggregated: transport address of the prefill worker to own the KV
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    prompt_only: bool = False
 
 
 class ContextLengthError(ValueError):
@@ -104,6 +129,41 @@ def insert_kv(cache, kv, slot):
                  for (K, V), (k, v) in zip(cache, kv))
 
 
+LOGPROB_TOP_BUCKETS = (1, 5, 20)  # top-N is computed at the next bucket, so few programs compile
+
+
+@functools.partial(jax.jit, static_argnames=("top",))
+def token_logprobs(logits, chosen, top: int):
+    """logits: f32[R, V]; chosen: i32[R] -> (chosen_logprob f32[R], top_logprob f32[R, top],
+    top_id i32[R, top]) of log_softmax(logits): the model's distribution before temperature/top-p."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen_lp = jnp.take_along_axis(lp, chosen[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    top_lp, top_id = jax.lax.top_k(lp, top)
+    return chosen_lp, top_lp, top_id.astype(jnp.int32)
+
+
+def logprob_rows(logits, chosen, top_n: list[int]) -> list[TokenLogprob]:
+    """TokenLogprob per row of logits f32[R, V] for the tokens chosen i32[R], with top_n[r] alternatives."""
+    want = max(top_n)
+    bucket = next((b for b in LOGPROB_TOP_BUCKETS if b >= want), want)
+    chosen_lp, top_lp, top_id = (np.asarray(x) for x in token_logprobs(logits, jnp.asarray(chosen, jnp.int32),
+                                                                       bucket))
+    return [TokenLogprob(int(chosen[r]), float(chosen_lp[r]),
+                         tuple((int(top_id[r, j]), float(top_lp[r, j])) for j in range(top_n[r])))
+            for r in range(len(top_n))]
+
+
+def prompt_logprob_list(logits, ids: list[int], top: int) -> list[TokenLogprob | None]:
+    """Prompt token log-probs from all-position prefill logits f32[T, V] (T >= len(ids)):
+    token i is scored by the logits at position i - 1; the first token has none."""
+    n = len(ids)
+    if n == 1:
+        return [None]
+    chosen = np.zeros(logits.shape[0], np.int32)  # the whole bucketed row set, so shapes stay bucketed
+    chosen[:n - 1] = ids[1:]
+    return [None] + logprob_rows(logits, chosen, [top] * (n - 1))
+
+
 class _Running:
     """Engine-thread bookkeeping for one admitted request."""
 
@@ -112,10 +172,18 @@ class _Running:
         self.stream = stream
         self.seed = seed
         self.token_times: list[float] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # sent with the first event
+
+    def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        out, self.prompt_logprobs = self.prompt_logprobs, None
+        return out
 
 
 class ContinuousBatcher:
     """A model, B_slots decode slots and the engine thread that runs them."""
+
+    supports_logprobs = True  # EngineRequest.logprobs / prompt_logprobs / prompt_only
 
     def __init__(self, model: Model, config: BatcherConfig = BatcherConfig(), metrics=None):
         ctx = model.cfg.max_position_embeddings
@@ -173,6 +241,12 @@ class ContinuousBatcher:
     @property
     def num_running(self) -> int:
         return self._n_running
+
+    def readiness(self) -> tuple[bool, str | None]:
+        """(ready, why not) for /ready: the engine thread must be running."""
+        if self._thread is None or not self._thread.is_alive():
+            return False, "the engine thread is not running (stopped or crashed; see the server log)"
+        return True, None
 
     def start(self):
         if self._thread is not None:
@@ -273,15 +347,27 @@ class ContinuousBatcher:
         T = bucket_prompt_len(n)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = req.prompt_token_ids
-        logits, kv = m.prefill(tokens, np.array([n], np.int32))
+        scored = req.prompt_logprobs is not None
+        logits, kv = m.prefill(tokens, np.array([n], np.int32), all_logits=scored)
+        prompt_lp = None
+        if scored:
+            prompt_lp = prompt_logprob_list(logits[0], req.prompt_token_ids, req.prompt_logprobs)
+            logits = logits[:, n - 1]
+        if self.metrics is not None:
+            self.metrics.observe_prefill(n)
+        if req.prompt_only:  # scored, nothing to generate: the request never takes the slot
+            if self.metrics is not None:
+                self.metrics.observe_finished("length", [])
+            self._send(req, StreamEvent(req.request_id, finish_reason="length", prompt_tokens=n, final_text="",
+                                        logprobs=[], prompt_logprobs=prompt_lp))
+            return
         if T > self.n_max:  # only padding lies beyond n_max (n <= max_model_len <= n_max)
             kv = [(K[:, :, :self.n_max], V[:, :, :self.n_max]) for K, V in kv]
         self._cache = insert_kv(self._cache, tuple(kv), jnp.int32(slot))
-        if self.metrics is not None:
-            self.metrics.observe_prefill(n)
         p = req.params
         seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**31))
         run = _Running(req, TextStream(m.tokenizer, p, self.eos_ids), seed)
+        run.prompt_logprobs = prompt_lp
         first = self._pick(logits, np.array([p.temperature], np.float32), np.array([p.top_k], np.int32),
                            np.array([p.top_p], np.float32), np.array([seed], np.uint32), np.zeros(1, np.int32))
         self._slots[slot] = run
@@ -290,6 +376,8 @@ class ContinuousBatcher:
         self._tokens[slot] = first[0]
         self._positions[slot] = n
         self._steps[slot] = 0
+        if req.logprobs is not None:
+            run.logprobs.extend(logprob_rows(logits, first, [req.logprobs]))
         self._emit_token(slot, int(first[0]))
 
     @staticmethod
@@ -306,6 +394,12 @@ class ContinuousBatcher:
         top_p = np.array([p.top_p if p else 1.0 for p in params], np.float32)
         seeds = np.array([r.seed if r else 0 for r in self._slots], np.uint32)
         next_tok = self._pick(logits, temperature, top_k, top_p, seeds, self._steps)
+        wanted = [s for s in active if self._slots[s].req.logprobs is not None]
+        if wanted:
+            rows = logprob_rows(logits, next_tok, [self._slots[s].req.logprobs or 0 if s in wanted else 0
+                                                   for s in range(len(self._slots))])
+            for s in wanted:
+                self._slots[s].logprobs.append(rows[s])
         for s in active:
             self._positions[s] += 1
             self._tokens[s] = next_tok[s]
@@ -323,7 +417,9 @@ class ContinuousBatcher:
         else:
             self._send(run.req, StreamEvent(run.req.request_id, text=delta, token_ids=[token_id],
                                             prompt_tokens=len(run.req.prompt_token_ids),
-                                            completion_tokens=len(run.stream.ids)))
+                                            completion_tokens=len(run.stream.ids),
+                                            logprobs=run.logprobs[-1:] if run.req.logprobs is not None else None,
+                                            prompt_logprobs=run.take_prompt_logprobs()))
 
     @staticmethod
     def _send(req: EngineRequest, event: StreamEvent):
@@ -350,9 +446,13 @@ class ContinuousBatcher:
         last_id = stream.ids[-1:] if stream is not None and stream.finish_reason and len(ids) == len(stream.ids) else []
         if self.metrics is not None:
             self.metrics.observe_finished(reason, run.token_times if run is not None else [])
+        logprobs = None
+        if run is not None and req.logprobs is not None:
+            logprobs = run.logprobs[-1:] if last_id else []
         self._send(req, StreamEvent(req.request_id, text=delta, token_ids=last_id, finish_reason=reason,
                              prompt_tokens=len(req.prompt_token_ids), completion_tokens=len(ids), error=error,
-                             final_text=stream.text if stream is not None and stream.finish_reason else None))
+                             final_text=stream.text if stream is not None and stream.finish_reason else None,
+                             logprobs=logprobs, prompt_logprobs=run.take_prompt_logprobs() if run else None))
 
     def _fail_all(self, message: str):
         while True:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from jkv.selection.base import DEFAULT_MIN_BUDGET
 from models import DEFAULT_MODEL
 
 ROLES = ("all", "prefill", "decode", "router")
@@ -29,6 +30,7 @@ class ServeConfig:
     max_slots: int = 8
     max_model_len: int = 1024
     default_max_tokens: int = 256
+    max_request_bytes: int = 4 * 1024 * 1024
     upstream: tuple[str, ...] = ()
     health_interval: float = 2.0
     health_timeout: float = 1.0
@@ -51,6 +53,7 @@ class ServeConfig:
     on_failure: str = "fail"
     lease_s: float = 300.0
     transfer_timeout: float = 5.0
+    min_budget: int = DEFAULT_MIN_BUDGET
     transport_listen: str | None = None
     worker_name: str | None = None
     prefill: tuple[str, ...] = ()
@@ -65,7 +68,7 @@ class ServeConfig:
             raise ValueError(f"port={self.port} must be in [0, 65535] (0 picks a free port)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
-        for name in ("max_slots", "max_model_len", "default_max_tokens"):
+        for name in ("max_slots", "max_model_len", "default_max_tokens", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("health_interval", "health_timeout", "upstream_timeout", "graceful_timeout"):
@@ -128,7 +131,7 @@ class ServeConfig:
                   prefill_workers=self.num_prefill_workers, strategy=self.strategy, spec_ratio=self.spec_ratio,
                   max_blocks=self.max_blocks, profile=self.profile, kr_fraction=self.kr_fraction,
                   on_failure=self.on_failure, lease_s=self.lease_s, timeout_s=self.transfer_timeout,
-                  model_spec=self.model, addresses=self.prefill_worker)
+                  model_spec=self.model, addresses=self.prefill_worker, min_budget=self.min_budget)
         kw.update(overrides)
         return Disaggregation(**kw)
 
@@ -149,6 +152,8 @@ _HELP = {
     "max_slots": (int, "decode slots = the continuous batch size; more requests queue"),
     "max_model_len": (int, "max prompt + generated tokens per request; sets the per-slot KV length"),
     "default_max_tokens": (int, "max_tokens for chat requests that do not set it (capped by the context)"),
+    "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
+                               "(all roles, the router included)"),
     "upstream": (str, "router: URL of a `jkv serve --role all` server (repeatable)"),
     "health_interval": (float, "router: seconds between /health checks of each upstream"),
     "health_timeout": (float, "router: seconds before a /health check counts as failed"),
@@ -177,6 +182,10 @@ _HELP = {
     "on_failure": (str, "when a prefill worker dies: fail its requests (error event) or recompute their KV"),
     "lease_s": (float, "a prefill worker frees a request's KV after this long without decode activity"),
     "transfer_timeout": (float, "seconds before a silent transport peer counts as dead"),
+    "min_budget": (int, "sparse selection keeps at least this many tokens per request, "
+                        "k = min(N, max(ceil(0.2 N), min_budget)), and requests of up to min_budget tokens "
+                        "(prompt + generated) decode densely, exactly like the single-process server; "
+                        "0 keeps the bare 20%% ratio"),
     "transport_listen": (str, "role prefill: host:port of the transport endpoint (default loopback, free port)"),
     "worker_name": (str, "role prefill: the worker's transport name, unique per deployment (default "
                          "prefill-<pid>)"),

@@ -17,6 +17,12 @@ worker's transport address) makes that prefill worker own the request's KV; an a
 worker is not connected to yet is connected when the request is admitted; a dead or unknown one
 falls back to round robin over the live prefill workers.
 
+Reconnect: a `PrefillReconnector` thread (jkv/disagg/reconnect.py) reconnects the configured
+prefill workers (`addresses`) whose connection was lost, with capped exponential backoff, so a
+decode worker that was stopped past the transport timeout serves again without a request naming
+the worker. While no prefill worker is live (and on_failure is not "recompute") `submit` refuses a
+request at once with a RuntimeError the server answers 503.
+
 Threads. The engine thread owns the DecodeWorker: it admits waiting requests, calls
 `DecodeWorker.step` in a loop, and runs the worker's `on_token` / `on_done` callbacks.
 `submit` / `cancel` come from the event loop: a submit goes through a `queue.SimpleQueue`; a
@@ -36,6 +42,7 @@ import queue
 import threading
 import time
 
+from ..disagg.reconnect import PrefillReconnector
 from ..engine import Request
 from .batcher import BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent
 from .text_stream import TextStream
@@ -82,12 +89,15 @@ class DisaggBatcher:
         self._cancelled_waiting: set[str] = set()
         if metrics is not None and metrics.kv is not None:
             metrics.kv.watch_pool(worker.pool)
+        self._reconnect = PrefillReconnector(addresses, dict(zip(addresses, owners)),
+                                             connect=self._connect_worker, alive=worker.owner_alive)
 
     # ------------------------------------------------------------ any thread
     def submit(self, req: EngineRequest):
         self.check_request(len(req.prompt_token_ids), req.params.max_tokens)
         if self._stop.is_set():
             raise RuntimeError("the engine is shutting down; no new requests are accepted")
+        self._check_live_owner()
         with self._lock:
             self._n_waiting += 1
         self._inbox.put(req)
@@ -104,6 +114,20 @@ class DisaggBatcher:
         self._finish(run, "cancelled")
         self._cancels.put(request_id)
 
+    def _check_live_owner(self):
+        """Fail fast (the server answers 503) while no prefill worker can take the request."""
+        if self.worker.on_failure == "recompute" or any(self.worker.owner_alive(o) for o in self.worker.owners):
+            return
+        configured = self._reconnect.addresses  # none is live, so the reconnector retries them all
+        raise RuntimeError("no live prefill worker is connected" + (
+            f"; reconnecting to {', '.join(configured)} with backoff, retry shortly" if configured else
+            "; start `jkv prefill-worker` processes"))
+
+    def _connect_worker(self, address: str, timeout: float) -> str:
+        name = self.worker.connect_one(address, connect_timeout=timeout)
+        self._owner_by_main[address.partition("|")[0]] = name
+        return name
+
     @property
     def num_waiting(self) -> int:
         return self._n_waiting
@@ -119,9 +143,11 @@ class DisaggBatcher:
                          threading.Thread(target=self._cancel_loop, name="jkv-decode-cancel", daemon=True)]
         for t in self._threads:
             t.start()
+        self._reconnect.start()
 
     def stop(self, timeout: float = 30.0):
         self._stop.set()
+        self._reconnect.close()
         self._inbox.put(None)
         with self._lock:
             running = list(self._running)
@@ -144,6 +170,16 @@ class DisaggBatcher:
         if out[0].finish_reason == "error":
             raise RuntimeError(f"warm-up request failed: {out[0].metrics.extra.get('error')}")
         log.debug("disaggregated warm-up in %.1fs", time.perf_counter() - t)
+
+    def readiness(self) -> tuple[bool, str | None]:
+        """(ready, why not) for /ready and /health: serving needs at least one live prefill worker."""
+        if not self._threads or not all(t.is_alive() for t in self._threads):
+            return False, "the decode engine is not running (stopped or crashed; see the server log)"
+        peers = self.worker.endpoint.peers
+        if not any(o in peers and peers[o].alive for o in self.worker.owners):
+            return False, (f"no live prefill worker is connected (known: {', '.join(self.worker.owners) or 'none'}); "
+                           "requests would fail until one is back")
+        return True, None
 
     def health(self) -> dict:
         """Extra /health fields: the prefill workers this decode worker knows and the KV it holds."""
@@ -229,11 +265,15 @@ class DisaggBatcher:
         name = self._owner_by_main.get(main)
         if name is not None and self.worker.owner_alive(name):
             return name
-        try:
-            name = self.worker.connect_one(address, connect_timeout=CONNECT_TIMEOUT_S)
-        except Exception as e:  # a dead address: round robin over the live workers instead
-            log.warning("cannot connect to prefill worker %s (%s); using another one", address, e)
-            return None
+        with self._reconnect.connecting(blocking=False) as ok:
+            if not ok:  # the reconnect thread is connecting right now: never stall the engine thread on it
+                log.info("prefill worker %s is being reconnected; using another one for this request", address)
+                return None
+            try:
+                name = self.worker.connect_one(address, connect_timeout=CONNECT_TIMEOUT_S)
+            except Exception as e:  # a dead address: round robin over the live workers instead
+                log.warning("cannot connect to prefill worker %s (%s); using another one", address, e)
+                return None
         self._owner_by_main[main] = name
         log.info("decode: connected to prefill worker %s at %s", name, address)
         return name

@@ -21,14 +21,14 @@ from __future__ import annotations
 import threading
 
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jkv.disagg.prefill_worker import PrefillWorker
 
 from . import protocol as P
 from .metrics import PrefillMetrics
-from .server import CountRequests, install_error_handlers
+from .server import CountRequests, LimitRequestBody, install_error_handlers
 
 
 class ServingPrefillWorker(PrefillWorker):
@@ -108,7 +108,7 @@ class ServingPrefillWorker(PrefillWorker):
 
 
 def create_prefill_app(worker: ServingPrefillWorker, metrics: PrefillMetrics, info: dict,
-                       on_shutdown=None) -> FastAPI:
+                       on_shutdown=None, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
     """info: static /health fields (transport_address, transport, selector, model, ...)."""
     import contextlib
 
@@ -120,6 +120,7 @@ def create_prefill_app(worker: ServingPrefillWorker, metrics: PrefillMetrics, in
 
     app = FastAPI(title="jkv prefill", lifespan=lifespan)
     install_error_handlers(app)
+    app.add_middleware(LimitRequestBody, max_bytes=max_request_bytes)
     app.add_middleware(CountRequests, metrics=metrics)
 
     @app.get("/health")
@@ -128,6 +129,10 @@ def create_prefill_app(worker: ServingPrefillWorker, metrics: PrefillMetrics, in
         return {"status": "ok", "role": "prefill", "name": worker.name, **info,
                 "inflight_requests": requests, "inflight_tokens": tokens,
                 "kv_host_bytes_in_use": worker.pool.bytes_in_use, "kv_host_requests": len(worker.pool.live())}
+
+    @app.get("/ready")
+    async def ready():  # the transport endpoint listens from before the app starts until shutdown
+        return JSONResponse({"status": "ready"})
 
     @app.get("/metrics")
     async def prometheus():

@@ -35,9 +35,9 @@ def add_serve(sub):
         "or router",
         "Serve a model over an OpenAI-compatible HTTP API (--role all), run one role of a disaggregated SmartGen "
         "deployment (--role prefill / decode; JKV_SECRET must hold the shared transport secret), or route "
-        "requests across servers (--role router). The disaggregated engine decodes static batches: requests "
-        "arriving while a batch decodes wait for the next one. Every option can also be given in a --config "
-        "YAML/TOML file; command-line flags win.")
+        "requests across servers (--role router). The disaggregated engine batches continuously: a request "
+        "joins the running decode batch as soon as its prefill hand-off arrives. Every option can also be "
+        "given in a --config YAML/TOML file; command-line flags win.")
 
 
 def add_decode_worker(sub):
@@ -79,6 +79,37 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
+
+
+class ChildReaper:
+    """Reaps local prefill worker processes that exit while the server runs (else each stays a
+    <defunct> zombie until the server exits) and logs each exit once, as a WARNING with its code.
+    One daemon thread polls `Popen.poll()` every `interval` seconds; `stop()` ends it."""
+
+    def __init__(self, procs, interval: float = 0.5):
+        import threading
+
+        self.procs, self.interval = procs, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="jkv-reaper", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self):
+        reported: set[int] = set()
+        while not self._stop.wait(self.interval):
+            for i, p in enumerate(list(self.procs)):
+                code = p.poll()  # waits for (reaps) an exited child
+                if code is not None and p.pid not in reported:
+                    reported.add(p.pid)
+                    log.warning("prefill-worker: local process prefill-%d (pid %d) exited with code %s; its "
+                                "requests fail and /ready reports 503 while no prefill worker is live", i, p.pid,
+                                code)
 
 
 def _secret() -> str:
@@ -142,11 +173,18 @@ def build_disaggregated(cfg: ServeConfig):
              model, cfg.mode, selector.name, cfg.strategy, cfg.transport, cfg.bandwidth or "unpaced", cfg.max_slots,
              dict(zip(cluster.decode.owners, addresses)))
 
+    reaper = None if remote else ChildReaper(cluster.workers.procs)
+    if reaper is not None:
+        reaper.start()
+
     def shutdown():
+        if reaper is not None:
+            reaper.stop()
         engine.stop()
         cluster.close()
 
-    app = create_app(engine, cfg.model_name, metrics, cfg.default_max_tokens, on_shutdown=shutdown)
+    app = create_app(engine, cfg.model_name, metrics, cfg.default_max_tokens, on_shutdown=shutdown,
+                     max_request_bytes=cfg.max_request_bytes)
     return app, engine
 
 
@@ -178,7 +216,8 @@ def build_prefill(cfg: ServeConfig):
         worker.close()
         runner.join(5)
 
-    return create_prefill_app(worker, metrics, info, on_shutdown=shutdown), worker
+    return create_prefill_app(worker, metrics, info, on_shutdown=shutdown,
+                              max_request_bytes=cfg.max_request_bytes), worker
 
 
 def build_all(cfg: ServeConfig):
@@ -201,7 +240,8 @@ def build_all(cfg: ServeConfig):
     engine.start()
     log.info("engine: %r, mode colocated continuous batching, %d decode slots x %d tokens of KV (N_max %d), "
              "one engine thread", model, cfg.max_slots, max_len, engine.n_max)
-    app = create_app(engine, cfg.model_name, metrics, cfg.default_max_tokens, on_shutdown=engine.stop)
+    app = create_app(engine, cfg.model_name, metrics, cfg.default_max_tokens, on_shutdown=engine.stop,
+                     max_request_bytes=cfg.max_request_bytes)
     return app, engine
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal, Optional, Union
+from typing import Callable, Literal, Optional, Sequence, Union
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -55,9 +55,19 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's cap for top_logprobs
+
+
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     echo: bool = False
+    max_tokens: Optional[int] = Field(default=None, ge=0)  # 0 only with echo: score the prompt
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def check_scoring(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens=0 generates nothing; it is only allowed with echo=true (to score the "
+                               "prompt with logprobs)", param="max_tokens")
 
     def prompts(self) -> list[Union[str, list[int]]]:
         p = self.prompt
@@ -93,6 +103,14 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_count(self) -> int | None:
+        """Top alternatives per token when logprobs are wanted, else None."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class RequestError(Exception):
@@ -135,8 +153,8 @@ def completion_body(rid: str, model: str, choices: list[dict], use: dict) -> dic
             "usage": use}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_chunk(rid: str, model: str, choices: list[dict], use: dict | None = None) -> dict:
@@ -151,8 +169,8 @@ def chat_body(rid: str, model: str, choices: list[dict], use: dict) -> dict:
             "usage": use}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
@@ -163,8 +181,33 @@ def chat_chunk(rid: str, model: str, choices: list[dict], use: dict | None = Non
     return body
 
 
-def chat_delta(index: int, delta: dict, finish_reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_delta(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_logprobs(entries: Sequence, token_text: Callable[[int], str], ids: Sequence[int],
+                        offset: int = 0) -> dict:
+    """OpenAI completions `logprobs` for tokens `ids` (entries: their `TokenLogprob`, or None where a
+    token has none: the first prompt token). text_offset counts characters from `offset`."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token_id, e in zip(ids, entries):
+        text = token_text(token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        token_lps.append(None if e is None else e.logprob)
+        tops.append(None if e is None else {token_text(t): lp for t, lp in e.top})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(entries: Sequence, token_text: Callable[[int], str]) -> dict:
+    """OpenAI chat `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
+    def one(token_id: int, logprob: float) -> dict:
+        text = token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [dict(one(e.token_id, e.logprob), top_logprobs=[one(t, lp) for t, lp in e.top])
+                        for e in entries]}
 
 
 def validation_message(errors: list[dict]) -> tuple[str, str | None]:

@@ -15,9 +15,15 @@ over requests the router is proxying to it, of estimated prompt tokens + max_tok
 router has no tokenizer, so prompt tokens are estimated as UTF-8 bytes / 4). Ties go to the
 one with fewer in-flight requests, then round-robin order.
 
-Health: a background task GETs each upstream's /health every `health_interval`; a failure (or a
-connection error while proxying) marks it unhealthy and it gets no new requests; a later
-passing check re-adds it. With no healthy upstream the router answers 503.
+Health: a background task GETs each upstream's /health every `health_interval`; a failure, a
+`status` other than "ok" (a server with no live prefill worker reports "degraded"), or a
+connection error while proxying marks it unhealthy and it gets no new requests; a later
+passing check re-adds it. With no healthy upstream the router answers 503 (and so does its
+own /ready; /health says which upstreams are down).
+
+The app is `_Proxy` (selection and I/O) behind two routers: `proxy_router` (the OpenAI routes)
+and `ops_router` (/health, /ready, /metrics); bodies over `max_request_bytes` get 413 before
+they are read.
 
 Failures while proxying: a connection failure before any byte reached the client is retried
 on the next healthy upstream; an upstream dying mid-stream ends the client's SSE stream with an
@@ -39,14 +45,14 @@ import logging
 import time
 
 import httpx
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from . import protocol as P
 from .config import UPSTREAM_KINDS, ServeConfig
 from .metrics import RouterMetrics
-from .server import PREFILL_WORKER_HEADER, CountRequests
+from .server import PREFILL_WORKER_HEADER, CountRequests, LimitRequestBody
 
 log = logging.getLogger(__name__)
 
@@ -128,57 +134,61 @@ def estimate_tokens(body: dict, raw_len: int) -> int:
         return raw_len // 4
 
 
-def create_router_app(cfg: ServeConfig) -> FastAPI:
-    metrics = RouterMetrics()
-    pools = [(u, "all") for u in cfg.upstream] + [(u, "prefill") for u in cfg.prefill] + \
-        [(u, "decode") for u in cfg.decode]
-    router = Router([Upstream(u, kind, order=sum(k == kind for _, k in pools[:i]))
-                     for i, (u, kind) in enumerate(pools)], metrics)
-    disaggregated = bool(cfg.decode)  # a --prefill/--decode pool takes the requests; --upstream is unused then
-    serving_kind = "decode" if disaggregated else "all"
-    state: dict = {}
+def health_verdict(status_code: int, body) -> tuple[bool, str]:
+    """(healthy, why not) from an upstream's /health answer: 200 and status "ok"."""
+    if status_code != 200:
+        return False, f"/health answered {status_code}"
+    if not isinstance(body, dict) or body.get("status") != "ok":
+        status = body.get("status") if isinstance(body, dict) else body
+        reason = body.get("reason") if isinstance(body, dict) else None
+        return False, f"/health reports {status!r}" + (f" ({reason})" if reason else "")
+    return True, ""
 
-    async def check_once(client: httpx.AsyncClient):
+
+class _Proxy:
+    """The router's state and I/O: health checks, prefill choice, proxying and stream relaying."""
+
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        self.metrics = RouterMetrics()
+        pools = [(u, "all") for u in cfg.upstream] + [(u, "prefill") for u in cfg.prefill] + \
+            [(u, "decode") for u in cfg.decode]
+        self.router = Router([Upstream(u, kind, order=sum(k == kind for _, k in pools[:i]))
+                              for i, (u, kind) in enumerate(pools)], self.metrics)
+        self.disaggregated = bool(cfg.decode)  # a --prefill/--decode pool takes the requests; --upstream is unused
+        self.serving_kind = "decode" if self.disaggregated else "all"
+        self.client: httpx.AsyncClient | None = None  # set by the app's lifespan
+
+    async def check_once(self):
         async def one(u: Upstream):
             try:
-                r = await client.get(u.url + "/health", timeout=cfg.health_timeout)
-                if r.status_code == 200 and u.kind == "prefill":
-                    u.info = r.json()  # transport_address, in-flight requests/tokens
-                router.mark(u, r.status_code == 200, f"/health answered {r.status_code}")
+                r = await self.client.get(u.url + "/health", timeout=self.cfg.health_timeout)
+                body = r.json() if r.status_code == 200 else None
+                if r.status_code == 200 and u.kind == "prefill" and isinstance(body, dict):
+                    u.info = body  # transport_address, in-flight requests/tokens
+                self.router.mark(u, *health_verdict(r.status_code, body))
             except (httpx.HTTPError, ValueError) as e:
-                router.mark(u, False, f"/health failed ({type(e).__name__})")
-        await asyncio.gather(*(one(u) for u in router.upstreams))
+                self.router.mark(u, False, f"/health failed ({type(e).__name__})")
+        await asyncio.gather(*(one(u) for u in self.router.upstreams))
 
-    async def health_loop(client):
+    async def health_loop(self):
         while True:
-            await check_once(client)
-            await asyncio.sleep(cfg.health_interval)
+            await self.check_once()
+            await asyncio.sleep(self.cfg.health_interval)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.upstream_timeout, connect=cfg.health_timeout),
-                                     limits=limits) as client:
-            state["client"] = client
-            await check_once(client)
-            task = asyncio.create_task(health_loop(client))
-            try:
-                yield
-            finally:
-                task.cancel()
+    def available(self) -> bool:
+        kinds = ("prefill", "decode") if self.disaggregated else ("all",)
+        return all(any(u.healthy and u.kind == k for u in self.router.upstreams) for k in kinds)
 
-    app = FastAPI(title="jkv router", lifespan=lifespan)
-    app.add_middleware(CountRequests, metrics=metrics)
-    app.state.router = router
-
-    async def pick_prefill(client: httpx.AsyncClient, tried: set[str]) -> tuple[Upstream, str]:
+    async def pick_prefill(self, tried: set[str]) -> tuple[Upstream, str]:
         """Least-loaded healthy prefill instance and its transport address (from its /health)."""
+        router = self.router
         while True:
             p = router.pick("prefill", exclude=tried)  # NoUpstreamError when none is left
             tried.add(p.url)
             if not p.info.get("transport_address"):
                 try:
-                    r = await client.get(p.url + "/health", timeout=cfg.health_timeout)
+                    r = await self.client.get(p.url + "/health", timeout=self.cfg.health_timeout)
                     p.info = r.json() if r.status_code == 200 else {}
                 except (httpx.HTTPError, ValueError) as e:
                     router.mark(p, False, f"/health failed ({type(e).__name__})")
@@ -187,7 +197,7 @@ def create_router_app(cfg: ServeConfig) -> FastAPI:
                 return p, p.info["transport_address"]
             router.mark(p, False, "/health reports no transport_address (not a `--role prefill` server?)")
 
-    async def proxy(request: Request, path: str):
+    async def proxy(self, request: Request, path: str):
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -196,38 +206,39 @@ def create_router_app(cfg: ServeConfig) -> FastAPI:
         except ValueError as e:
             return P.error_response(f"the request body is not a valid JSON object ({e})", 400, param="body")
         tokens = estimate_tokens(body, len(raw))
-        stream = bool(body.get("stream"))
-        client: httpx.AsyncClient = state["client"]
-        tried: set[str] = set()
-        t0 = time.perf_counter()
         headers = {"content-type": "application/json"}
         held: list[Upstream] = []  # prefill instance (disaggregated pool): released with the response
-        if disaggregated:
+        if self.disaggregated:
             try:
-                p, address = await pick_prefill(client, set())
+                p, address = await self.pick_prefill(set())
             except NoUpstreamError as e:
                 return P.error_response(str(e), 503, type_="service_unavailable")
-            router.acquire(p, tokens)
+            self.router.acquire(p, tokens)
             held.append(p)
             headers[PREFILL_WORKER_HEADER] = address
-            metrics.proxied.labels(p.url, p.kind, "picked").inc()
+            self.metrics.proxied.labels(p.url, p.kind, "picked").inc()
 
         def release_held():
             for h in held:
-                router.release(h, tokens)
+                self.router.release(h, tokens)
             held.clear()
 
+        return await self._send(path, raw, headers, tokens, bool(body.get("stream")), release_held)
+
+    async def _send(self, path: str, raw: bytes, headers: dict, tokens: int, stream: bool, release_held):
+        """POST to the least-loaded serving upstream; a refused connection moves on to the next."""
+        router, metrics, tried, t0 = self.router, self.metrics, set(), time.perf_counter()
         while True:
             try:
-                u = router.pick(serving_kind, exclude=tried)
+                u = router.pick(self.serving_kind, exclude=tried)
             except NoUpstreamError as e:
                 release_held()
                 return P.error_response(str(e), 503, type_="service_unavailable")
             tried.add(u.url)
             router.acquire(u, tokens)
             try:
-                req = client.build_request("POST", u.url + path, content=raw, headers=headers)
-                resp = await client.send(req, stream=True)
+                req = self.client.build_request("POST", u.url + path, content=raw, headers=headers)
+                resp = await self.client.send(req, stream=True)
             except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                 router.release(u, tokens)
                 router.mark(u, False, f"connection failed ({type(e).__name__})")
@@ -241,69 +252,114 @@ def create_router_app(cfg: ServeConfig) -> FastAPI:
                                         type_="upstream_error")
             metrics.ttft.observe(time.perf_counter() - t0)
             if stream and resp.status_code == 200:
-                return StreamingResponse(_relay_stream(u, resp, tokens, release_held), status_code=200,
+                return StreamingResponse(self._relay_stream(u, resp, tokens, release_held), status_code=200,
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            try:
-                content = await resp.aread()
-            except httpx.HTTPError as e:
-                metrics.proxied.labels(u.url, u.kind, "error").inc()
-                return P.error_response(f"upstream {u.url} died mid-response ({type(e).__name__})", 502,
-                                        type_="upstream_error")
-            finally:
-                await resp.aclose()
-                router.release(u, tokens)
-                release_held()
-            metrics.proxied.labels(u.url, u.kind, "ok" if resp.status_code < 500 else "error").inc()
-            return Response(content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type", "application/json"))
+            return await self._relay_body(u, resp, tokens, release_held)
 
-    async def _relay_stream(u: Upstream, resp: httpx.Response, tokens: int, release_held):
+    async def _relay_body(self, u: Upstream, resp: httpx.Response, tokens: int, release_held):
+        try:
+            content = await resp.aread()
+        except httpx.HTTPError as e:
+            self.metrics.proxied.labels(u.url, u.kind, "error").inc()
+            return P.error_response(f"upstream {u.url} died mid-response ({type(e).__name__})", 502,
+                                    type_="upstream_error")
+        finally:
+            await resp.aclose()
+            self.router.release(u, tokens)
+            release_held()
+        self.metrics.proxied.labels(u.url, u.kind, "ok" if resp.status_code < 500 else "error").inc()
+        return Response(content, status_code=resp.status_code,
+                        media_type=resp.headers.get("content-type", "application/json"))
+
+    async def _relay_stream(self, u: Upstream, resp: httpx.Response, tokens: int, release_held):
         outcome = "ok"
         try:
             async for chunk in resp.aiter_raw():
                 yield chunk
         except httpx.HTTPError as e:
             outcome = "died_mid_stream"
-            router.mark(u, False, f"died mid-stream ({type(e).__name__})")
+            self.router.mark(u, False, f"died mid-stream ({type(e).__name__})")
             err = P.error_body(f"upstream {u.url} failed mid-stream ({type(e).__name__}); the output is incomplete",
                                "upstream_error")
             yield f"\n\ndata: {json.dumps(err)}\n\n".encode()
         finally:
             await resp.aclose()  # on client disconnect this closes the upstream stream, which cancels there too
-            router.release(u, tokens)
+            self.router.release(u, tokens)
             release_held()
-            metrics.proxied.labels(u.url, u.kind, outcome).inc()
+            self.metrics.proxied.labels(u.url, u.kind, outcome).inc()
 
-    @app.post("/v1/completions")
+
+def proxy_router(px: _Proxy) -> APIRouter:
+    """POST /v1/completions, POST /v1/chat/completions (proxied), GET /v1/models (first healthy upstream)."""
+    api = APIRouter()
+
+    @api.post("/v1/completions")
     async def completions(request: Request):
-        return await proxy(request, "/v1/completions")
+        return await px.proxy(request, "/v1/completions")
 
-    @app.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await proxy(request, "/v1/chat/completions")
+        return await px.proxy(request, "/v1/chat/completions")
 
-    @app.get("/v1/models")
+    @api.get("/v1/models")
     async def models():
-        client: httpx.AsyncClient = state["client"]
-        for u in [u for u in router.upstreams if u.healthy and u.kind == serving_kind]:
+        for u in [u for u in px.router.upstreams if u.healthy and u.kind == px.serving_kind]:
             try:
-                r = await client.get(u.url + "/v1/models", timeout=cfg.health_timeout)
+                r = await px.client.get(u.url + "/v1/models", timeout=px.cfg.health_timeout)
                 return Response(r.content, status_code=r.status_code, media_type="application/json")
             except httpx.HTTPError:
-                router.mark(u, False, "/v1/models failed")
+                px.router.mark(u, False, "/v1/models failed")
         return P.error_response("no healthy upstream", 503, type_="service_unavailable")
 
-    @app.get("/health")
+    return api
+
+
+def ops_router(px: _Proxy) -> APIRouter:
+    """GET /health (200 or 503, with every upstream's state), GET /ready (the same verdict), GET /metrics."""
+    api = APIRouter()
+
+    @api.get("/health")
     async def health():
         ups = [{"url": u.url, "kind": u.kind, "healthy": u.healthy, "inflight_tokens": u.inflight_tokens,
-                "inflight_requests": u.inflight_requests} for u in router.upstreams]
-        kinds = ("prefill", "decode") if disaggregated else ("all",)
-        ok = all(any(u.healthy and u.kind == k for u in router.upstreams) for k in kinds)
+                "inflight_requests": u.inflight_requests} for u in px.router.upstreams]
+        ok = px.available()
         return JSONResponse({"status": "ok" if ok else "unavailable", "upstreams": ups},
                             status_code=200 if ok else 503)
 
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    @api.get("/ready")
+    async def ready():
+        ok = px.available()
+        return JSONResponse({"status": "ready"} if ok else
+                            {"status": "unready", "reason": "no healthy upstream of some needed kind"},
+                            status_code=200 if ok else 503)
 
+    @api.get("/metrics")
+    async def prometheus():
+        return Response(px.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return api
+
+
+def create_router_app(cfg: ServeConfig) -> FastAPI:
+    px = _Proxy(cfg)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.upstream_timeout, connect=cfg.health_timeout),
+                                     limits=limits) as client:
+            px.client = client
+            await px.check_once()
+            task = asyncio.create_task(px.health_loop())
+            try:
+                yield
+            finally:
+                task.cancel()
+
+    app = FastAPI(title="jkv router", lifespan=lifespan)
+    app.add_middleware(LimitRequestBody, max_bytes=cfg.max_request_bytes)
+    app.add_middleware(CountRequests, metrics=px.metrics)
+    app.state.router = px.router
+    app.include_router(proxy_router(px))
+    app.include_router(ops_router(px))
     return app

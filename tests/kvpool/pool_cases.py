@@ -1,5 +1,8 @@
 """Behaviour every KVPool backend must show; imported by the per-backend test modules."""
+import time
+
 import numpy as np
+import pytest
 
 from jkv.kvpool.hashing import ChunkNamespace, chunk_keys
 
@@ -44,3 +47,28 @@ def check_longest_prefix(pool):
     assert pool.delete(keys[1]) and not pool.delete(keys[1])
     assert pool.longest_prefix(prompt, NS) == 1               # a hole ends the prefix
     assert pool.contains(keys[2]) and not pool.contains(keys[1])
+
+
+def check_caller_errors(pool):
+    """A buffer too small for the stored chunk, or a buffer count that does not match the keys,
+    is the caller's error: ValueError naming the fix, whatever the backend."""
+    a, b = chunk_keys(list(range(8)), NS)
+    pool.put(a, chunk_payload(a))
+    with pytest.raises(ValueError, match="holds 10 bytes"):
+        pool.get_many([a], [np.zeros(10, np.uint8)])
+    with pytest.raises(ValueError, match="one each"):
+        pool.get_many([a, b], buffers(1))
+
+
+def check_dead_backend_misses(pool, prompt, keys, within_s: float):
+    """With the backend gone, every operation degrades within `within_s` seconds: reads miss
+    (never raise, never write a buffer), writes and deletes return False, errors are counted."""
+    out = buffers(4)
+    t0 = time.monotonic()
+    assert pool.get_many(keys, out) == [None] * 4                  # a miss, not an exception
+    assert pool.longest_prefix(prompt, NS) == 0
+    assert not pool.put(keys[0], chunk_payload(keys[0]))
+    assert not pool.contains(keys[0]) and not pool.delete(keys[0])
+    assert time.monotonic() - t0 < within_s
+    assert all((b == 0xAB).all() for b in out)                     # nothing written on a miss
+    assert pool.stats().errors >= 1

@@ -12,8 +12,8 @@ import pytest
 from jkv.kvpool.hashing import chunk_keys, key_from_name
 from jkv.kvpool.remote_pool import RemoteKVPool
 from jkv.kvpool.server import PoolServer, parse_size
-from tests.kvpool.pool_cases import (NS, buffers, check_longest_prefix, check_round_trip,
-                                     chunk_payload)
+from tests.kvpool.pool_cases import (NS, buffers, check_caller_errors, check_dead_backend_misses,
+                                     check_longest_prefix, check_round_trip, chunk_payload)
 from tests.kvpool.pool_server import REPO_ROOT, SECRET, PoolServerProcess
 
 CHUNK_BYTES = chunk_payload(chunk_keys([0] * 4, NS)[0]).nbytes
@@ -102,15 +102,7 @@ def test_killed_server_degrades_to_recompute_then_recovers():
         assert pool.longest_prefix(prompt, NS) == 4
 
         proc.stop()
-        out = buffers(4)
-        t0 = time.monotonic()
-        assert pool.get_many(keys, out) == [None] * 4                 # a miss, not an exception
-        assert pool.longest_prefix(prompt, NS) == 0
-        assert not pool.put(keys[0], chunk_payload(keys[0]))
-        assert not pool.contains(keys[0]) and not pool.delete(keys[0])
-        assert time.monotonic() - t0 < 3
-        assert all((b == 0xAB).all() for b in out)                    # nothing written on a miss
-        assert pool.stats().errors >= 1
+        check_dead_backend_misses(pool, prompt, keys, within_s=3)
 
         proc = PoolServerProcess(listen=address).start()              # same address, empty pool
         time.sleep(0.35)
@@ -165,12 +157,7 @@ def test_a_server_sending_wrong_bytes_causes_misses_not_hits():
 
 
 def test_caller_errors_are_clear(pool):
-    a, b = chunk_keys(list(range(8)), NS)
-    pool.put(a, chunk_payload(a))
-    with pytest.raises(ValueError, match="holds 10 bytes"):
-        pool.get_many([a], [np.zeros(10, np.uint8)])
-    with pytest.raises(ValueError, match="one each"):
-        pool.get_many([a, b], buffers(1))
+    check_caller_errors(pool)
     with pytest.raises(ValueError, match="op_timeout_s"):
         RemoteKVPool("127.0.0.1:1", secret=SECRET, op_timeout_s=0)
 

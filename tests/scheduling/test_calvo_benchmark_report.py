@@ -1,8 +1,8 @@
-"""experiments/calvo.py's multi-seed bookkeeping: merging held runs, paired per-seed figures,
-the CSV round trip and the figure (no model: synthetic rows)."""
+"""experiments/calvo.py's multi-seed bookkeeping (jkv/scheduling/report.py): merging held runs,
+paired per-seed figures, the CSV round trip and the figure (no model: synthetic rows)."""
 import pytest
 
-from experiments.calvo_report import aggregate, merge_rows, read_rows, write_outputs
+from jkv.scheduling.report import aggregate, merge_rows, read_rows, write_outputs
 
 POLICY_TTFT = {"serialized-fifo": (2.0, 0.5), "fifo": (1.0, 0.7), "sjf-pt": (0.9, 0.8),
                "sjf": (0.6, 0.9), "srpt": (0.45, 0.9), "edf": (0.8, 0.85), "lstf": (0.7, 0.95)}
@@ -64,8 +64,8 @@ def test_rows_from_before_the_demotion_columns_merge_and_aggregate(tmp_path):
 
 
 def test_recording_demotions_sees_what_lstf_ranks_hopeless():
-    from experiments.calvo import recording_demotions
     from jkv.scheduling import CostModel, RequestInfo, make_policy
+    from jkv.scheduling.variants import recording_demotions
     model = CostModel(a=1e-5, b=0.0, c=1e-3, d=0.0)
     demoted = set()
     key = recording_demotions(make_policy("lstf", model), demoted).progress_key
@@ -76,11 +76,11 @@ def test_recording_demotions_sees_what_lstf_ranks_hopeless():
     assert recording_demotions(make_policy("edf"), demoted).progress_key is None
 
 
-def test_lstf_variants_experiment_runs_and_variants_behave(tmp_path, capsys):
+def test_lstf_variants_experiment_runs_and_variants_behave(tmp_path, run_experiment):
     import csv
 
-    from experiments.calvo_lstf_variants import VARIANTS, main, sticky_lstf
     from jkv.scheduling import CostModel, RequestInfo
+    from jkv.scheduling.variants import VARIANTS, sticky_lstf
     model = CostModel(a=1e-5, b=0.0, c=1e-3, d=0.0)
     r = RequestInfo("r", 0.0, 40_000, 0, deadline_s=2.0)
     frozen = sticky_lstf(model, "freeze").progress_key
@@ -91,16 +91,17 @@ def test_lstf_variants_experiment_runs_and_variants_behave(tmp_path, capsys):
     m0 = mono(r, 30_000, 0.1)
     assert mono(r, 10_000, 0.2) == m0               # slack would rise: held
     assert mono(r, 10_000, 1.9)[1] < m0[1]          # slack falls: follows
-    main(["--seeds", "1", "--contexts", "2", "--queries", "2", "--loads", "1.0",
-          "--out-dir", str(tmp_path)])
+    done = run_experiment("calvo_lstf_variants.py", "--seeds", "1", "--contexts", "2",
+                          "--queries", "2", "--loads", "1.0", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
     with open(tmp_path / "calvo_lstf_variants_sigma0.csv") as f:
         rows = list(csv.DictReader(f))
     assert {row["policy"] for row in rows} == set(VARIANTS)
-    assert "minus EDF" in capsys.readouterr().out
+    assert "minus EDF" in done.stdout
 
 
 def test_markdown_tables_carry_the_paired_figures_and_the_sustain_check():
-    from experiments.calvo_report import markdown_tables
+    from jkv.scheduling.report import markdown_tables
     # utilisation 0.96 and 1.0 over 48 requests each: pooled 0.98 > 0.97, not sustained
     rows = [dict(r, baseline_completed=30, baseline_arrived=32, capacity_measured_qps=2.0,
                  baseline_utilisation=0.96 + 0.04 * r["seed"], baseline_mg1_ttft_s=8.0)
@@ -115,11 +116,11 @@ def test_markdown_tables_carry_the_paired_figures_and_the_sustain_check():
     assert "| 1.50× | 2.00× | 85 / 95 / 50% |" in text     # SJF-PT / SJF, / SRPT; SLOs (seed 0)
 
 
-def test_calvo_refuses_a_control_load_outside_the_sweep(tmp_path, capsys):
-    from experiments.calvo import main
-    with pytest.raises(SystemExit):       # before any model or pool starts
-        main(["--scenarios", "full-hit", "--loads", "0.9,0.95", "--baseline-only-loads", "1.0",
-              "--policies", "serialized-fifo,sjf", "--out-dir", str(tmp_path)])
-    err = capsys.readouterr().err
+def test_calvo_refuses_a_control_load_outside_the_sweep(tmp_path, run_experiment):
+    done = run_experiment("calvo.py", "--scenarios", "full-hit", "--loads", "0.9,0.95",
+                          "--baseline-only-loads", "1.0", "--policies", "serialized-fifo,sjf",
+                          "--out-dir", str(tmp_path))
+    assert done.returncode == 2           # argparse's usage error, before any model or pool starts
+    err = done.stderr
     assert "--baseline-only-loads [1.0] not among the swept loads [0.9, 0.95]" in err
     assert list(tmp_path.iterdir()) == []

@@ -1,11 +1,11 @@
-"""experiments/calvo_capacity.py: the baseline's measured capacity, its interference-free TTFTs
+"""jkv/scheduling/capacity.py: the baseline's measured capacity, its interference-free TTFTs
 and the operational "sustains this load" check (fake clocks and synthetic queues, no model)."""
 import numpy as np
 import pytest
 
-from experiments.calvo_capacity import (MAX_UTILISATION, highest_sustained_load,
-                                        in_run_service, mg1_mean_ttft, pooled_throughput_ratio,
-                                        pooled_utilisation, probe_baseline, sustain_check)
+from jkv.scheduling.capacity import (MAX_UTILISATION, highest_sustained_load,
+                                     in_run_service, mg1_mean_ttft, pooled_throughput_ratio,
+                                     pooled_utilisation, probe_baseline, sustain_check)
 
 
 class FakeClock:
@@ -132,14 +132,14 @@ def test_highest_sustained_load_pools_the_seeds():
     assert highest_sustained_load(rows, "full-hit") == 0.85
     assert highest_sustained_load(rows, "mixed-hit") is None
     # the benchmark's summary carries the same pooled ratio and picks the same load
-    from experiments.calvo_report import aggregate, sustained_load
+    from jkv.scheduling.report import aggregate, sustained_load
     full = [dict(r, qps=1.0, link="1gbit", mean_s=1.0, p50_s=1.0, p99_s=1.0,
                  slo_attainment=1.0) for r in rows if r["policy"] == "serialized-fifo"]
     assert sustained_load(aggregate(full), "full-hit") == 0.85
 
 
 def test_probe_from_rows_rebuilds_an_earlier_runs_probe():
-    from experiments.calvo_capacity import probe_from_rows
+    from jkv.scheduling.capacity import probe_from_rows
     runs = [dict(scenario="full-hit", seed=1, policy="serialized-fifo", load=0.9,
                  capacity_measured_qps="2.5"),
             dict(scenario="full-hit", seed=1, policy="serialized-fifo", load=0.95,

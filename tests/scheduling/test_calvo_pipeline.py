@@ -8,7 +8,7 @@ import pytest
 
 from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig, make_policy,
                             run_serialized)
-from tests.scheduling.fake_stages import FakeStages, expected_value, make_request
+from jkv.scheduling.testing import FakeStages, expected_value, make_request
 
 
 def overlaps(a, b):

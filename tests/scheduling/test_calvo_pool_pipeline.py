@@ -11,7 +11,7 @@ from jkv.scheduling import (LoadingPipeline, PipelineConfig, RequestInfo, StageF
 from jkv.scheduling.pool_stages import pool_fetch
 from jkv.scheduling.simulator import StageTimes, simulate_pipelined, to_pipeline_request
 from tests.kvpool.redis_server import RedisServer, needs_redis_server
-from tests.scheduling.fake_stages import FakeStages, chunk_data, expected_value, make_request
+from jkv.scheduling.testing import FakeStages, chunk_data, expected_value, make_request
 
 NS = ChunkNamespace("fake-model", "int64", 4)
 

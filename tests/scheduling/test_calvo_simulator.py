@@ -98,10 +98,10 @@ def test_paper_like_link_scaling():
         StageTimes.paper_like(link_gbps=0)
 
 
-def test_experiment_script_runs_end_to_end(tmp_path, capsys):
-    from experiments.calvo_sim import main
-    main(["--contexts", "2", "--queries", "3", "--min-context", "1024", "--max-context", "2048",
-          "--out-dir", str(tmp_path)])
+def test_experiment_script_runs_end_to_end(tmp_path, run_experiment):
+    done = run_experiment("calvo_sim.py", "--contexts", "2", "--queries", "3", "--min-context",
+                          "1024", "--max-context", "2048", "--out-dir", str(tmp_path))
+    assert done.returncode == 0, done.stderr
     assert (tmp_path / "calvo_sim.csv").stat().st_size > 0
     assert (tmp_path / "calvo_sim.png").stat().st_size > 0
-    assert "pipelined SJF mean TTFT" in capsys.readouterr().out
+    assert "pipelined SJF mean TTFT" in done.stdout

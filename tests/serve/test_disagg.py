@@ -5,6 +5,8 @@ KV is left on any role (their /health leak counters)."""
 import argparse
 import asyncio
 import json
+import logging
+import os
 import signal
 import threading
 import time
@@ -318,3 +320,89 @@ def test_disaggregated_flags_and_config_file(tmp_path):
 def test_bad_disaggregated_options_name_the_value(kw, match):
     with pytest.raises(ValueError, match=match):
         ServeConfig(**kw)
+
+
+# ----------------------------------------------------------------------------- hardening (issue 23)
+def test_logprobs_on_the_disaggregated_engine_are_a_400_naming_them(live):
+    for body in ({"prompt": "fox", "max_tokens": 2, "logprobs": 1},
+                 {"prompt": "fox", "max_tokens": 0, "echo": True},
+                 {"messages": [{"role": "user", "content": "fox"}], "max_tokens": 2, "logprobs": True}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(live.router.url + path, json=dict(body, model="tiny"), timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "not supported by the disaggregated engine" in err["message"] and err["param"] in (
+            "logprobs", "max_tokens"), err
+
+
+def _state(pid: int) -> str | None:
+    """The /proc state letter of `pid` ("Z" for a zombie), None once it is gone (reaped)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(line.split()[1] for line in f if line.startswith("State:"))
+    except FileNotFoundError:
+        return None
+
+
+def test_no_live_prefill_worker_is_unready_and_the_router_stops_routing_there(tiny_dir, cache_env):
+    s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0", *TRANSFER,
+                       "--disaggregation", "smartgen", "--num-prefill-workers", "1", "--max-model-len", "256"],
+                      env=cache_env)
+    router = None
+    try:
+        router = ServerProcess(["--role", "router", "--port", "0", "--upstream", s.url, "--health-interval", "0.2"])
+        assert httpx.get(s.url + "/ready", timeout=10).status_code == 200 and health(s.url)["status"] == "ok"
+        line = next(x for x in s.log if "local process prefill-0 (pid" in x)
+        pid = int(line.split("(pid ")[1].split(")")[0])
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: httpx.get(s.url + "/ready", timeout=10).status_code == 503, what="/ready turning 503")
+        h = health(s.url)
+        assert h["status"] == "degraded" and not h["ready"] and "no live prefill worker" in h["reason"], h
+        wait_for(lambda: _state(pid) is None, timeout=10, what=f"the killed worker (pid {pid}) being reaped")
+        wait_for(lambda: not health(router.url)["upstreams"][0]["healthy"], what="the router dropping the upstream")
+        assert httpx.get(router.url + "/ready", timeout=10).status_code == 503
+        r = httpx.post(router.url + "/v1/completions", json={"model": "tiny", "prompt": "fox", "max_tokens": 2},
+                       timeout=30)
+        assert r.status_code == 503, r.text
+        assert "exited with code -9" in "".join(s.log)
+    finally:
+        if router is not None:
+            assert router.stop() == 0, "".join(router.log[-30:])
+        assert s.stop() == 0, "".join(s.log[-30:])
+
+
+def test_serve_help_says_the_disaggregated_engine_batches_continuously():
+    from jkv.serving.launch import add_serve
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_serve(sub)
+    text = " ".join(sub.choices["serve"].format_help().split())
+    assert "static batches" not in text and "batches continuously" in text
+
+
+def test_decode_peer_gone_before_prefill_is_a_warning_not_an_error(tiny_dir, caplog):
+    from types import SimpleNamespace
+
+    from jkv.disagg import protocol as proto
+    from jkv.disagg.prefill_worker import PrefillWorker
+    from jkv.disagg.selectors import build_selector
+    from models import load_model
+
+    model = load_model(str(tiny_dir), use_cache=False)
+    worker = PrefillWorker(model, build_selector(model, "streamingllm"), "prefill-t", secret=SECRET["JKV_SECRET"])
+    caplog.set_level(logging.INFO, logger="jkv")
+    runner = threading.Thread(target=worker.run)
+    runner.start()
+    try:
+        # what the "prefill" notification hook enqueues, from a decode worker that has disconnected since
+        worker._jobs.put(SimpleNamespace(peer="decode-gone", payload=proto.pack(
+            {"requests": [{"rid": "req-gone-1", "tokens": [1, 2, 3]}]})))
+        wait_for(lambda: any("req-gone-1" in r.getMessage() for r in caplog.records), timeout=10,
+                 what="the dropped request being logged")
+    finally:
+        worker.close()
+        runner.join(10)
+    mine = [r for r in caplog.records if "req-gone-1" in r.getMessage() or "decode-gone" in r.getMessage()]
+    assert mine and all(r.levelno == logging.WARNING and r.exc_info is None for r in mine), \
+        [(r.levelname, r.getMessage()) for r in mine]
+    assert "decode-gone" in mine[0].getMessage()

@@ -10,7 +10,8 @@ from tests.smartgen.smartgen_cases import MODEL_SPEC
 
 def test_llm_disaggregated_smartgen_matches_colocated_sparse_decode(model, selectors, prompts):
     dis = Disaggregation(mode="smartgen", selector="oracle", transport="tcp", bandwidth="50mbit", prefill_workers=1,
-                         strategy="sequential", kr_fraction=0.3, max_blocks=16, model_spec=MODEL_SPEC)
+                         strategy="sequential", kr_fraction=0.3, max_blocks=16, model_spec=MODEL_SPEC,
+                         min_budget=0)  # the bare 20% budget: these short prompts must decode sparsely
     with LLM(model, disaggregation=dis) as llm:
         procs = list(llm._engine.workers.procs)
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))

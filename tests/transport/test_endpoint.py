@@ -10,7 +10,7 @@ import pytest
 
 from transport import (AuthError, BackendUnavailable, Endpoint, Mask, OpTimeout, RemoteError,
                        TransferState, TransportError, aligned_empty)
-from transport.auth import _proof, _recv, _send, client_handshake
+from transport.auth import Deadline, client_handshake, proof, recv_frame, send_frame
 from transport.wire import HEADER_SIZE, Op
 
 from transport_consts import SECRET  # noqa: E402  (tests/transport is on sys.path)
@@ -138,15 +138,14 @@ def test_wrong_secret_refused_by_client_and_server(make_endpoint):
     intruder = make_endpoint("intruder", secret="another-secret")
     with pytest.raises(AuthError, match="failed to prove the shared secret"):
         intruder.connect(address)
-    # A client that ignores the server's proof and guesses: the server refuses it and never
-    # answers a region query on that socket.
+    # A client that guesses: the server refuses it and never answers a region query on that socket.
     host, port = address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
-        _send(s, Op.HELLO, b"n" * 32 + b"tcp".ljust(8, b"\0") + b"guesser", 1)
-        challenge = _recv(s, Op.CHALLENGE)
-        _send(s, Op.AUTH, _proof(b"wrong-secret", b"client", challenge[:32], b"n" * 32, b"tcp\0\0\0\0\0"), 2)
+        send_frame(s, Op.HELLO, b"n" * 32 + b"tcp".ljust(8, b"\0") + b"guesser", 1)
+        challenge = recv_frame(s, Op.CHALLENGE, Deadline(5))
+        send_frame(s, Op.AUTH, proof(b"wrong-secret", "client", b"jkvt-v2" + challenge[:32]), 2)
         with pytest.raises(AuthError, match="wrong shared secret"):
-            _recv(s, Op.WELCOME)
+            recv_frame(s, Op.WELCOME, Deadline(5))
         try:
             s.sendall(b"\0" * HEADER_SIZE)
             assert s.recv(1) == b""  # closed, nothing exposed
@@ -165,7 +164,7 @@ def test_backend_mismatch_and_garbage_clients_refused(make_endpoint):
     host, port = server.listen().rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as s:
         with pytest.raises(AuthError, match="backend mismatch"):
-            client_handshake(s, SECRET.encode(), "c", "shm")
+            client_handshake(s, SECRET.encode(), "c", "shm", Deadline(5))
     with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64)
         try:

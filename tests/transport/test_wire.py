@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from transport import FrameError
-from transport.wire import (FLAG_ACK, FLAG_ERR, HEADER_SIZE, Header, Op, crc32c, decode_header,
+from transport.wire import (FLAG_ACK, FLAG_ERR, HEADER_SIZE, VERSION, Header, Op, crc32c, decode_header,
                             encode_header, pack_named, unpack_named)
 
 U64 = st.integers(0, 2**64 - 1)
@@ -55,7 +55,7 @@ def test_header_errors_name_the_problem(mutate, match):
 def test_unknown_op_and_flags_rejected_even_with_valid_checksum():
     import struct
     for op, flags, match in ((99, 0, "unknown op"), (int(Op.PING), 0x80, "flag")):
-        body = struct.pack("<4sBBHIQQQQI", b"JKVT", 1, op, flags, 0, 1, 0, 0, 0, 0)
+        body = struct.pack("<4sBBHIQQQQI", b"JKVT", VERSION, op, flags, 0, 1, 0, 0, 0, 0)
         with pytest.raises(FrameError, match=match):
             decode_header(body + struct.pack("<I", crc32c(body)))
 

@@ -1,0 +1,56 @@
+"""What every experiment script shares: where outputs go, the CSV writer, the common flags
+(`--model`, `--seed`, `--out` / `--out-dir`) and logging.
+
+Scripts import it as `from experiments.common import ...` with the repository root on the path
+(`PYTHONPATH=.`, as every script's usage line assumes). Only the standard library is imported
+at module level, so `--help` and the light benchmarks (bench_transport.py, serve_load.py) stay
+free of the JAX stack; `write_csv` loads the package's writer when it is first called.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+from collections.abc import Iterable, Sequence
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = REPO / "experiments" / "results"
+# models.DEFAULT_MODEL, spelled out so that parsing arguments does not import JAX.
+DEFAULT_MODEL = "smollm2-135m-instruct"
+LOG_FORMAT = "%(asctime)s %(name)s: %(message)s"
+
+
+def write_csv(path: str | os.PathLike, rows: Iterable[dict],
+              fields: Sequence[str] | None = None) -> None:
+    """`jkv.eval.csvfile.write_csv`: columns are `fields` when given (other keys dropped), else
+    every key in first-seen order over the rows."""
+    # Imported here, not at the top: importing jkv loads JAX (seconds), which scripts that only
+    # parse arguments or time sockets should not pay before they need to write.
+    from jkv.eval.csvfile import write_csv as write
+    write(path, rows, fields)
+
+
+def add_model_arg(parser: argparse.ArgumentParser, default: str = DEFAULT_MODEL) -> None:
+    parser.add_argument("--model", default=default,
+                        help=f"model name or path (default {default})")
+
+
+def add_seed_arg(parser: argparse.ArgumentParser, default: int = 0) -> None:
+    parser.add_argument("--seed", type=int, default=default,
+                        help=f"random seed (default {default})")
+
+
+def add_out_arg(parser: argparse.ArgumentParser, default: str | os.PathLike = RESULTS,
+                flag: str = "--out") -> None:
+    """`flag` (e.g. --out, --out-dir) naming where the script writes: a folder, or a file when
+    `default` names one (default under experiments/results/)."""
+    what = "folder" if pathlib.Path(default).suffix == "" else "file"
+    parser.add_argument(flag, default=str(default), help=f"output {what} (default {default})")
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """Timestamped `name: message` lines on stderr; absl's and JAX's backend chatter at WARNING."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    for noisy in ("absl", "jax._src.xla_bridge"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
