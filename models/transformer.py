@@ -69,14 +69,14 @@ class DecoderLayer(nn.Module):
         self.q_proj = dense(c.num_heads * c.head_dim, c.qkv_bias)
         self.k_proj = dense(c.num_kv_heads * c.head_dim, c.qkv_bias)
         self.v_proj = dense(c.num_kv_heads * c.head_dim, c.qkv_bias)
-        self.o_proj = dense(c.hidden_size)
+        self.o_proj = dense(c.hidden_size, c.o_bias)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.rms_norm_eps, dt)
             self.k_norm = RMSNorm(c.rms_norm_eps, dt)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, dt)
-        self.gate_proj = dense(c.intermediate_size)
-        self.up_proj = dense(c.intermediate_size)
-        self.down_proj = dense(c.hidden_size)
+        self.gate_proj = dense(c.intermediate_size, c.mlp_bias)
+        self.up_proj = dense(c.intermediate_size, c.mlp_bias)
+        self.down_proj = dense(c.hidden_size, c.mlp_bias)
 
     def qkv(self, x, positions):
         """x: [B, T, hidden], positions: i32[B, T] -> q [B,T,H,D], k [B,T,H_kv,D], v [B,T,H_kv,D]."""

@@ -33,12 +33,26 @@ _HF_LAYER_MAP = {
     "self_attn.q_proj.bias": ("q_proj", "bias", False),
     "self_attn.k_proj.bias": ("k_proj", "bias", False),
     "self_attn.v_proj.bias": ("v_proj", "bias", False),
+    "self_attn.o_proj.bias": ("o_proj", "bias", False),
     "self_attn.q_norm.weight": ("q_norm", "scale", False),
     "self_attn.k_norm.weight": ("k_norm", "scale", False),
     "mlp.gate_proj.weight": ("gate_proj", "kernel", True),
     "mlp.up_proj.weight": ("up_proj", "kernel", True),
     "mlp.down_proj.weight": ("down_proj", "kernel", True),
+    "mlp.gate_proj.bias": ("gate_proj", "bias", False),
+    "mlp.up_proj.bias": ("up_proj", "bias", False),
+    "mlp.down_proj.bias": ("down_proj", "bias", False),
 }
+
+# Tensors a checkpoint may carry that do not change the math: RoPE inverse-frequency buffers
+# (older transformers saved them; jkv computes the same frequencies from the config). Loading
+# skips them with a warning; any other tensor jkv does not map is an error naming it, since
+# dropping a weight the model uses silently changes its outputs (issue 23: a dropped o_proj bias).
+HARMLESS_EXTRA_SUFFIXES = ("rotary_emb.inv_freq",)
+
+# (config flag, modules whose bias it switches on)
+_BIAS_FLAGS = (("qkv_bias", ("q_proj", "k_proj", "v_proj")), ("o_bias", ("o_proj",)),
+               ("mlp_bias", ("gate_proj", "up_proj", "down_proj")))
 
 # GGUF tensor name (after `blk.{i}.`) -> HF name (after `model.layers.{i}.`)
 _GGUF_LAYER_MAP = {
@@ -51,12 +65,21 @@ _GGUF_LAYER_MAP = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.bias": "self_attn.o_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate.bias": "mlp.gate_proj.bias",
+    "ffn_up.bias": "mlp.up_proj.bias",
+    "ffn_down.bias": "mlp.down_proj.bias",
 }
+
+
+def _hf_name(module: str, pname: str) -> str:
+    """The HF per-layer tensor name of a jkv (module, param) (inverse of _HF_LAYER_MAP)."""
+    return next(k for k, (m, p, _) in _HF_LAYER_MAP.items() if (m, p) == (module, pname))
 
 
 def _np_dtype(dtype: str):
@@ -70,14 +93,16 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> 
     dt = _np_dtype(cfg.dtype)
     conv = lambda a, t=False: np.ascontiguousarray((a.T if t else a).astype(dt))
     layers = [dict() for _ in range(cfg.num_layers)]
-    unused = []
+    unknown, harmless = [], []
     params: dict = {}
     for name, a in tensors.items():
-        if name.startswith("model.layers."):
+        if name.endswith(HARMLESS_EXTRA_SUFFIXES):
+            harmless.append(name)
+        elif name.startswith("model.layers."):
             rest = name[len("model.layers."):]
             idx, _, sub = rest.partition(".")
-            if sub not in _HF_LAYER_MAP or int(idx) >= cfg.num_layers:
-                unused.append(name)
+            if sub not in _HF_LAYER_MAP or not idx.isdigit() or int(idx) >= cfg.num_layers:
+                unknown.append(name)
                 continue
             module, pname, transpose = _HF_LAYER_MAP[sub]
             layers[int(idx)].setdefault(module, {})[pname] = conv(a, transpose)
@@ -86,20 +111,35 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> 
         elif name == "model.norm.weight":
             params["norm"] = {"scale": conv(a)}
         elif name == "lm_head.weight":
-            if not cfg.tie_word_embeddings:
+            if not cfg.tie_word_embeddings:  # tied: the reference uses the embedding, as jkv does
                 params["lm_head"] = {"kernel": conv(a, True)}
         else:
-            unused.append(name)
-    if unused:
-        log.warning("ignored %d tensors jkv does not use, e.g. %s", len(unused), unused[:3])
+            unknown.append(name)
+    if unknown:
+        raise ModelLoadError(f"checkpoint has {len(unknown)} tensor(s) jkv does not know, e.g. {sorted(unknown)[:5]}; "
+                             f"ignoring them would change the model's outputs. jkv runs {cfg.family} layers "
+                             f"0..{cfg.num_layers - 1} with the tensors of models/weights.py's maps; check that "
+                             "config.json matches the checkpoint (num_hidden_layers, attention_bias, mlp_bias)")
+    if harmless:
+        log.warning("skipped %d tensor(s) that do not change the math (RoPE frequencies jkv computes itself): %s",
+                    len(harmless), sorted(harmless)[:3])
     expected = {"input_layernorm", "post_attention_layernorm", "q_proj", "k_proj", "v_proj", "o_proj",
                 "gate_proj", "up_proj", "down_proj"} | ({"q_norm", "k_norm"} if cfg.qk_norm else set())
     for i, layer in enumerate(layers):
         missing = expected - set(layer)
         if missing:
             raise ModelLoadError(f"layer {i} is missing weights for {sorted(missing)}; the checkpoint is incomplete")
-        if cfg.qkv_bias and not all("bias" in layer[m] for m in ("q_proj", "k_proj", "v_proj")):
-            raise ModelLoadError(f"layer {i}: config says q/k/v projections have biases but the checkpoint has none")
+        for flag, modules in _BIAS_FLAGS:
+            have = [m for m in modules if "bias" in layer[m]]
+            if getattr(cfg, flag) and len(have) < len(modules):
+                raise ModelLoadError(f"layer {i}: the config sets {flag} (biases on {list(modules)}) but the "
+                                     f"checkpoint has no bias for {sorted(set(modules) - set(have))}; it is "
+                                     "incomplete or config.json's attention_bias / mlp_bias is wrong")
+            if have and not getattr(cfg, flag):
+                raise ModelLoadError(f"layer {i}: the checkpoint has biases for {have} "
+                                     f"(e.g. model.layers.{i}.{_hf_name(have[0], 'bias')}) but the config does "
+                                     f"not enable them ({flag}=False; config.json attention_bias / mlp_bias), so "
+                                     "they would be dropped and the outputs change; fix config.json")
     for key in ("embed_tokens", "norm") + (() if cfg.tie_word_embeddings else ("lm_head",)):
         if key not in params:
             raise ModelLoadError(f"checkpoint has no {key} weights; it is incomplete")
@@ -175,7 +215,8 @@ def config_from_gguf_fields(fields: dict, tensor_names: set[str], dtype: str) ->
         num_heads=n_heads, num_kv_heads=int(g("attention.head_count_kv", n_heads)), head_dim=head_dim,
         rope_theta=float(g("rope.freq_base", 10000.0)), rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         tie_word_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names, qk_norm=family == "qwen3",
+        qkv_bias="blk.0.attn_q.bias" in tensor_names, o_bias="blk.0.attn_output.bias" in tensor_names,
+        mlp_bias="blk.0.ffn_up.bias" in tensor_names, qk_norm=family == "qwen3",
         max_position_embeddings=int(g("context_length", 8192)),
         bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),) if eos is not None else (), dtype=dtype,
@@ -214,15 +255,15 @@ def load_gguf(path: str | Path, dtype: str = "float32") -> tuple[ModelConfig, di
             hf["model.norm.weight"] = a
         elif t.name == "output.weight":
             hf["lm_head.weight"] = a
-        elif t.name.startswith("blk."):
+        elif t.name.startswith("blk.") and t.name.count(".") >= 2 and t.name.split(".", 2)[2] in _GGUF_LAYER_MAP:
             _, idx, sub = t.name.split(".", 2)
-            if sub not in _GGUF_LAYER_MAP:
-                continue
             if permute and sub in ("attn_q.weight", "attn_q.bias"):
                 a = _unpermute_rope_rows(a, cfg.num_heads)
             elif permute and sub in ("attn_k.weight", "attn_k.bias"):
                 a = _unpermute_rope_rows(a, cfg.num_kv_heads)
             hf[f"model.layers.{idx}.{_GGUF_LAYER_MAP[sub]}"] = a
+        else:  # the HF-name check below refuses it, naming the GGUF tensor
+            hf[f"gguf:{t.name}"] = a
     tok = Tokenizer.from_gguf_fields(fields) if "tokenizer.ggml.model" in fields else None
     if tok is None:
         log.warning("%s has no tokenizer metadata; the model accepts token ids only", path)

@@ -9,10 +9,16 @@
         -> [B, H, D]
     sparse_decode_attention_partials(...) -> (out f32[B, H, D], lse f32[B, H])
     merge_partials((o1, lse1), (o2, lse2)) -> (o, lse)
+    paged_decode_attention_partials(q: [B, H, D], k_pages, v_pages: [num_pages, H_kv, P, D],
+        page_table: i32[B, max_pages], lengths: i32[B]) -> (out f32[B, H, D], lse f32[B, H])
 
-Backends: "pallas" (compiled Pallas Triton kernels; GPU only), "interpret" (the same kernels in
-Pallas interpret mode; for tests on CPU, slow), "xla" (the pure-jnp references, which XLA compiles
-well on CPU), "auto" (pallas when JAX's default backend is a GPU, else xla; the default). The
+Backends: "mosaic" (Hopper+: sparse attention by the Mosaic GPU kernel of `mosaic_attention`,
+the other ops by the Triton kernels; shapes or dtypes the Mosaic kernel does not take (f32, a
+head dim whose rows are not a multiple of 128 bytes) fall back to Triton), "pallas" (compiled
+Pallas Triton kernels; GPU only), "interpret" (the Triton kernels in Pallas interpret mode; for
+tests on CPU, slow), "xla" (the pure-jnp references, which XLA compiles well on CPU), "auto" (the
+default: on a GPU of compute capability >= 9.0 "mosaic", on another GPU "pallas", without the
+Triton backend or without a GPU "xla"; it logs its choice once, when first resolved). The
 choice is read when an op is traced, and `jax.jit` caches traces per function, so a caller jitted
 before a switch keeps its old backend: choose once at startup with `set_backend(name)`; tests use
 `with backend(name): ...` (restores the previous choice) around freshly jitted functions.
@@ -29,13 +35,14 @@ from typing import Iterator
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import sparse_attention, split_reorder as split_reorder_mod, topk
+from pallas_kernels import mosaic_attention, sparse_attention
+from pallas_kernels import split_reorder as split_reorder_mod, topk
 from pallas_kernels._common import TRITON_AVAILABLE
 from pallas_kernels.sparse_attention import merge_partials
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "pallas", "xla", "interpret")
+BACKENDS = ("auto", "mosaic", "pallas", "xla", "interpret")
 _backend = "auto"
 
 __all__ = [
@@ -43,6 +50,7 @@ __all__ = [
     "backend",
     "get_backend",
     "merge_partials",
+    "paged_decode_attention_partials",
     "resolved_backend",
     "set_backend",
     "sparse_decode_attention",
@@ -54,11 +62,16 @@ __all__ = [
 
 
 def set_backend(name: str) -> None:
-    """Choose the implementation for every op: "auto" | "pallas" | "xla" | "interpret"."""
+    """Choose the implementation for every op: "auto" | "mosaic" | "pallas" | "xla" | "interpret"."""
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"backend {name=} is not one of {BACKENDS}")
-    if name in ("pallas", "interpret") and not TRITON_AVAILABLE:
+    if name == "mosaic" and not mosaic_attention.MOSAIC_AVAILABLE:
+        raise RuntimeError(
+            f"backend {name=} needs jax.experimental.pallas.mosaic_gpu.kernel, absent from this "
+            f"JAX {jax.__version__}; use 'pallas' or 'xla'"
+        )
+    if name in ("mosaic", "pallas", "interpret") and not TRITON_AVAILABLE:
         raise RuntimeError(
             f"backend {name=} needs jax.experimental.pallas.triton, absent from this JAX "
             f"{jax.__version__}; use 'xla'"
@@ -81,18 +94,41 @@ def backend(name: str) -> Iterator[None]:
         set_backend(previous)
 
 
+def _compute_capability(device: jax.Device) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; (0, 0) when the device does not say."""
+    try:
+        major, minor = str(getattr(device, "compute_capability", "0.0")).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return 0, 0
+
+
+def choose_auto(platform: str, capability: tuple[int, int]) -> tuple[str, str]:
+    """The backend "auto" means on `platform` with a GPU of `capability`, and why."""
+    if platform != "gpu":
+        return "xla", f"no GPU (jax default backend {platform!r}): XLA references"
+    if not TRITON_AVAILABLE:
+        return "xla", "GPU present but the Pallas Triton backend is missing: XLA references"
+    if capability >= (9, 0) and mosaic_attention.MOSAIC_AVAILABLE:
+        return "mosaic", (f"sm_{capability[0]}{capability[1]}: Mosaic GPU attention, Triton for "
+                          "the other ops (Triton attention where Mosaic does not fit)")
+    if capability >= (9, 0):
+        return "pallas", f"sm_{capability[0]}{capability[1]} but no Mosaic GPU Pallas: Triton"
+    return "pallas", f"sm_{capability[0]}{capability[1]} (< sm_90, no wgmma): Triton kernels"
+
+
 @functools.cache
 def _auto_backend() -> str:
     platform = jax.default_backend()
-    if platform == "gpu" and TRITON_AVAILABLE:
-        return "pallas"
-    if platform == "gpu":
-        log.warning("GPU present but the Pallas Triton backend is missing: using XLA references")
-    return "xla"
+    capability = _compute_capability(jax.devices()[0]) if platform == "gpu" else (0, 0)
+    chosen, why = choose_auto(platform, capability)
+    # Once per process (cached): which kernels this run uses is worth one line at start-up.
+    log.info("pallas_kernels.dispatch: backend 'auto' -> %r (%s)", chosen, why)
+    return chosen
 
 
 def resolved_backend() -> str:
-    """The backend ops use now: "pallas", "xla" or "interpret" ("auto" resolved)."""
+    """The backend ops use now: "mosaic", "pallas", "xla" or "interpret" ("auto" resolved)."""
     return _auto_backend() if _backend == "auto" else _backend
 
 
@@ -100,6 +136,11 @@ def _kernel_mode() -> bool | None:
     """None -> use the reference; otherwise the `interpret` flag for the Pallas wrapper."""
     chosen = resolved_backend()
     return None if chosen == "xla" else chosen == "interpret"
+
+
+@functools.cache
+def _log_mosaic_fallback(reason: str) -> None:
+    log.info("sparse attention: Mosaic kernel does not take this call (%s); using Triton", reason)
 
 
 def _check_k(k: int) -> int:
@@ -186,6 +227,16 @@ def sparse_decode_attention_partials(
         return sparse_attention.sparse_decode_attention_partials_reference(
             q, k_sel, v_sel, valid_count, scale=scale
         )
+    if resolved_backend() == "mosaic":
+        *_, group = sparse_attention._check_shapes(q, k_sel, v_sel, valid_count)
+        try:
+            mosaic_attention.check_supported(q.shape[-1], k_sel.dtype, group)
+        except ValueError as exc:
+            _log_mosaic_fallback(str(exc))
+        else:
+            return mosaic_attention.sparse_decode_attention_partials_mosaic(
+                q, k_sel, v_sel, valid_count, scale=scale
+            )
     return sparse_attention.sparse_decode_attention_partials_pallas(
         q, k_sel, v_sel, valid_count, scale=scale, interpret=interpret
     )
@@ -203,3 +254,33 @@ def sparse_decode_attention(
     entry give zeros. scale defaults to 1/sqrt(D)."""
     out, _ = sparse_decode_attention_partials(q, k_sel, v_sel, valid_count, scale=scale)
     return out.astype(q.dtype)
+
+
+def paged_decode_attention_partials(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
+    lengths: jax.Array,
+    *,
+    scale: float | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """(out f32[B, H, D], lse f32[B, H]) of request b's query heads over its first lengths[b]
+    tokens in the paged KV cache [num_pages, H_kv, P, D] (token t: page page_table[b, t // P],
+    slot t % P). The Mosaic kernel under "mosaic" (when it takes the shapes); there is no Triton
+    paged kernel, so every other backend uses the XLA reference (a gather of the pages)."""
+    if resolved_backend() == "mosaic":
+        group = q.shape[1] // max(1, k_pages.shape[1])
+        try:
+            mosaic_attention.check_supported(q.shape[-1], k_pages.dtype, group)
+            if k_pages.shape[2] not in (8, 16, 32, 64):
+                raise ValueError(f"page size {k_pages.shape[2]} is not 8, 16, 32 or 64")
+        except ValueError as exc:
+            _log_mosaic_fallback(str(exc))
+        else:
+            return mosaic_attention.paged_decode_attention_partials_mosaic(
+                q, k_pages, v_pages, page_table, lengths, scale=scale
+            )
+    return mosaic_attention.paged_decode_attention_partials_reference(
+        q, k_pages, v_pages, page_table, lengths, scale=scale
+    )

@@ -151,8 +151,17 @@ def sparse_decode_attention_partials_pallas(
         interpret=interpret,
         name="sparse_decode_attention",
     )(valid_count.astype(jnp.int32), q_rows, k_sel, v_sel)
-    o, m, l = o[:, :, :group], m[:, :, :group], l[:, :, :group]
-    # Merge the splits (flash-decoding's final reduction), in f32.
+    out, lse = merge_splits(o[:, :, :group], m[:, :, :group], l[:, :, :group])
+    return out.reshape(batch, heads, head_dim), lse.reshape(batch, heads)
+
+
+def merge_splits(
+    o: jax.Array,  # f32[R, S, G, D], unnormalised per split
+    m: jax.Array,  # f32[R, S, G], running max per split
+    l: jax.Array,  # f32[R, S, G], running sum per split
+) -> tuple[jax.Array, jax.Array]:  # (f32[R, G, D], lse f32[R, G])
+    """Flash-decoding's final reduction over the splits, in f32; rows with no entry give
+    o = 0, lse = -inf."""
     m_max = jnp.max(m, axis=1)  # [R, G]
     weight = jnp.exp(m - m_max[:, None])
     l_sum = jnp.sum(weight * l, axis=1)
@@ -160,7 +169,7 @@ def sparse_decode_attention_partials_pallas(
     has_any = l_sum > 0
     out = jnp.where(has_any[..., None], o_sum / jnp.where(has_any, l_sum, 1.0)[..., None], 0.0)
     lse = jnp.where(has_any, m_max + jnp.log(jnp.where(has_any, l_sum, 1.0)), -jnp.inf)
-    return out.reshape(batch, heads, head_dim), lse.reshape(batch, heads)
+    return out, lse
 
 
 def sparse_decode_attention_partials_reference(

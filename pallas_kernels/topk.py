@@ -231,9 +231,10 @@ def topk_scores_kernel(q_ref, k_ref, out_ref, *, head_dim: int):
     pos = chunk * SCORE_CHUNK + jnp.arange(SCORE_CHUNK, dtype=jnp.int32)
     cols = jnp.arange(d_pp, dtype=jnp.int32)
     live = (pos < n)[:, None] & (cols < head_dim)[None, :]
-    keys = plgpu.load(
-        k_ref.at[pl.ds(chunk * SCORE_CHUNK, SCORE_CHUNK), pl.ds(0, d_pp)], mask=live, other=0.0
-    )
+    # Indexed (pointer) load, not a static `pl.ds(0, d_pp)`: d_pp (a power of two for Triton) may
+    # exceed the ref's d_p columns, and JAX 0.12 rejects a static slice past a ref's end even
+    # when the lanes beyond it are masked. The Triton code is the same masked pointer load.
+    keys = plgpu.load(k_ref.at[pos[:, None], cols[None, :]], mask=live, other=0.0)
     q = q_ref[...]
     scores = jnp.sum(keys.astype(jnp.float32) * q[None, :], axis=1)
     plgpu.store(out_ref.at[pl.ds(chunk * SCORE_CHUNK, SCORE_CHUNK)], scores, mask=pos < n)

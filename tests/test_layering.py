@@ -1,6 +1,6 @@
 """Layering: tests never import `experiments`, experiments never import `tests` (shared code
-lives in the package, e.g. jkv/scheduling/testing.py), read from the import statements (ast),
-and no script puts the other tree on sys.path."""
+lives in the package, e.g. jkv/scheduling/testing.py), the installed packages import neither,
+read from the import statements (ast), and no script puts tests/ on sys.path."""
 import ast
 import pathlib
 
@@ -27,7 +27,10 @@ def path_strings(path: pathlib.Path) -> set[str]:
             if isinstance(node, ast.Constant) and isinstance(node.value, str)}
 
 
-@pytest.mark.parametrize("tree, forbidden", [("tests", "experiments"), ("experiments", "tests")])
+@pytest.mark.parametrize("tree, forbidden", [("tests", "experiments"), ("experiments", "tests")]
+                         + [(package, outside) for package in ("jkv", "models", "transport",
+                                                              "pallas_kernels")
+                            for outside in ("experiments", "tests")])
 def test_no_import_across_tests_and_experiments(tree, forbidden):
     files = sorted((REPO / tree).rglob("*.py"))
     assert files, f"no Python files under {tree}/"

@@ -13,6 +13,7 @@ import abc
 import dataclasses
 import json
 import logging
+import threading
 import time
 from collections.abc import Sequence
 
@@ -104,15 +105,17 @@ def checked_put(key: ChunkKey, payload: Payload, meta: ChunkMeta | None) -> tupl
 class Reachability:
     """Dead-backend bookkeeping shared by the networked pools: after a failure the pool counts as
     unreachable for `retry_after_s` (every lookup a miss, i.e. recompute), then is tried again.
-    Subclasses set `_lock`, `_retry_after_s`, `_errors`, `_hits`, `_misses` and name themselves in
-    `_where`."""
+    Subclasses call `_init_bookkeeping` in their constructor."""
 
     _dead = False
     _dead_until = 0.0
 
-    @property
-    def _where(self) -> str:
-        raise NotImplementedError
+    def _init_bookkeeping(self, where: str, retry_after_s: float) -> None:
+        """`where` names the backend in logs; `_lock` guards the hit/miss/put/error counters."""
+        self._where = where
+        self._retry_after_s = retry_after_s
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._puts = self._rejected = self._errors = 0
 
     def _usable(self) -> bool:
         with self._lock:
@@ -127,6 +130,15 @@ class Reachability:
                 log.warning("KV pool %s unreachable during %s (%s: %s); treating every lookup as "
                             "a miss (recompute) and retrying in %.1f s", self._where, op,
                             type(exc).__name__, exc, self._retry_after_s)
+
+    def _count_put(self, stored: bool) -> bool:
+        """Count a put as stored or rejected; returns `stored`."""
+        with self._lock:
+            if stored:
+                self._puts += 1
+            else:
+                self._rejected += 1
+        return stored
 
     def _tally(self, out: list) -> list:
         """Count a get_many's hits (non-None entries) and misses; returns `out`."""

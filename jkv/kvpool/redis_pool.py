@@ -17,7 +17,6 @@ connection); the counters and the dead-until timestamp are guarded by a small lo
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -51,22 +50,14 @@ class RedisKVPool(Reachability, KVPool):
         self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s,
                                             socket_connect_timeout=socket_timeout_s,
                                             decode_responses=False)
-        self._retry_after_s = retry_after_s
         self._ttl_s = ttl_s
-        self._lock = threading.Lock()
-        self._hits = self._misses = self._puts = self._rejected = self._errors = 0
-
-    @property
-    def _where(self) -> str:
-        return self.url
+        self._init_bookkeeping(url, retry_after_s)
 
     # -- KVPool -------------------------------------------------------------------------------
     def put(self, key: ChunkKey, payload: Payload, meta: ChunkMeta | None = None) -> bool:
         view, meta = checked_put(key, payload, meta)
         if not self._usable():
-            with self._lock:
-                self._rejected += 1
-            return False
+            return self._count_put(False)
         try:
             pipe = self._client.pipeline(transaction=False)
             pipe.hset(key.name, mapping={_PAYLOAD: view.tobytes(), _META: meta.to_json()})
@@ -75,13 +66,9 @@ class RedisKVPool(Reachability, KVPool):
             pipe.execute()
         except redis.RedisError as exc:
             self._mark_failed("put", exc)
-            with self._lock:
-                self._rejected += 1
-            return False
+            return self._count_put(False)
         self._mark_ok()
-        with self._lock:
-            self._puts += 1
-        return True
+        return self._count_put(True)
 
     def get_many(self, keys: Sequence[ChunkKey],
                  buffers: Sequence[np.ndarray | bytearray | memoryview]) -> list[ChunkMeta | None]:

@@ -55,20 +55,14 @@ class RemoteKVPool(Reachability, KVPool):
             raise ValueError(f"{op_timeout_s=} must be > 0 and {retry_after_s=} >= 0")
         self.address = address
         self._op_timeout_s = op_timeout_s
-        self._retry_after_s = retry_after_s
+        self._init_bookkeeping(address, retry_after_s)
         self._bandwidth = bandwidth
         self._endpoint = Endpoint(name or f"kvpool-client-{secrets.token_hex(4)}", backend,
                                   secret=secret, timeout=max(op_timeout_s, 0.5),
                                   op_timeout=op_timeout_s)
-        self._lock = threading.Lock()
         self._peer = None
         self._closed = False
         self._local = threading.local()
-        self._hits = self._misses = self._puts = self._rejected = self._errors = 0
-
-    @property
-    def _where(self) -> str:
-        return self.address
 
     # -- connection and failure handling ----------------------------------------------------------
     def _get_peer(self):
@@ -136,13 +130,7 @@ class RemoteKVPool(Reachability, KVPool):
         view, meta = checked_put(key, payload, meta)
         message = protocol.encode({"key": key.name, "meta": protocol.meta_to_dict(meta)}, view)
         reply = self._call("put", protocol.PUT, message)
-        stored = reply is not None and bool(reply[0].get("stored"))
-        with self._lock:
-            if stored:
-                self._puts += 1
-            else:
-                self._rejected += 1
-        return stored
+        return self._count_put(reply is not None and bool(reply[0].get("stored")))
 
     def get_many(self, keys: Sequence[ChunkKey],
                  buffers: Sequence[np.ndarray | bytearray | memoryview]) -> list[ChunkMeta | None]:

@@ -19,7 +19,8 @@ def _llamacpp_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write(path, hf, qtype):
+def _write(path, hf, qtype, extra=()):
+    """extra: (gguf name, f32 array) tensors to add unmapped."""
     cfg = hf.config
     sd = {k: v.float().numpy() for k, v in hf.state_dict().items()}
     w = gguf.GGUFWriter(str(path), "llama")
@@ -56,6 +57,15 @@ def _write(path, hf, qtype):
         for g, h in [("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"),
                      ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")]:
             put(f"blk.{i}.{g}.weight", p + h + ".weight", sd[p + h + ".weight"])
+        # biases (attention_bias / mlp_bias): F32, q/k rows permuted like their weights
+        for g, h, heads in [("attn_q", "self_attn.q_proj", N_HEAD), ("attn_k", "self_attn.k_proj", N_KV),
+                            ("attn_v", "self_attn.v_proj", None), ("attn_output", "self_attn.o_proj", None),
+                            ("ffn_gate", "mlp.gate_proj", None), ("ffn_up", "mlp.up_proj", None),
+                            ("ffn_down", "mlp.down_proj", None)]:
+            if p + h + ".bias" in sd:
+                put(f"blk.{i}.{g}.bias", p + h + ".bias", sd[p + h + ".bias"], False, heads)
+    for name, a in extra:
+        w.add_tensor(name, a.astype(np.float32), raw_dtype=Q.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -86,3 +96,41 @@ def test_gguf_quant_types_match_transformers_on_dequantized_weights(tmp_path, hf
         theirs = ref(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     scale = np.abs(theirs).max()
     assert np.abs(np.asarray(ours) - theirs).max() <= 1e-4 * scale
+
+
+@pytest.fixture(scope="module")
+def hf_biased():
+    """Llama with attention_bias (q/k/v AND o_proj) and mlp_bias, the biases randomised."""
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=N_HEAD, num_key_value_heads=N_KV, max_position_embeddings=128,
+                                   tie_word_embeddings=False, attention_bias=True, mlp_bias=True)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for n, prm in hf.named_parameters():
+            if n.endswith("bias"):
+                prm.add_(0.5 * torch.randn_like(prm))
+    return hf
+
+
+def test_gguf_attn_output_and_ffn_biases_are_applied(tmp_path, hf_biased):
+    """Issue 23 defect 8: attn_output.bias and ffn_*.bias were dropped silently."""
+    path = tmp_path / "tiny-bias.gguf"
+    deq = _write(path, hf_biased, Q.F32)
+    assert "model.layers.0.self_attn.o_proj.bias" in deq and "model.layers.1.mlp.down_proj.bias" in deq
+    m = load_model(path, use_cache=False)
+    assert m.cfg.qkv_bias and m.cfg.o_bias and m.cfg.mlp_bias
+    tokens = np.array([[3, 17, 99, 5, 42, 8, 150, 1, 77]], np.int32)
+    ours, _ = m.prefill(tokens, np.array([9]), all_logits=True)
+    with torch.no_grad():
+        theirs = hf_biased(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    assert np.abs(np.asarray(ours) - theirs).max() <= 1e-4 * np.abs(theirs).max()
+
+
+def test_gguf_unknown_layer_tensor_is_an_error_naming_it(tmp_path, hf_model):
+    from models import ModelLoadError
+
+    path = tmp_path / "tiny-extra.gguf"
+    _write(path, hf_model, Q.F32, extra=[("blk.1.attn_gate.weight", np.ones(64, np.float32))])
+    with pytest.raises(ModelLoadError, match=r"blk\.1\.attn_gate\.weight"):
+        load_model(path, use_cache=False)

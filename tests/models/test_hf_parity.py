@@ -27,6 +27,25 @@ CASES = {
     "qwen3-qknorm-gqa7-hd80": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=7,
         num_key_value_heads=1, head_dim=80, max_position_embeddings=256, tie_word_embeddings=True)),
+    # Issue 23 defect 8: every bias transformers applies. Llama's attention_bias biases q/k/v AND
+    # o_proj, mlp_bias gate/up/down; Qwen3's attention_bias q/k/v/o; Qwen2 always q/k/v, never o
+    # (it ignores attention_bias); neither Qwen reads mlp_bias.
+    "llama-attnbias": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=331, hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+        attention_bias=True, mlp_bias=False)),
+    "llama-attnbias-mlpbias": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=331, hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=True,
+        attention_bias=True, mlp_bias=True)),
+    "qwen2-attnbias-mlpbias": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=311, hidden_size=96, intermediate_size=136, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, attention_bias=True,
+        mlp_bias=True)),
+    "qwen3-attnbias-mlpbias": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, tie_word_embeddings=False,
+        attention_bias=True, mlp_bias=True)),
 }
 
 
@@ -94,3 +113,50 @@ def test_bfloat16_load_tracks_transformers(tmp_path_factory):
         ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     ours, _ = m.prefill(tokens, np.array([8]), all_logits=True)
     assert np.abs(np.asarray(ours, np.float32) - ref).max() <= 5e-2 * np.abs(ref).max()
+
+
+def _safetensors(path):
+    from safetensors.numpy import load_file
+
+    (f,) = sorted(path.glob("*.safetensors"))
+    return f, load_file(str(f))
+
+
+def test_a_dropped_bias_was_what_broke_attention_bias_llama(tmp_path_factory):
+    """The o_proj bias of an attention_bias Llama matters: the checkpoint holds it and jkv's params
+    carry it (before the fix it was "ignored" and top-1 agreement with transformers was ~0.25)."""
+    hf, path = _build("llama-attnbias", tmp_path_factory)
+    _, tensors = _safetensors(path)
+    assert "model.layers.0.self_attn.o_proj.bias" in tensors
+    m = load_model(path, use_cache=False)
+    assert m.cfg.o_bias and not m.cfg.mlp_bias
+    assert "bias" in m.params["layers"][0]["o_proj"] and "bias" not in m.params["layers"][0]["up_proj"]
+
+
+def test_unknown_or_unenabled_tensors_are_errors_naming_them(tmp_path_factory, caplog):
+    import json
+
+    from safetensors.numpy import save_file
+
+    from models import ModelLoadError
+
+    _, path = _build("qwen2-bias-gqa3", tmp_path_factory)
+    f, tensors = _safetensors(path)
+    save_file(dict(tensors, **{"model.layers.1.self_attn.lora_A.weight": np.ones((4, 96), np.float32)}), str(f))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.1\.self_attn\.lora_A\.weight"):
+        load_model(path, use_cache=False)
+    # an o_proj bias on Qwen2 (which transformers never applies) is named too, with what to fix
+    save_file(dict(tensors, **{"model.layers.0.self_attn.o_proj.bias": np.ones(96, np.float32)}), str(f))
+    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.o_proj\.bias.*config"):
+        load_model(path, use_cache=False)
+    # RoPE inverse frequencies are known-harmless: skipped with a warning that names them
+    save_file(dict(tensors, **{"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}), str(f))
+    with caplog.at_level("WARNING", logger="models.weights"):
+        load_model(path, use_cache=False)
+    assert "model.layers.0.self_attn.rotary_emb.inv_freq" in caplog.text
+    # a config that forgets attention_bias for a biased Llama is refused, not silently unbiased
+    _, lpath = _build("llama-attnbias", tmp_path_factory)
+    cfg = json.loads((lpath / "config.json").read_text())
+    (lpath / "config.json").write_text(json.dumps(dict(cfg, attention_bias=False)))
+    with pytest.raises(ModelLoadError, match=r"q_proj\.bias.*attention_bias"):
+        load_model(lpath, use_cache=False)

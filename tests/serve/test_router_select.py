@@ -2,7 +2,7 @@
 import pytest
 
 from jkv.serving.metrics import RouterMetrics
-from jkv.serving.router import NoUpstreamError, Router, Upstream, estimate_tokens
+from jkv.serving.router import NoUpstreamError, Router, Upstream, estimate_tokens, health_verdict
 
 
 def make(n=3, kinds=None):
@@ -46,3 +46,16 @@ def test_token_estimate_counts_prompt_bytes_and_max_tokens_times_n():
     assert estimate_tokens({"max_tokens": 10, "n": 3}, raw_len=400) == 100 + 30
     assert estimate_tokens({}, raw_len=40) == 10 + 16
     assert estimate_tokens({"max_tokens": "x"}, raw_len=40) == 10
+
+
+@pytest.mark.parametrize("status,body,healthy", [
+    (200, {"status": "ok"}, True),
+    (200, {"status": "degraded", "reason": "no live prefill worker is connected"}, False),
+    (503, {"status": "unavailable"}, False),
+    (200, ["not", "an", "object"], False),
+])
+def test_an_upstream_is_healthy_only_when_health_says_ok(status, body, healthy):
+    ok, why = health_verdict(status, body)
+    assert ok is healthy and bool(why) is not healthy
+    if isinstance(body, dict) and body.get("reason"):
+        assert body["reason"] in why  # the router's log line says why it dropped the upstream
