@@ -117,32 +117,7 @@ def run_compare(args):
     return 0
 
 
-# ---------------------------------------------------------------------- demo
-def add_demo(sub):
-    p = sub.add_parser("demo", help="the main job: disaggregated prefill/decode on SmolLM2, full vs SmartGen "
-                                    "transfer over a paced link (one decode + two prefill worker processes)")
-    from .disagg.demo import add_args
-    add_args(p)
-
-
-def run_demo(args):
-    from .disagg.demo import run
-    return run(args)
-
-
 # ---------------------------------------------------------------------- smartgen workers and profile
-def add_prefill_worker(sub):
-    p = sub.add_parser("prefill-worker", help="run a SmartGen prefill worker (JKV_SECRET must be set); prints "
-                                              "'JKV-READY main|bulk' for the decode side to connect to")
-    from .disagg.prefill_worker import add_args
-    add_args(p)
-
-
-def run_prefill_worker(args):
-    from .disagg.prefill_worker import run_from_args
-    return run_from_args(args)
-
-
 def add_profile(sub):
     p = sub.add_parser("profile", help="offline SmartGen importance profile (Eq. 1) of a selector on the "
                                        "calibration split, with prefill time per prompt-length bin")
@@ -191,25 +166,35 @@ def run_models(args):
     return 0
 
 
-def _delegate(module: str):
-    """(add, run) for a subcommand whose module defines add_parser(subparsers) and run(args);
-    the module is imported only when the parser is built or the command runs."""
+def _delegate(module: str, name: str | None = None, help_: str | None = None, run: str = "run"):
+    """(add, run) for a subcommand whose module defines its arguments and entry point, imported
+    only when the parser is built or the command runs. Without `name` the module adds its own
+    parser (`add_parser(subparsers)`); with one, it fills this one in (`add_args(parser)`)."""
     import importlib
 
     def add(sub):
-        importlib.import_module(module, __package__).add_parser(sub)
+        mod = importlib.import_module(module, __package__)
+        if name is None:
+            mod.add_parser(sub)
+        else:
+            mod.add_args(sub.add_parser(name, help=help_))
 
-    def run(args):
-        return importlib.import_module(module, __package__).run(args)
+    def run_(args):
+        return getattr(importlib.import_module(module, __package__), run)(args)
 
-    return add, run
+    return add, run_
 
 
 COMMANDS = {"generate": (add_generate, run_generate), "compare": (add_compare, run_compare),
             "eval": _delegate(".eval.cli"), "train-hata": _delegate(".selection.hata_train"),
             "pool": _delegate(".kvpool.server"),
-            "demo": (add_demo, run_demo), "models": (add_models, run_models), "serve": (add_serve, run_serve),
-            "prefill-worker": (add_prefill_worker, run_prefill_worker), "profile": (add_profile, run_profile),
+            "demo": _delegate(".disagg.demo", "demo", "the main job: disaggregated prefill/decode on SmolLM2, full vs "
+                              "SmartGen transfer over a paced link (one decode + two prefill worker processes)"),
+            "models": (add_models, run_models), "serve": (add_serve, run_serve),
+            "prefill-worker": _delegate(".disagg.prefill_worker", "prefill-worker", "run a SmartGen prefill worker "
+                                        "(JKV_SECRET must be set); prints 'JKV-READY main|bulk' for the decode "
+                                        "side to connect to", run="run_from_args"),
+            "profile": (add_profile, run_profile),
             "decode-worker": (add_decode_worker, run_decode_worker),
             "compress-profile": _delegate(".compression.cli")}
 

@@ -18,7 +18,7 @@ import numpy as np
 from models import Model
 
 from .outputs import RequestMetrics, RequestOutput
-from .sampling import SamplingParams, sample_tokens
+from .sampling import SamplingParams, sample_or_argmax
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def check_context(model: Model, req: Request):
             "shorten the prompt or lower max_tokens")
 
 
-class _StopChecker:
+class StopChecker:
     """Incremental stop detection on decoded text (stop strings may span tokens)."""
 
     def __init__(self, tokenizer, params: SamplingParams, eos_ids: Sequence[int]):
@@ -107,12 +107,9 @@ class DenseEngine:
         top_p = np.array([r.params.top_p for r in requests], np.float32)
         seeds = np.array([r.params.seed if r.params.seed is not None else np.random.randint(0, 2**31)
                           for r in requests], np.uint32)
-        any_sampled = bool((temperature > 0).any())
 
         def pick(logits, steps):
-            if not any_sampled:
-                return np.asarray(logits.argmax(-1), np.int32)
-            return np.asarray(sample_tokens(logits, temperature, top_k, top_p, seeds, steps))
+            return sample_or_argmax(logits, temperature, top_k, top_p, seeds, steps)
 
         logits, kv = m.prefill(tokens, lengths)
         cache = m.cache_from_prefill(kv, n_max)
@@ -122,7 +119,7 @@ class DenseEngine:
         now = time.perf_counter() - t0
         gen = [[int(t)] for t in next_tok]
         times = [[now] for _ in range(B)]
-        checkers = [_StopChecker(m.tokenizer, r.params, m.cfg.eos_token_ids) for r in requests]
+        checkers = [StopChecker(m.tokenizer, r.params, m.cfg.eos_token_ids) for r in requests]
         done: list[tuple | None] = [None] * B
         for b in range(B):
             reason, ids, text = checkers[b].finish(gen[b])

@@ -77,3 +77,11 @@ def sample_tokens(logits, temperature, top_k, top_p, seeds, steps):
 
     sampled = jax.vmap(draw)(seeds, steps, masked).astype(jnp.int32)
     return jnp.where(temperature > 0, sampled, greedy)
+
+
+def sample_or_argmax(logits, temperature, top_k, top_p, seeds, steps) -> np.ndarray:
+    """`sample_tokens` (same arguments) -> i32[B] on the host; a batch where every row is greedy
+    takes the argmax without the sampler's sort."""
+    if not (np.asarray(temperature) > 0).any():
+        return np.asarray(jnp.argmax(logits, -1), np.int32)
+    return np.asarray(sample_tokens(logits, temperature, top_k, top_p, seeds, steps))

@@ -19,7 +19,7 @@ import jax
 
 from . import transformer as tfm
 from .config import ModelConfig
-from .model import Model
+from .model import Model, tiny_model
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_gguf, load_hf_dir
 
@@ -139,3 +139,11 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str = "fl
         except OSError as e:
             log.warning("could not write params cache %s (%s); continuing without it", cache_dir, e)
     return Model(cfg, params, tok, name=str(name_or_path))
+
+
+def load_model_spec(spec: str, dtype: str = "float32"):
+    """A model name/path, or "tiny:<family>:<seed>" for the random test models."""
+    if spec.startswith("tiny:"):
+        _, family, seed = spec.split(":")
+        return tiny_model(family, int(seed))
+    return load_model(spec, dtype=dtype)

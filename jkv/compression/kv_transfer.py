@@ -20,7 +20,7 @@ Wire dtype. The pool is float32; encoded blocks are float16 (as in the papers), 
 
 Frame (notify kind `KIND` on the bulk connection, FIFO with metadata, writes and the hand-off):
 
-    proto.pack({"rid", "layer", "chunks": [[start, stop, k_len, v_len], ...]}) | K container | V container | ...
+    jkv.framing.pack({"rid", "layer", "chunks": [[start, stop, k_len, v_len], ...]}) | K container | V container | ...
 
 Concurrency: `KVCodec` keeps a lock-guarded cache of `Pipeline`s (encode/decode are thread-safe);
 `RequestCodec` is used by the prefill worker's prefill thread (`absorb`) and, after the layer has
@@ -37,13 +37,14 @@ import numpy as np
 
 from jkv.compression.pipeline import Calibration, Pipeline, decode_block
 from jkv.compression.spec import UNCOMPRESSED, PipelineSpec
+from jkv.framing import pack, unpack
 
 log = logging.getLogger(__name__)
 
 KIND = "ckv"
 WIRE_DTYPE = np.float16
 WIRE_ITEMSIZE = 2
-LOCAL = 1  # jkv.kvcache.geometry.LOCAL (not imported: this package does not depend on kvcache)
+LOCAL = 1  # jkv.kvbuffers.geometry.LOCAL (not imported: this package does not depend on kvbuffers)
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,6 @@ class RequestCodec:
 
     def frame(self, rid: str, layer: int, chunks) -> bytes:
         """The "ckv" notification payload carrying `chunks` of `layer` (absorbed before)."""
-        from jkv.disagg import protocol as proto
-
         meta, payload = [], []
         for c in chunks:
             start, stop = self.chunks.tokens(c)
@@ -126,7 +125,7 @@ class RequestCodec:
             kb, vb = self._containers[(layer, c)]
             meta.append([start, stop, len(kb), len(vb)])
             payload += [kb, vb]
-        return proto.pack(dict(rid=rid, layer=layer, chunks=meta)) + b"".join(payload)
+        return pack(dict(rid=rid, layer=layer, chunks=meta)) + b"".join(payload)
 
     @property
     def cr(self) -> float:
@@ -199,8 +198,6 @@ def path_seconds(pipeline: Pipeline, kv: np.ndarray, *, min_chunk_tokens: int = 
     This is the codec cost the controller must charge (Eq. 1's V / s_p): a profile file's s_p comes
     from one encode + one decode (KVServe §5's round trip), which misses the second decode and the
     framing — on a 2-core box where prefill and decode share the cores, ~1.5-2x of that estimate."""
-    from jkv.disagg import protocol as proto
-
     if kv.ndim != 5 or kv.shape[0] != 2:
         raise ValueError(f"kv must be f32[2, L, H_kv, N, D], got shape {kv.shape}")
     _, L, H, N, D = kv.shape
@@ -213,7 +210,7 @@ def path_seconds(pipeline: Pipeline, kv: np.ndarray, *, min_chunk_tokens: int = 
     t0 = time.perf_counter()
     for layer in range(L):
         state.absorb(layer, prefill[:, layer])
-        header, payload = proto.unpack(state.frame("probe", layer, range(state.chunks.num_chunks)))
+        header, payload = unpack(state.frame("probe", layer, range(state.chunks.num_chunks)))
         apply_frame(header, payload, pool, mask)
     return time.perf_counter() - t0
 

@@ -66,7 +66,7 @@ class Harness:
 
     # ------------------------------------------------------------------ data
     def _text_prompts(self, split: str, count: int, prompt_len: int) -> list[list[int]]:
-        from jkv.eval.corpus import long_text
+        from jkv.corpus import long_text
 
         tok = self.model.tokenizer
         ids = tok.encode(long_text(split))

@@ -41,8 +41,8 @@ import time
 
 import numpy as np
 
-from jkv.disagg import protocol as proto
-from jkv.kvcache.geometry import REMOTE
+from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, reply_rows
+from jkv.kvbuffers.geometry import REMOTE
 from transport import TransportError
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class _Prefetch:
     owner: str
-    segments: list  # (b, h, positions: i32[c]) in the order the rows come back
+    call: FetchCall  # its segments: ((b, h), positions i32[c]) in the order the rows come back
     transfer: object  # transport.Transfer of the "fetch" call
 
 
@@ -121,7 +121,7 @@ class LayerLookahead:
         """hint: i32[B*H_kv, k] speculative selection of `layer` (-1 = none). Sends one async fetch
         per owner for the hinted rows that are REMOTE and not fetched yet; returns rows asked for."""
         H = self.H
-        by_owner: dict[str, tuple[list, list, list]] = {}
+        by_owner: dict[str, FetchCall] = {}
         for b, lv in enumerate(lives):
             if not lv.active or lv.released or lv.owner is None:
                 continue
@@ -130,30 +130,20 @@ class LayerLookahead:
             ok = (idx >= 0) & (idx < cap)
             safe = np.where(ok, idx, 0)
             want = ok & (mask[safe] == REMOTE) & ~np.take_along_axis(fetched, safe, axis=1)
-            counts, parts, segs = want.sum(axis=1).tolist(), [], []
-            for h in range(H):
-                if counts[h]:
-                    rows = idx[h][want[h]].astype(np.int32)
-                    parts.append(rows)
-                    segs.append((b, h, rows))
-            if segs:
-                items, all_parts, all_segs = by_owner.setdefault(lv.owner, ([], [], []))
-                items.append([lv.rid, counts])
-                all_parts.extend(parts)
-                all_segs.extend(segs)
+            if want.any():
+                by_owner.setdefault(lv.owner, FetchCall(layer)).add(
+                    lv.rid, [((b, h), idx[h][want[h]].astype(np.int32)) for h in range(H)])
         asked = 0
-        for owner, (items, parts, segs) in by_owner.items():
-            payload = proto.pack(dict(layer=layer, items=items), np.concatenate(parts))
+        for owner, call in by_owner.items():
             try:
-                t = self.endpoint.peer(owner).call_async("fetch", payload)
+                t = self.endpoint.peer(owner).call_async("fetch", call.payload())
             except (KeyError, TransportError) as e:  # the synchronous fetch will meet it too
                 log.debug("lookahead fetch of layer %d from %r not sent: %s", layer, owner, e)
                 continue
-            self._pending.setdefault(layer, []).append(_Prefetch(owner, segs, t))
-            n = sum(int(p.size) for p in parts)
-            asked += n
+            self._pending.setdefault(layer, []).append(_Prefetch(owner, call, t))
+            asked += call.rows
             clock.count("prefetches_n", 1)
-            clock.count("prefetch_rows_n", n)
+            clock.count("prefetch_rows_n", call.rows)
         return asked
 
     def complete(self, lives, layer: int, capacity: int, clock) -> np.ndarray | None:
@@ -175,21 +165,10 @@ class LayerLookahead:
                 log.debug("lookahead fetch of layer %d from %r dropped: %s", layer, p.owner, e)
                 clock.count("prefetch_lost_n", 1)
                 continue
-            reply = np.frombuffer(data, np.float32)
-            total = sum(int(pos.size) for _, _, pos in p.segments)
-            if reply.size != 2 * total * D:
-                raise RuntimeError(f"lookahead reply from {p.owner!r} has {reply.size} floats, "
-                                   f"expected {2 * total * D}")
-            reply = reply.reshape(2, total, D)
-            at = 0
-            for b, h, pos in p.segments:
-                lv, c = lives[b], int(pos.size)
-                lv.kv.kv[0, layer, h, pos] = reply[0, at:at + c]
-                lv.kv.kv[1, layer, h, pos] = reply[1, at:at + c]
-                lv.fetched[layer, h, pos] = True
-                lv.fetch_bytes += 2 * c * D * 4
+            reply = reply_rows(data, p.call.rows, D, f"lookahead reply from {p.owner!r}")
+            for (b, h), pos, k, v in iter_reply(reply, p.call.segments):
+                keep_rows(lives[b], layer, h, pos, k, v)
                 delivered[b * H + h, pos] = True
-                at += c
             clock.count("od_bytes_n", reply.nbytes)
             clock.count("prefetch_bytes_n", reply.nbytes)
         return delivered

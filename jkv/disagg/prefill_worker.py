@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import queue
 import signal
@@ -37,15 +36,20 @@ import sys
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, KVCodec
 from jkv.disagg import protocol as proto
 from jkv.disagg.selectors import load_selector, needs_metadata
-from jkv.kvcache.geometry import LOCAL, BlockGeometry
-from jkv.kvcache.pool import HostKVPool
-from jkv.sampling import sample_tokens
+from jkv.kvbuffers.fetch import kv_offset, mask_offset, pack_reply, parse_fetch
+from jkv.kvbuffers.geometry import LOCAL, BlockGeometry
+from jkv.kvbuffers.pool import KVBufferPool
+from jkv.sampling import sample_or_argmax
+from jkv.selection.base import dense_layer_count
 from jkv.transfer.plan import per_layer
+from models import load_model_spec
 from transport import Endpoint, Mask, TransportError, WriteItem
 
 log = logging.getLogger(__name__)
@@ -122,7 +126,7 @@ class PrefillWorker:
         self.model, self.selector = model, selector
         self.codec = codec  # jkv.compression.KVCodec; made on first use by a request that asks for compression
         cfg = model.cfg
-        self.pool = HostKVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
+        self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
         self.lease_s = lease_s
         self.endpoint = Endpoint(name, backend, secret=secret, bandwidth=bandwidth, timeout=timeout,
                                  op_timeout=None, max_message=1 << 30)
@@ -139,7 +143,7 @@ class PrefillWorker:
             dict(held=self.held(), bytes_in_use=self.pool.bytes_in_use, live=self.pool.live())))
         self.endpoint.serve("set_bandwidth", lambda peer, payload: self.set_bandwidth(
             proto.unpack(payload)[0]["bps"]) or b"")
-        self.endpoint.on_notify("prefill", lambda n: self._jobs.put(n))
+        self.endpoint.on_notify("prefill", self._enqueue)
         self.endpoint.on_notify("spec", self._spec)
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -169,6 +173,38 @@ class PrefillWorker:
     def held(self) -> list[str]:
         with self._lock:
             return sorted(self._held)
+
+    def held_load(self) -> tuple[int, int]:
+        """(requests, prompt tokens) whose KV this worker holds."""
+        with self._lock:
+            return len(self._held), sum(h.geometry.num_tokens for h in self._held.values())
+
+    @property
+    def closed(self) -> bool:
+        """close() has begun: what is released from now on is released for shutdown."""
+        return self._closed.is_set()
+
+    # ---------------------------------------------------------------- observer hooks
+    # A serving wrapper overrides these to count (jkv/serving/disagg_prefill.py); they must be
+    # quick and must not raise. The thread each runs on is named.
+    def on_prefill_queued(self, requests: list[dict]) -> None:
+        """Notify thread: a "prefill" batch was received and is queued for the main loop."""
+
+    def on_free_requested(self, rid: str) -> None:
+        """RPC thread: the decode worker called "free" for rid (its release follows)."""
+
+    def on_released(self, rid: str, stats: dict | None) -> None:
+        """Any thread: rid was forgotten (stats: its bytes per path), or held nothing (None)."""
+
+    def on_notify_failed(self, kind: str, peer_name: str) -> None:
+        """Any thread: a notification to the decode worker could not be sent."""
+
+    def on_fetch_failed(self, error: Exception) -> None:
+        """RPC thread: a "fetch" raised (unknown request, bad positions, ...); it is re-raised."""
+
+    def _enqueue(self, note) -> None:
+        self.on_prefill_queued(proto.unpack(note.payload)[0]["requests"])
+        self._jobs.put(note)
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> None:
@@ -204,6 +240,7 @@ class PrefillWorker:
             return self.bulk.peer(peer_name).notify(kind, proto.pack(header, *arrays))
         except (KeyError, TransportError) as e:
             log.warning("%s: notify %r to %r failed: %s", self.name, kind, peer_name, e)
+            self.on_notify_failed(kind, peer_name)
 
     def prefill_batch(self, peer_name: str, requests: list[dict]) -> None:
         """Raises DecodePeerGone when the decode worker that sent the batch is no longer connected."""
@@ -231,7 +268,7 @@ class PrefillWorker:
         link0 = self._link_counters() if any("compression" in r for r in requests) else None
         proactive = [per_layer(h.geometry, h.order[:h.spec_cursor]) for h in held]
         ship_meta = needs_metadata(self.selector)
-        dense_below = cfg.num_layers if self.selector.is_dense else self.selector.config.dense_layers
+        dense_below = dense_layer_count(self.selector, cfg.num_layers)
         jl = jnp.asarray(lengths)
         t_start = time.time()
 
@@ -239,7 +276,6 @@ class PrefillWorker:
             Kn, Vn = np.asarray(K, np.float32), np.asarray(V, np.float32)
             leaves = None
             if ship_meta and layer >= dense_below:
-                import jax
                 leaves = jax.tree_util.tree_leaves(self.selector.prepare(layer, K, jl))
                 leaves = [np.asarray(x) for x in leaves]
             for b, h in enumerate(held):
@@ -271,7 +307,6 @@ class PrefillWorker:
     # ---------------------------------------------------------------- compression (KVServe)
     def _kv_codec(self):
         if self.codec is None:
-            from jkv.compression.kv_transfer import KVCodec
             self.codec = KVCodec()
         return self.codec
 
@@ -295,12 +330,10 @@ class PrefillWorker:
     @staticmethod
     def _first_tokens(logits, requests):
         sp = [r["sampling"] for r in requests]
-        temperature = np.asarray([s["temperature"] for s in sp], np.float32)
-        if not (temperature > 0).any():
-            return np.asarray(np.argmax(np.asarray(logits), -1), np.int32)
-        return np.asarray(sample_tokens(logits, temperature, np.asarray([s["top_k"] for s in sp], np.int32),
-                                        np.asarray([s["top_p"] for s in sp], np.float32),
-                                        np.asarray([s["seed"] for s in sp], np.uint32), np.zeros(len(sp), np.int32)))
+        return sample_or_argmax(logits, np.asarray([s["temperature"] for s in sp], np.float32),
+                                np.asarray([s["top_k"] for s in sp], np.int32),
+                                np.asarray([s["top_p"] for s in sp], np.float32),
+                                np.asarray([s["seed"] for s in sp], np.uint32), np.zeros(len(sp), np.int32))
 
     # ---------------------------------------------------------------- pushes
     def _push(self, peer, h: _Held, layer: int, blocks, path: str):
@@ -316,18 +349,17 @@ class PrefillWorker:
         if h.codec is not None:
             return self._push_compressed(peer, h, layer, blocks, path)
         items, nbytes = [], 0
-        H = h.kv.kv.shape[2]
+        _, L, H, _, D = h.kv.kv.shape
         region, mregion = proto.kv_region(h.rid), proto.mask_region(h.rid)
         for start, stop in h.geometry.runs(blocks):
             for kv in (0, 1):
                 for head in range(H):
                     data = h.kv.kv[kv, layer, head, start:stop]
                     last = kv == 1 and head == H - 1
-                    off = ((((kv * h.geometry.num_layers + layer) * H + head) * h.capacity + start)
-                           * data.shape[-1] * 4)
+                    off = kv_offset(L, H, h.capacity, D, kv, layer, head, start)  # in the decode side's pool
                     items.append(WriteItem(region, off, data,
-                                           Mask(mregion, layer * h.capacity + start, bytes([LOCAL]) * (stop - start))
-                                           if last else None))
+                                           Mask(mregion, mask_offset(h.capacity, layer, start),
+                                                bytes([LOCAL]) * (stop - start)) if last else None))
                     nbytes += data.nbytes
         for m in blocks:
             h.sent[layer * h.geometry.blocks_per_layer + m] = True
@@ -341,13 +373,11 @@ class PrefillWorker:
     def _push_compressed(self, peer, h: _Held, layer: int, blocks, path: str):
         """The chunks covering `blocks` as one "ckv" notification (see jkv.compression.kv_transfer);
         every block of those chunks becomes sent (the receiver flips their mask after decoding)."""
-        from jkv.compression.kv_transfer import KIND
-
         chunks, covered = h.codec.cover(blocks)
         for m in covered:
             h.sent[layer * h.geometry.blocks_per_layer + m] = True
         payload = h.codec.frame(h.rid, layer, chunks)
-        t = peer.notify(KIND, payload)
+        t = peer.notify(COMPRESSED_KV, payload)
         h.bytes[path] += len(payload)
         h.inflight.append(t)
         return t
@@ -382,12 +412,18 @@ class PrefillWorker:
 
     # ---------------------------------------------------------------- RPCs
     def _fetch(self, peer_name, payload):
-        """On-demand rows (§4.2): rows of each (request, head) contiguous, K block then V block."""
-        header, raw = proto.unpack(payload)
-        positions = np.frombuffer(raw, np.int32)
-        layer = int(header["layer"])
-        ks, vs, pos = [], [], 0
-        for rid, counts in header["items"]:
+        """On-demand rows (§4.2): rows of each (request, head) contiguous, K block then V block
+        (the wire format is jkv/kvbuffers/fetch.py)."""
+        try:
+            return self._fetch_rows(payload)
+        except Exception as e:
+            self.on_fetch_failed(e)
+            raise
+
+    def _fetch_rows(self, payload):
+        layer, items = parse_fetch(payload)
+        ks, vs = [], []
+        for rid, heads in items:
             # No lock: a speculative push may hold it, and the on-demand reply is on the decode
             # step's critical path (dict lookups and attribute stores are atomic in CPython; a
             # request freed meanwhile still has its buffers referenced by `h`).
@@ -397,25 +433,22 @@ class PrefillWorker:
             if h is None:
                 raise KeyError(f"{self.name} holds no KV for request {rid!r} (freed, expired or never prefilled)")
             nbytes = 0
-            for head, c in enumerate(counts):
-                p = positions[pos:pos + c]
-                pos += c
-                if c:
+            for head, p in enumerate(heads):
+                if len(p):
                     if p.max() >= h.geometry.num_tokens or p.min() < 0:
                         raise ValueError(f"request {rid}: fetch positions outside [0, {h.geometry.num_tokens})")
                     ks.append(h.kv.kv[0, layer, head, p])
                     vs.append(h.kv.kv[1, layer, head, p])
                     nbytes += 2 * ks[-1].nbytes
             h.bytes["on_demand"] += nbytes
-        if not ks:
-            return b""
-        reply = np.concatenate([np.concatenate(ks), np.concatenate(vs)]).tobytes()
-        if isinstance(self.bulk.pacer, _YieldToOnDemand):
+        reply = pack_reply(ks, vs)
+        if reply and isinstance(self.bulk.pacer, _YieldToOnDemand):
             self.bulk.pacer.reserve(len(reply))
         return reply
 
     def _free_call(self, peer_name, payload):
         header, _ = proto.unpack(payload)
+        self.on_free_requested(header["rid"])
         stats = self._release(header["rid"])
         return proto.pack(dict(bytes=stats))
 
@@ -424,6 +457,7 @@ class PrefillWorker:
         with self._lock:
             h = self._held.pop(rid, None)
         if h is None:
+            self.on_released(rid, None)
             return None
         with h.push_lock:  # waits for a push in progress; none starts after this
             h.released = True
@@ -433,6 +467,7 @@ class PrefillWorker:
             except TransportError:
                 pass
         self.pool.free(rid)
+        self.on_released(rid, h.bytes)
         return h.bytes
 
     def _lease_loop(self) -> None:
@@ -458,16 +493,6 @@ class PrefillWorker:
 
 
 # -------------------------------------------------------------------- process entry
-def load_model_spec(spec: str, dtype: str = "float32"):
-    """A model name/path, or "tiny:<family>:<seed>" for the random test models."""
-    if spec.startswith("tiny:"):
-        from models import tiny_model
-        _, family, seed = spec.split(":")
-        return tiny_model(family, int(seed))
-    from models import load_model
-    return load_model(spec, dtype=dtype)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="jkv prefill-worker", description="run a SmartGen prefill worker")
     add_args(p)

@@ -10,7 +10,8 @@ decode -> prefill
                     block plan (order of flat block ids; the first kr go proactively)
   notify "spec"     {"rids": [...]}  speculative trigger at the start of an attention layer
   call   "fetch"    {"layer", "items": [[rid, [count per KV head]]]} + i32 positions
-                    -> K rows f32[sum counts, D] then V rows (remote-first, row order)
+                    -> K rows f32[sum counts, D] then V rows (remote-first, row order);
+                    packed, parsed and scattered by jkv.kvbuffers.fetch only
   call   "free"     {"rid"} -> {"bytes": {...}}  decode holds everything / finished / cancelled
 prefill -> decode
   notify "meta"     {"rid", "layer", "leaves": [[shape, dtype]]} + leaf bytes (selector metadata)
@@ -24,10 +25,11 @@ prefill -> decode
 """
 from __future__ import annotations
 
-import json
-import struct
-
 import numpy as np
+
+from jkv.framing import pack, unpack
+
+__all__ = ["kv_region", "mask_region", "pack", "unpack", "pack_leaves", "unpack_leaves"]
 
 
 def kv_region(rid: str) -> str:
@@ -36,21 +38,6 @@ def kv_region(rid: str) -> str:
 
 def mask_region(rid: str) -> str:
     return f"mask/{rid}"
-
-
-def pack(header: dict, *arrays: np.ndarray) -> bytes:
-    raw = json.dumps(header).encode()
-    return b"".join([struct.pack("<I", len(raw)), raw] + [np.ascontiguousarray(a).tobytes() for a in arrays])
-
-
-def unpack(data) -> tuple[dict, memoryview]:
-    mv = memoryview(data).cast("B")
-    if len(mv) < 4:
-        raise ValueError(f"control message of {len(mv)} bytes is too short")
-    (n,) = struct.unpack_from("<I", mv)
-    if 4 + n > len(mv):
-        raise ValueError(f"control message header length {n} exceeds the message ({len(mv)} bytes)")
-    return json.loads(bytes(mv[4:4 + n])), mv[4 + n:]
 
 
 def pack_leaves(header: dict, leaves: list[np.ndarray]) -> bytes:

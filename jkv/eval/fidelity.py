@@ -12,7 +12,7 @@ import functools
 
 import numpy as np
 
-from jkv.eval.corpus import long_text
+from jkv.corpus import long_text
 
 
 @functools.lru_cache(maxsize=4)

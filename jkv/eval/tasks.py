@@ -20,7 +20,7 @@ import random
 import re
 from typing import Callable
 
-from jkv.eval.corpus import stdlib_sources
+from jkv.corpus import stdlib_sources
 
 FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 WORDS = ["apple", "river", "stone", "violet", "copper", "falcon", "meadow", "harbor", "lantern", "glacier",

@@ -1,4 +1,6 @@
-"""L3 prefix-cache KV pool (CALVO §2.2): chained prefix hashing, host LRU store, Redis backend."""
+"""L3 prefix-cache KV pool (CALVO §2.2): chained prefix hashing, host LRU store, Redis backend.
+Chunks outlive the requests that wrote them; the per-request transfer buffers of disaggregated
+serving are `jkv.kvbuffers`."""
 from jkv.kvpool.base import ChunkMeta, KVPool, PoolStats, make_meta
 from jkv.kvpool.hashing import ChunkKey, ChunkNamespace, chunk_keys
 from jkv.kvpool.host_pool import HostKVPool

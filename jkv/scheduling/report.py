@@ -7,6 +7,7 @@ Several held runs merge with `merge_rows` (a new row replaces an old one of the 
 from __future__ import annotations
 
 import csv
+import functools
 import pathlib
 
 import numpy as np
@@ -232,20 +233,27 @@ def sustained_load(summary: list[dict], scenario: str) -> float | None:
                                 for load, rho in pooled.items()})
 
 
+def _summary_row(summary, point, policy):
+    return next((r for r in summary if (r["scenario"], r["load"]) == point and r["policy"] == policy), None)
+
+
+def _mean_std(r, key, fmt="{:.2f}", unit=""):
+    if r is None or r.get(f"{key}_mean") in (None, ""):
+        return "n/a"
+    return f"{fmt.format(r[key + '_mean'])} ± {fmt.format(r[key + '_std'])}{unit}"
+
+
 def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
     """docs/calvo.md's result tables: per point (mean ± std over seeds), the goals' paired
     comparisons with the baseline's sustain check, and one line per seed."""
-    def get(point, policy):
-        return next((r for r in summary if (r["scenario"], r["load"]) == point
-                     and r["policy"] == policy), None)
-
-    def pm(r, key, fmt="{:.2f}", unit=""):
-        if r is None or r.get(f"{key}_mean") in (None, ""):
-            return "n/a"
-        return f"{fmt.format(r[key + '_mean'])} ± {fmt.format(r[key + '_std'])}{unit}"
-
     points = sorted({(r["scenario"], r["load"]) for r in summary},
                     key=lambda p: (list(SCENARIOS).index(p[0]), p[1]))
+    out = _point_table(summary, rows, points) + _goals_table(summary, points) + _seed_table(rows)
+    return "\n".join(out) + "\n"
+
+
+def _point_table(summary, rows, points) -> list[str]:
+    get, pm = functools.partial(_summary_row, summary), _mean_std
     names = ("serialized-fifo", "fifo", "sjf-pt", "sjf", "srpt", "edf", "lstf")
     heads = ("baseline", "pipelined FIFO", "SJF-PT", "SJF", "SRPT", "EDF", "LSTF")
     out = ["Mean TTFT and SLO attainment (mean ± std over seeds):", "",
@@ -260,7 +268,12 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
         out.append(f"| {point[0]} @ {point[1]} | {b['seeds'] if b else 0} × "
                    f"{counts.get(point, '?')} | {b['qps'] if b else 0:.2f} | "
                    + " | ".join(cells) + " |")
-    out += ["", "The goals' comparisons, paired per seed (mean ± std over seeds); baseline "
+    return out
+
+
+def _goals_table(summary, points) -> list[str]:
+    get, pm = functools.partial(_summary_row, summary), _mean_std
+    out = ["", "The goals' comparisons, paired per seed (mean ± std over seeds); baseline "
             "sustained = its in-run utilisation (offered QPS x mean in-run service time), "
             f"pooled over seeds (<= {MAX_UTILISATION}: sustained); baseline / M/G/1 = its mean "
             "TTFT / the steady-state mean TTFT predicted from the probe's service times:", "",
@@ -287,7 +300,11 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
                    f" | {pm(pt, 'vs_srpt_x', unit='×')}"
                    f" | {pm(l, 'slo_vs_edf_pts', '{:.1f}', ' pts')}"
                    f" | {pm(l, 'slo_vs_baseline_pts', '{:.1f}', ' pts')} | {demoted} |")
-    out += ["", "Per seed (load avg: mean 1-minute load average over the seed's policy runs):", "",
+    return out
+
+
+def _seed_table(rows) -> list[str]:
+    out = ["", "Per seed (load avg: mean 1-minute load average over the seed's policy runs):", "",
             "| scenario @ load | seed | QPS (capacity) | load avg | baseline in-run utilisation; "
             "completed / arrived |"
             " baseline | SJF | SJF vs baseline | SJF-PT / SJF | SJF-PT / SRPT | SLO EDF / LSTF /"
@@ -315,4 +332,4 @@ def markdown_tables(summary: list[dict], rows: list[dict]) -> str:
              else "") + f"{b.get('baseline_completed', '?')} / {b.get('baseline_arrived', '?')}",
             f"{b['mean_s']:.2f} s", f"{s['mean_s']:.2f} s",
             f"{100 * (s['mean_s'] / b['mean_s'] - 1):.0f}%", ratio, ratio_srpt, f"{slo}% |"]))
-    return "\n".join(out) + "\n"
+    return out

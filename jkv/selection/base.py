@@ -339,3 +339,9 @@ class Selector(abc.ABC):
     @abc.abstractmethod
     def kv_geometry(self, metadata) -> tuple[int, int]:
         """(H_kv, N_cap) of the metadata."""
+
+
+def dense_layer_count(selector, num_layers: int) -> int:
+    """Layers [0, count) attend to every cached token: every layer for a dense selector,
+    else the first `config.dense_layers` (works on duck-typed selectors too)."""
+    return num_layers if selector.is_dense else selector.config.dense_layers

@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 
+from jkv.corpus import long_text
 from jkv.selection.simple import Dense
 from jkv.selection.sparse_decode import decode, prefill_to_host
 
@@ -66,8 +67,6 @@ def calibration_windows(model, windows: int, prompt_len: int, steps: int) -> lis
 
 def calibration_tokens(model, num_tokens: int) -> list[int]:
     """`num_tokens` tokens of the calibration split of the local documentation corpus."""
-    from jkv.eval.corpus import long_text
-
     ids = model.tokenizer.encode(long_text("calibration"))
     if len(ids) < num_tokens:
         raise ValueError(f"calibration corpus has {len(ids)} tokens < {num_tokens=}")

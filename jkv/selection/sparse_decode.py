@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.selection.base import Selector
+from jkv.selection.base import Selector, dense_layer_count
 
 PREFILL_BUCKET = 64
 CAPACITY_BUCKET = 256
@@ -136,7 +136,7 @@ def decode(model, host: HostKV, selector: Selector, max_tokens: int, *,
         if forced_tokens.shape[0] != batch or forced_tokens.shape[1] < max_tokens - 1:
             raise ValueError(f"forced_tokens shape {forced_tokens.shape} must be [B={batch}, >= {max_tokens - 1}]")
     num_layers = model.cfg.num_layers
-    dense_below = num_layers if selector.is_dense else selector.config.dense_layers
+    dense_below = dense_layer_count(selector, num_layers)
     lengths = jnp.asarray(host.prompt_lengths)
     metadata = [None if layer < dense_below else selector.prepare(layer, jnp.asarray(host.keys[layer]), lengths)
                 for layer in range(num_layers)]

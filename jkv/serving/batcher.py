@@ -46,7 +46,7 @@ import numpy as np
 from models import Model
 
 from ..engine import bucket_cache_len, bucket_prompt_len
-from ..sampling import SamplingParams, sample_tokens
+from ..sampling import SamplingParams, sample_or_argmax, sample_tokens
 from .text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -382,9 +382,7 @@ class ContinuousBatcher:
 
     @staticmethod
     def _pick(logits, temperature, top_k, top_p, seeds, steps) -> np.ndarray:
-        if not (temperature > 0).any():
-            return np.asarray(jnp.argmax(logits, -1), np.int32)
-        return np.asarray(sample_tokens(logits, temperature, top_k, top_p, seeds, steps))
+        return sample_or_argmax(logits, temperature, top_k, top_p, seeds, steps)
 
     def _decode_one_step(self):
         logits, self._cache = self.model.decode_step(self._cache, self._tokens, self._positions)

@@ -90,7 +90,7 @@ class DisaggBatcher:
         if metrics is not None and metrics.kv is not None:
             metrics.kv.watch_pool(worker.pool)
         self._reconnect = PrefillReconnector(addresses, dict(zip(addresses, owners)),
-                                             connect=self._connect_worker, alive=worker._owner_alive)
+                                             connect=self._connect_worker, alive=worker.owner_alive)
 
     # ------------------------------------------------------------ any thread
     def submit(self, req: EngineRequest):
@@ -116,7 +116,7 @@ class DisaggBatcher:
 
     def _check_live_owner(self):
         """Fail fast (the server answers 503) while no prefill worker can take the request."""
-        if self.worker.on_failure == "recompute" or any(self.worker._owner_alive(o) for o in self.worker.owners):
+        if self.worker.on_failure == "recompute" or any(self.worker.owner_alive(o) for o in self.worker.owners):
             return
         configured = self._reconnect.addresses  # none is live, so the reconnector retries them all
         raise RuntimeError("no live prefill worker is connected" + (
@@ -263,7 +263,7 @@ class DisaggBatcher:
             return None
         main = address.partition("|")[0]
         name = self._owner_by_main.get(main)
-        if name is not None and self.worker._owner_alive(name):
+        if name is not None and self.worker.owner_alive(name):
             return name
         with self._reconnect.connecting(blocking=False) as ok:
             if not ok:  # the reconnect thread is connecting right now: never stall the engine thread on it

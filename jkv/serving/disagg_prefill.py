@@ -12,7 +12,7 @@ worker's "free", an expired lease / vanished decode peer, a failed prefill, shut
 transport failures (a notification that could not be sent, a fetch that raised).
 
 Threads: `PrefillWorker.run` on the "jkv-prefill-main" thread (prefill batches); the transport's
-RPC and notify threads run fetch / free / spec and enqueue "prefill" jobs (`_on_prefill`); the
+RPC and notify threads run fetch / free / spec and enqueue "prefill" jobs (`on_prefill_queued`); the
 worker's lease thread; uvicorn's event loop serves HTTP and only reads counters guarded by
 `self._acct` (prometheus metrics are thread-safe). `close()` stops the worker (frees everything).
 """
@@ -24,7 +24,6 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jkv.disagg import protocol as proto
 from jkv.disagg.prefill_worker import PrefillWorker
 
 from . import protocol as P
@@ -33,33 +32,30 @@ from .server import CountRequests, LimitRequestBody, install_error_handlers
 
 
 class ServingPrefillWorker(PrefillWorker):
+    """A PrefillWorker that counts through the worker's observer hooks (`on_*`)."""
+
     def __init__(self, *args, metrics: PrefillMetrics, **kw):
-        super().__init__(*args, **kw)
         self.metrics = metrics
         self._acct = threading.Lock()
         self._queued_requests = 0
         self._queued_tokens = 0
         self._by_decode: set[str] = set()  # rids the decode worker asked us to free
         self._failed: set[str] = set()
-        self.endpoint.on_notify("prefill", self._on_prefill)  # replaces the plain enqueue: counts first
+        super().__init__(*args, **kw)
         metrics.kv.watch_pool(self.pool)
         metrics.inflight_tokens.set_function(lambda: self.inflight()[1])
         metrics.inflight_requests.set_function(lambda: self.inflight()[0])
 
     def inflight(self) -> tuple[int, int]:
         """(requests, prompt tokens) queued or holding KV here."""
-        with self._lock:
-            held = list(self._held.values())
+        held_requests, held_tokens = self.held_load()
         with self._acct:
-            return (self._queued_requests + len(held),
-                    self._queued_tokens + sum(h.geometry.num_tokens for h in held))
+            return self._queued_requests + held_requests, self._queued_tokens + held_tokens
 
-    def _on_prefill(self, note):
-        header, _ = proto.unpack(note.payload)
+    def on_prefill_queued(self, requests):
         with self._acct:
-            self._queued_requests += len(header["requests"])
-            self._queued_tokens += sum(len(r["tokens"]) for r in header["requests"])
-        self._jobs.put(note)
+            self._queued_requests += len(requests)
+            self._queued_tokens += sum(len(r["tokens"]) for r in requests)
 
     def prefill_batch(self, peer_name, requests):
         n_tokens = sum(len(r["tokens"]) for r in requests)
@@ -80,46 +76,35 @@ class ServingPrefillWorker(PrefillWorker):
                 self._queued_requests -= len(requests)
                 self._queued_tokens -= n_tokens
 
-    def _free_call(self, peer_name, payload):
-        header, _ = proto.unpack(payload)
+    def on_free_requested(self, rid):
         with self._acct:
-            self._by_decode.add(header["rid"])
-        return super()._free_call(peer_name, payload)
+            self._by_decode.add(rid)
 
-    def _release(self, rid: str):
-        stats = super()._release(rid)
+    def on_released(self, rid, stats):
         with self._acct:
             by_decode = rid in self._by_decode
             failed = rid in self._failed
             self._by_decode.discard(rid)
             self._failed.discard(rid)
         if stats is None:
-            return None
+            return
         self.metrics.kv.add_bytes(stats)
         if by_decode:
             reason = "decode"
         elif failed:
             reason = "failed"
-        elif self._closed.is_set():
+        elif self.closed:
             reason = "shutdown"
         else:  # the lease thread: lease expired or the decode peer vanished
             reason = "lease_expired"
             self.metrics.expired.inc()
         self.metrics.freed.labels(reason).inc()
-        return stats
 
-    def _notify(self, peer_name, kind, header, *arrays):
-        t = super()._notify(peer_name, kind, header, *arrays)
-        if t is None:
-            self.metrics.kv.failed()
-        return t
+    def on_notify_failed(self, kind, peer_name):
+        self.metrics.kv.failed()
 
-    def _fetch(self, peer_name, payload):
-        try:
-            return super()._fetch(peer_name, payload)
-        except Exception:
-            self.metrics.kv.failed()
-            raise
+    def on_fetch_failed(self, error):
+        self.metrics.kv.failed()
 
 
 def create_prefill_app(worker: ServingPrefillWorker, metrics: PrefillMetrics, info: dict,

@@ -25,30 +25,30 @@ from .config import ServeConfig, add_serve_arguments, config_from_args
 log = logging.getLogger("jkv.serve")
 
 
+def _add_serve_parser(sub, name: str, help_: str, description: str):
+    add_serve_arguments(sub.add_parser(name, help=help_, description=description))
+
+
 def add_serve(sub):
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching), disaggregated "
-                                     "prefill/decode roles, or router",
-                       description="Serve a model over an OpenAI-compatible HTTP API (--role all), run one "
-                                   "role of a disaggregated SmartGen deployment (--role prefill / decode; "
-                                   "JKV_SECRET must hold the shared transport secret), or route requests "
-                                   "across servers (--role router). The disaggregated engine batches "
-                                   "continuously: a request joins the running decode batch as soon as its "
-                                   "prefill hand-off arrives. "
-                                   "Every option can also be given in a --config YAML/TOML file; "
-                                   "command-line flags win.")
-    add_serve_arguments(p)
+    _add_serve_parser(
+        sub, "serve", "OpenAI-compatible HTTP server (continuous batching), disaggregated prefill/decode roles, "
+        "or router",
+        "Serve a model over an OpenAI-compatible HTTP API (--role all), run one role of a disaggregated SmartGen "
+        "deployment (--role prefill / decode; JKV_SECRET must hold the shared transport secret), or route "
+        "requests across servers (--role router). The disaggregated engine batches continuously: a request "
+        "joins the running decode batch as soon as its prefill hand-off arrives. Every option can also be "
+        "given in a --config YAML/TOML file; command-line flags win.")
 
 
 def add_decode_worker(sub):
-    p = sub.add_parser("decode-worker", help="a SmartGen decode worker serving the OpenAI API (= jkv serve "
-                                             "--role decode); JKV_SECRET must be set",
-                       description="Run the decode role of a disaggregated deployment: an OpenAI-compatible "
-                                   "server whose engine is a SmartGen decode worker connected to the prefill "
-                                   "workers given by --prefill-worker (their transport addresses). Requests "
-                                   "are batched continuously: up to --max-slots in flight, a new one joins the "
-                                   "running decode batch as soon as its prefill hand-off arrives. Same "
-                                   "options as `jkv serve` (--role is fixed to decode).")
-    add_serve_arguments(p)
+    _add_serve_parser(
+        sub, "decode-worker", "a SmartGen decode worker serving the OpenAI API (= jkv serve --role decode); "
+        "JKV_SECRET must be set",
+        "Run the decode role of a disaggregated deployment: an OpenAI-compatible server whose engine is a "
+        "SmartGen decode worker connected to the prefill workers given by --prefill-worker (their transport "
+        "addresses). Requests are batched continuously: up to --max-slots in flight, a new one joins the running "
+        "decode batch as soon as its prefill hand-off arrives. Same options as `jkv serve` (--role is fixed to "
+        "decode).")
 
 
 def run_decode_worker(args) -> int:
@@ -123,7 +123,7 @@ def _secret() -> str:
 
 
 def _load(cfg: ServeConfig):
-    from jkv.disagg.prefill_worker import load_model_spec
+    from models import load_model_spec
 
     model = load_model_spec(cfg.model, cfg.dtype)
     ctx = model.cfg.max_position_embeddings

@@ -102,7 +102,7 @@ class KVTransferMetrics:
                                    registry=r)
 
     def watch_pool(self, pool):
-        """Gauges read the HostKVPool at scrape time."""
+        """Gauges read the KVBufferPool at scrape time."""
         self.host_bytes.set_function(lambda: pool.bytes_in_use)
         self.host_requests.set_function(lambda: len(pool.live()))
 

@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from jkv.kvcache.geometry import BlockGeometry
+from jkv.kvbuffers.geometry import BlockGeometry
 from jkv.transfer.profile import compute_kr
 
 MODES = ("full", "partial", "+profile", "+parallel", "smartgen")

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from jkv.kvcache.geometry import BlockGeometry
+from jkv.kvbuffers.geometry import BlockGeometry
 
 log = logging.getLogger(__name__)
 

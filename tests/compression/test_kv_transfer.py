@@ -17,7 +17,7 @@ from jkv.disagg.decode_worker import DecodeWorker
 from jkv.disagg.prefill_worker import PrefillWorker
 from jkv.disagg.selectors import build_selector
 from jkv.engine import Request
-from jkv.kvcache.geometry import LOCAL, REMOTE, BlockGeometry
+from jkv.kvbuffers.geometry import LOCAL, REMOTE, BlockGeometry
 from jkv.sampling import SamplingParams
 from jkv.transfer.plan import TransferConfig
 from models import tiny_model

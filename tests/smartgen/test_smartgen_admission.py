@@ -211,7 +211,7 @@ def test_a_lost_bulk_connection_fails_the_pending_request_instead_of_hanging(mod
         out = rec.outputs["B"]
         assert out.finish_reason == "error" and "prefill worker 'prefill-0' failed" in out.metrics.extra["error"]
         assert d.num_active == 0 and d.pool.live() == [] and slow.workers[0].held() == []
-        assert d.connect_one(slow.addresses[0]) == owner and d._owner_alive(owner)  # reconnects the bulk lane
+        assert d.connect_one(slow.addresses[0]) == owner and d.owner_alive(owner)  # reconnects the bulk lane
     finally:
         d.close()
         slow.close()

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from jkv.kvcache import LOCAL, PAD, REMOTE, BlockGeometry, HostKVPool, PoolExhausted
+from jkv.kvbuffers import LOCAL, PAD, REMOTE, BlockGeometry, KVBufferPool, PoolExhausted
 
 
 @pytest.mark.parametrize("n, M, m_eff, bt", [(10, 1024, 10, 1), (2048, 1024, 1024, 2), (2049, 1024, 1024, 3),
@@ -45,7 +45,7 @@ def test_geometry_validates():
 
 
 def test_pool_layout_offsets_and_mask():
-    pool = HostKVPool(num_layers=3, num_kv_heads=2, head_dim=4)
+    pool = KVBufferPool(num_layers=3, num_kv_heads=2, head_dim=4)
     kv = pool.allocate("a", prompt_len=5, capacity=8)
     assert kv.kv.ctypes.data % 4096 == 0  # page-aligned for registration
     assert kv.mask.shape == (3, 8) and (kv.mask[:, :5] == REMOTE).all() and (kv.mask[:, 5:] == PAD).all()
@@ -59,7 +59,7 @@ def test_pool_layout_offsets_and_mask():
 
 
 def test_pool_capacity_and_leak_accounting():
-    pool = HostKVPool(2, 1, 4, capacity_bytes=2 * (2 * 2 * 1 * 8 * 4 * 4 + 2 * 8))
+    pool = KVBufferPool(2, 1, 4, capacity_bytes=2 * (2 * 2 * 1 * 8 * 4 * 4 + 2 * 8))
     pool.allocate("a", 3, 8)
     pool.allocate("b", 8, 8)
     with pytest.raises(PoolExhausted, match="free"):

@@ -65,10 +65,10 @@ def test_only_infinigen_has_a_hint_and_the_decode_worker_uses_it_with_lookahead(
 
 
 def test_step_cpu_counters_follow_the_process_and_the_probe():
-    from jkv.disagg.decode_worker import _Phases
+    from jkv.disagg.decode_state import StepPhases
 
     other = [10.0]
-    clock = _Phases(probe=lambda: other[0])
+    clock = StepPhases(probe=lambda: other[0])
     clock.new_step()
     x = 0
     for i in range(300_000):  # burn a little CPU in this process
@@ -78,6 +78,6 @@ def test_step_cpu_counters_follow_the_process_and_the_probe():
     step = clock.steps[-1]
     assert step["cpu_us_n"] > 1000 and step["probe_cpu_us_n"] == 250_000
     assert 1000 < step["engine_cpu_us_n"] <= step["cpu_us_n"] + 10_000  # this thread's share (tick rounding)
-    bare = _Phases()
+    bare = StepPhases()
     bare.new_step(), bare.end_step()
     assert "probe_cpu_us_n" not in bare.steps[-1] and "cpu_us_n" in bare.steps[-1]

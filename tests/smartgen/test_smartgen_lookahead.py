@@ -196,8 +196,8 @@ class _FakeOwner:
 def test_issue_and_complete_scatter_exactly_the_hinted_remote_rows(threaded):
     import types
 
-    from jkv.disagg.decode_worker import _Phases
-    from jkv.kvcache.geometry import LOCAL, REMOTE
+    from jkv.disagg.decode_state import StepPhases
+    from jkv.kvbuffers.geometry import LOCAL, REMOTE
 
     L, H, N, D = 3, 2, 8, 4
     source = np.random.default_rng(0).standard_normal((2, L, H, N, D)).astype(np.float32)
@@ -207,7 +207,7 @@ def test_issue_and_complete_scatter_exactly_the_hinted_remote_rows(threaded):
                                kv=types.SimpleNamespace(kv=np.zeros_like(source), mask=mask, capacity=N),
                                fetched=np.zeros((L, H, N), bool))
     lv.fetched[1, 1, 5] = True  # fetched earlier: not asked again
-    owner, clock = _FakeOwner(source), _Phases()
+    owner, clock = _FakeOwner(source), StepPhases()
     clock.new_step()
     la = LayerLookahead(owner, H, D, threaded=threaded)
     hint = np.asarray([[0, 3, 5, -1], [5, 1, 6, -1]], np.int32)  # layer 1, rows (b=0, h=0) and (0, 1)

@@ -253,7 +253,7 @@ def test_cancel_during_prefill_stops_its_writes_and_keeps_the_link(model, select
         for i in (0, 2, 3):
             assert outs[i].finish_reason == "length" and outs[i].token_ids == reference[i]
         assert decode.endpoint.metrics.snapshot()["frames_rejected"] == 0
-        assert decode._alive_owners() == ["prefill-0"]
+        assert decode.alive_owners() == ["prefill-0"]
         assert decode.pool.live() == [] and workers.workers[0].held() == []
     finally:
         resume.set()

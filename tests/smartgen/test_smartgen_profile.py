@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from jkv.kvcache import BlockGeometry
+from jkv.kvbuffers import BlockGeometry
 from jkv.transfer import ImportanceProfile, ProfileBin, TransferConfig, block_importance, compute_kr
 from jkv.transfer.plan import proactive_order
 

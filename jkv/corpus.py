@@ -1,4 +1,5 @@
-"""Real text and code that ship with every Python installation (no downloads).
+"""Real text and code that ship with every Python installation (no downloads): the corpus
+the selectors calibrate on (jkv.selection.calibration) and the evaluation tasks read (jkv.eval).
 
 Prose: the Python reference-manual topics in `pydoc_data.topics` (~460K characters of
 English documentation), split by topic name into a calibration half and an evaluation half so

@@ -1,4 +1,5 @@
-"""Host KV pools: one page-aligned buffer per request, registered with the transport.
+"""Request-scoped KV buffers: one page-aligned buffer per request, registered with the transport,
+allocated when a request is planned (decode) or prefilled (prefill) and freed when it ends.
 
 Per request the pool holds
 
@@ -6,7 +7,7 @@ Per request the pool holds
     mask: i8[L, N_cap]                 (decode side: PAD 0 / LOCAL 1 / REMOTE 2 per token)
 
 `kv` is one contiguous page-aligned array so a peer addresses any (layer, head, token) with a
-byte offset (`RequestKV.offset`); the prefill side writes a block's rows there and then, in
+byte offset (`RequestKV.offset`, jkv/kvbuffers/fetch.py); the prefill side writes a block's rows there and then, in
 the same ordered transfer, the block's mask bytes (DESIGN.md "KV mask": a 1 is always safe).
 
 The pool is pure bookkeeping plus numpy buffers: `allocate` reserves bytes against a
@@ -20,7 +21,8 @@ import threading
 
 import numpy as np
 
-from jkv.kvcache.geometry import LOCAL, PAD, REMOTE
+from jkv.kvbuffers.fetch import kv_offset, mask_offset
+from jkv.kvbuffers.geometry import LOCAL, PAD, REMOTE
 from transport import aligned_empty
 
 
@@ -60,10 +62,10 @@ class RequestKV:
     def offset(self, kv: int, layer: int, head: int, token: int) -> int:
         """Byte offset of kv[kv, layer, head, token, 0] in the flat buffer."""
         _, L, H, N, D = self.kv.shape
-        return ((((kv * L + layer) * H + head) * N + token) * D) * self.kv.itemsize
+        return kv_offset(L, H, N, D, kv, layer, head, token, self.kv.itemsize)
 
     def mask_offset(self, layer: int, token: int) -> int:
-        return layer * self.capacity + token
+        return mask_offset(self.capacity, layer, token)
 
     def all_local(self) -> bool:
         """Every prompt token of every layer has landed (mask == LOCAL)."""
@@ -73,7 +75,7 @@ class RequestKV:
         return float((self.mask[:, :self.prompt_len] == LOCAL).mean())
 
 
-class HostKVPool:
+class KVBufferPool:
     """Allocates RequestKV buffers against `capacity_bytes` (None = unbounded)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity_bytes: int | None = None,
@@ -124,4 +126,4 @@ class HostKVPool:
             return sorted(self._live)
 
 
-__all__ = ["HostKVPool", "RequestKV", "PoolExhausted", "PAD", "LOCAL", "REMOTE"]
+__all__ = ["KVBufferPool", "RequestKV", "PoolExhausted", "PAD", "LOCAL", "REMOTE"]

@@ -1,0 +1,115 @@
+"""Rows of a request's KV pool: where they live (byte layout) and how they travel on demand.
+
+Pool layout (one request, decode side; DESIGN.md "KV geometry"):
+
+    kv:   f32[2, L, H_kv, N_cap, D]   row (kv, layer, head, token) at byte `kv_offset(...)`
+    mask: i8[L, N_cap]                 byte (layer, token) at `mask_offset(...)`
+
+The prefill worker addresses the decode side's pool with these offsets when it pushes blocks
+(it has no `RequestKV` of that capacity), and `RequestKV.offset` is the same formula.
+
+The on-demand "fetch" RPC (SmartGen §4.2, Algorithm 1), decode -> prefill:
+
+    request  jkv.framing frame {"layer", "items": [[rid, [count per KV head]], ...]}
+             + i32 positions: for each item, for each head, its `count` token positions
+    reply    K rows f32[sum counts, D] then V rows f32[sum counts, D], in request order
+
+Builders: `FetchCall` (decode worker's synchronous lane and the layer lookahead, one per owner),
+`parse_fetch` + `pack_reply` (prefill worker), `reply_rows` + `keep_rows` (decode side, after the
+reply). Pure numpy; no JAX, no transport.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jkv.framing import pack, unpack
+
+
+def kv_offset(num_layers: int, num_kv_heads: int, capacity: int, head_dim: int, kv: int, layer: int, head: int,
+              token: int, itemsize: int = 4) -> int:
+    """Byte offset of pool[kv, layer, head, token, 0] in a flat [2, L, H_kv, N_cap, D] buffer."""
+    return ((((kv * num_layers + layer) * num_kv_heads + head) * capacity + token) * head_dim) * itemsize
+
+
+def mask_offset(capacity: int, layer: int, token: int) -> int:
+    """Byte offset of mask[layer, token] in a flat i8[L, N_cap] mask."""
+    return layer * capacity + token
+
+
+@dataclasses.dataclass
+class FetchCall:
+    """One "fetch" RPC being built: `add` each request's per-head positions, then `payload()`.
+
+    segments: (key, positions i32[c]) per non-empty (request, head), in the order the reply's
+    rows come back; `key` is whatever the caller needs to place them (a row id, a (b, h) pair).
+    """
+
+    layer: int
+    items: list = dataclasses.field(default_factory=list)  # [rid, [count per KV head]]
+    segments: list = dataclasses.field(default_factory=list)
+
+    def add(self, rid: str, per_head: list) -> None:
+        """per_head: one (key, positions i32[c]) per KV head, head order (c may be 0)."""
+        self.items.append([rid, [int(len(p)) for _, p in per_head]])
+        self.segments.extend((key, p) for key, p in per_head if len(p))
+
+    @property
+    def rows(self) -> int:
+        """Positions asked for (rows of K, and as many of V, in the reply)."""
+        return sum(int(len(p)) for _, p in self.segments)
+
+    def payload(self) -> bytes:
+        positions = [np.asarray(p, np.int32) for _, p in self.segments]
+        return pack(dict(layer=self.layer, items=self.items),
+                    np.concatenate(positions) if positions else np.zeros(0, np.int32))
+
+
+def parse_fetch(payload) -> tuple[int, list[tuple[str, list[np.ndarray]]]]:
+    """Prefill side: a "fetch" payload -> (layer, [(rid, [positions i32[c] per KV head])])."""
+    header, raw = unpack(payload)
+    positions = np.frombuffer(raw, np.int32)
+    out, at = [], 0
+    for rid, counts in header["items"]:
+        heads = []
+        for c in counts:
+            heads.append(positions[at:at + c])
+            at += c
+        out.append((rid, heads))
+    return int(header["layer"]), out
+
+
+def pack_reply(k_rows: list[np.ndarray], v_rows: list[np.ndarray]) -> bytes:
+    """Prefill side: the K rows (each f32[c, D]) then the V rows, in request order."""
+    if not k_rows:
+        return b""
+    return np.concatenate([np.concatenate(k_rows), np.concatenate(v_rows)]).tobytes()
+
+
+def reply_rows(data, rows: int, head_dim: int, source: str) -> np.ndarray:
+    """Decode side: a reply of `rows` positions -> f32[2, rows, D] (K, V). source names the
+    reply in the error ("fetch reply from 'prefill-0'"). Raises RuntimeError on a wrong size."""
+    reply = np.frombuffer(data, np.float32)
+    if reply.size != 2 * rows * head_dim:
+        raise RuntimeError(f"{source} has {reply.size} floats, expected {2 * rows * head_dim}")
+    return reply.reshape(2, rows, head_dim)
+
+
+def iter_reply(reply: np.ndarray, segments):
+    """(key, positions, K f32[c, D], V f32[c, D]) per segment of a `FetchCall`'s reply."""
+    at = 0
+    for key, positions in segments:
+        c = int(len(positions))
+        yield key, positions, reply[0, at:at + c], reply[1, at:at + c]
+        at += c
+
+
+def keep_rows(request, layer: int, head: int, positions, k, v) -> None:
+    """Store fetched rows in a decode-side request's pool and mark them fetched (KV reuse:
+    identical bytes to what a later block write brings). request: has `kv.kv`
+    f32[2, L, H_kv, N_cap, D], `fetched` bool[L, H_kv, N_cap] and a `fetch_bytes` counter."""
+    request.kv.kv[0, layer, head, positions] = k
+    request.kv.kv[1, layer, head, positions] = v
+    request.fetched[layer, head, positions] = True
+    request.fetch_bytes += 2 * int(len(positions)) * k.shape[-1] * 4
