@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.common import add_model_arg, setup_logging, write_csv
 
-from jkv.eval.corpus import stdlib_sources
+from jkv.corpus import stdlib_sources
 from jkv.eval.fidelity import fidelity_metrics
 from jkv.selection import get_selector
 from jkv.selection.calibration import calibration_tokens, collect_calibration
