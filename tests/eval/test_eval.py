@@ -193,6 +193,7 @@ def test_batched_samples_match_one_at_a_time_and_metadata_bytes_are_reported(tok
     assert per_token["dense"] == per_token["streamingllm"] == 0.0
     kv_bytes = cfg.num_kv_heads * cfg.head_dim * 4  # one token's K, float32, all KV heads
     assert metadata_bytes_per_token(get_selector("oracle"), cfg) == kv_bytes  # Oracle reads K itself
-    # int8 min + max per 2-token page: head_dim bytes per token and KV head (+ the grid, + 1 B capacity).
-    assert per_token["quest"] == pytest.approx(cfg.num_kv_heads * cfg.head_dim * (1 + 4 / 1024) + 1)
+    # int8 min + max per 2-token page: head_dim bytes per token and KV head (+ the grid); N_cap travels
+    # in the shape of an empty [B, N_cap, 0] leaf (0 bytes; it was 1 B per token before issue 23's fix).
+    assert per_token["quest"] == pytest.approx(cfg.num_kv_heads * cfg.head_dim * (1 + 4 / 1024))
     assert {s["selector"]: s["metadata_bytes_per_token"] for s in summarize(batched)} == per_token
