@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+from transport.address import parse_tcp, parse_unix
 from transport.admission import Acceptor, HandshakeGate, RefusalLog
 from transport.auth import Deadline, HandshakeBusy, client_handshake, server_handshake
 from transport.connection import Connection, Frame, Operation
@@ -67,27 +68,6 @@ class Notification:
     peer: str
     kind: str
     payload: bytes
-
-
-def _parse_tcp(address) -> tuple[str, int]:
-    if isinstance(address, tuple):
-        host, port = address
-    else:
-        host, sep, port = str(address).rpartition(":")
-        if not sep or not host:
-            raise ValueError(f"tcp address {address!r} must look like 'host:port'")
-    try:
-        port = int(port)
-    except ValueError:
-        raise ValueError(f"tcp address {address!r} has a non-numeric port") from None
-    return host, port
-
-
-def _parse_unix(address: str) -> str:
-    if not isinstance(address, str) or not address.startswith("@") or len(address) < 2:
-        raise ValueError(f"shm address {address!r} must look like '@jkvt-name' "
-                         f"(the string listen() returned)")
-    return "\0" + address[1:]
 
 
 class Endpoint:
@@ -245,10 +225,10 @@ class Endpoint:
         if self.backend == "shm":
             address = address or f"@jkvt-{self.name}-{os.getpid()}-{_secrets.token_hex(4)}"
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.bind(_parse_unix(address))
+            sock.bind(parse_unix(address))
             self.address = address
         else:
-            host, port = _parse_tcp(address) if address is not None else ("127.0.0.1", 0)
+            host, port = parse_tcp(address) if address is not None else ("127.0.0.1", 0)
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
@@ -305,7 +285,7 @@ class Endpoint:
         sock = self._new_socket()
         try:
             sock.settimeout(max(0.1, deadline - time.monotonic()))
-            sock.connect(_parse_unix(address) if self.backend == "shm" else _parse_tcp(address))
+            sock.connect(parse_unix(address) if self.backend == "shm" else parse_tcp(address))
         except OSError:
             sock.close()
             raise
