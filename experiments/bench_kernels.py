@@ -32,7 +32,8 @@ from experiments.common import RESULTS, write_csv  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 
 
-def _median_seconds(fn, args, repeats: int) -> float:
+def median_seconds(fn, args, repeats: int) -> float:
+    """Median wall seconds of `fn(*args)` over `repeats` runs, after one compile + warm-up call."""
     jax.block_until_ready(fn(*args))  # compile + warm up
     times = []
     for _ in range(repeats):
@@ -45,7 +46,7 @@ def _median_seconds(fn, args, repeats: int) -> float:
 def _hbm_bandwidth(repeats: int) -> float:
     """Bytes/s of a 1 GiB read + 1 GiB write elementwise op: the attainable HBM bandwidth."""
     x = jnp.zeros((256 * 1024 * 1024,), jnp.float32)
-    seconds = _median_seconds(jax.jit(lambda a: a + 1.0), (x,), repeats)
+    seconds = median_seconds(jax.jit(lambda a: a + 1.0), (x,), repeats)
     return 2 * x.nbytes / seconds
 
 
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         traffic = _bytes(name, op_args, k)
         for backend in backends:
             with dispatch.backend(backend):
-                seconds[name, backend] = _median_seconds(_op(name, static), op_args, repeats)
+                seconds[name, backend] = median_seconds(_op(name, static), op_args, repeats)
             gbps = traffic / seconds[name, backend] / 1e9
             record = dict(
                 utc=stamp, device=device, op=name, backend=backend, rows=rows, tokens=n, k=k,

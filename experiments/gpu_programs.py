@@ -18,7 +18,6 @@ import argparse
 import csv
 import functools
 import os
-import statistics
 import sys
 import time
 
@@ -29,21 +28,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from experiments import decode_programs as dp  # noqa: E402
+from experiments.bench_kernels import median_seconds  # noqa: E402
 from models import transformer as tfm  # noqa: E402
 from models.model import Model  # noqa: E402
 from pallas_kernels import dispatch  # noqa: E402
 
 H200_HBM_BYTES_PER_S = 4.8e12
-
-
-def _median_s(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _random(aval, rng):
@@ -170,7 +160,7 @@ def main(argv=None) -> int:
             try:
                 with dispatch.backend(backend):
                     compiled = jax.jit(functools.wraps(fn)(lambda *a, f=fn: f(*a)))
-                    seconds[backend] = _median_s(compiled, inputs, repeats)
+                    seconds[backend] = median_seconds(compiled, inputs, repeats)
             except Exception as exc:  # noqa: BLE001
                 error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 status = 1
