@@ -13,7 +13,8 @@ them, on 4 calibration windows of the corpus (1024-token prompt + 192 decode que
 on the same four Calibration windows InfiniGen-mix pools (corpus 256+32 and 1024+32, code 512+32 and
 1024+32), in turn. Training time is logged ("hata_* trained in").
 
-    nice -n 19 python experiments/heldout_domain.py --lengths 1024 --samples 8 --csv out.csv
+    nice -n 10 python experiments/heldout_domain.py --lengths 1024,2048 --samples 8 --hata-steps 150 \
+        --hata-cache /tmp/hd/proj --csv experiments/results/heldout_domain_{k}.csv
 """
 from __future__ import annotations
 
@@ -108,8 +109,8 @@ def main(argv=None):
     p.add_argument("--lengths", default="1024")
     p.add_argument("--samples", type=int, default=8, help="windows per domain and length")
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--hata-steps", type=int, default=300,
-                   help="HATA training steps per calibration window (`jkv train-hata` default 300)")
+    p.add_argument("--hata-steps", type=int, default=150,
+                   help="HATA training steps per calibration window (accuracy.py's 150; `jkv train-hata`: 300)")
     p.add_argument("--hata-windows", type=int, default=4, help="corpus windows (1024+192) of the default HATA")
     p.add_argument("--no-hata", action="store_true", help="InfiniGen and Oracle only")
     p.add_argument("--hata-cache", default=None,
