@@ -28,7 +28,7 @@ from jkv.disagg.prefill_worker import PrefillWorker
 
 from . import protocol as P
 from .metrics import PrefillMetrics
-from .server import CountRequests, LimitRequestBody, install_error_handlers
+from .server import base_app
 
 
 class ServingPrefillWorker(PrefillWorker):
@@ -110,18 +110,7 @@ class ServingPrefillWorker(PrefillWorker):
 def create_prefill_app(worker: ServingPrefillWorker, metrics: PrefillMetrics, info: dict,
                        on_shutdown=None, max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
     """info: static /health fields (transport_address, transport, selector, model, ...)."""
-    import contextlib
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        yield
-        if on_shutdown is not None:
-            on_shutdown()
-
-    app = FastAPI(title="jkv prefill", lifespan=lifespan)
-    install_error_handlers(app)
-    app.add_middleware(LimitRequestBody, max_bytes=max_request_bytes)
-    app.add_middleware(CountRequests, metrics=metrics)
+    app = base_app("jkv prefill", metrics, max_request_bytes, on_shutdown)
 
     @app.get("/health")
     async def health():

@@ -444,18 +444,25 @@ def ops_router(engine, metrics: ServerMetrics) -> APIRouter:
     return api
 
 
-def create_app(engine, model_name: str, metrics: ServerMetrics, default_max_tokens: int = 256, on_shutdown=None,
-               max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
+def base_app(title: str, metrics, max_request_bytes: int, on_shutdown=None) -> FastAPI:
+    """The FastAPI shell every role's app starts from: OpenAI-shaped errors, the body cap (413),
+    request counting (outermost, so the 413s count too) and `on_shutdown` after the server stops."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="jkv", lifespan=lifespan)
+    app = FastAPI(title=title, lifespan=lifespan)
     install_error_handlers(app)
     app.add_middleware(LimitRequestBody, max_bytes=max_request_bytes)
-    app.add_middleware(CountRequests, metrics=metrics)  # outermost: counts the 413s too
+    app.add_middleware(CountRequests, metrics=metrics)
+    return app
+
+
+def create_app(engine, model_name: str, metrics: ServerMetrics, default_max_tokens: int = 256, on_shutdown=None,
+               max_request_bytes: int = 4 * 1024 * 1024) -> FastAPI:
+    app = base_app("jkv", metrics, max_request_bytes, on_shutdown)
     app.include_router(openai_router(_Frontend(engine, model_name, default_max_tokens)))
     app.include_router(ops_router(engine, metrics))
     return app
