@@ -29,7 +29,22 @@ barrier expects that many arrivals), looked up in the page table (DESIGN.md's KV
 
 Selected-row gathers stay outside this kernel on Hopper (a per-row copy into swizzled SMEM is
 rejected on sm_90; TMA gather is sm_100): callers pass the gathered k_sel / v_sel.
-bf16 / f16 only (wgmma transposes only 16-bit operands); `dispatch` sends f32 to Triton.
+
+Precision. bf16 / f16 inputs: 16-bit wgmma operands, f32 accumulation and softmax. f32 inputs
+(head dim 64 or 128) run as "3xbf16", not TF32: Hopper's wgmma reads a 32-bit B operand only
+K-major, and V's tile ([entries, D], entries the contraction axis) is N-major in SMEM; a
+transpose would need a register pass anyway, and TF32 keeps 10 mantissa bits. So each f32 K or
+V tile, after its TMA copy, goes through registers once and is split into bf16 hi + lo
+(x = hi + lo to 2^-18 relative; V rows past `stop` are zeroed in the same pass), Q and P are
+split the same way, and each product is a_hi b_hi + a_hi b_lo + a_lo b_hi (three 16-bit wgmmas,
+f32 accumulation; the dropped a_lo b_lo is <= 2^-18 relative): ~16 of f32's 24 mantissa bits.
+Measured on unit-normal q, K, V (D = 64, k = 200, 20 seeds, numpy emulation against an f64
+reference): output error <= 7e-6 (median 2e-6) for 3xbf16, vs median 1.4e-4 (max 2.4e-4)
+for TF32 and 1e-3 for bf16; the interpreted kernel is within 1e-5 and the tests check 5e-5,
+which TF32 would not meet. The CPU interpreter runs the same split products, so interpret-mode
+tests measure this precision (the GPU differs only in summation order and its exp). f32 costs
+3x the MMA work (the kernel stays memory-bound at decode sizes) and, at D = 128, stages o in
+K's slot 0 to stay within the 227 KiB of SMEM an H200 block may use.
 
 Runs on an sm_90+ GPU, or on CPU under `plgpu.InterpretGPUParams()` (jax >= 0.11); exports for
 cuda on jax 0.10-0.12.
@@ -62,9 +77,9 @@ BLOCK_K = 64  # entries per K/V tile
 _ROW_ALIGN = 8  # rows of one SMEM tile: TMA row offsets must be multiples of it
 NUM_SLOTS = 2  # K/V tiles in SMEM at once (double buffering)
 _M_INIT = -1e30  # finite start for the running max: exp(-inf - -inf) would be NaN
-# 16-bit only: S = Q K^T reads K transposed from SMEM, which wgmma allows for 16-bit types only
-# ("Only f16 WGMMA supports transposes" for f32/TF32); f32 inputs go to the Triton kernel.
-SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# f32 runs as 3xbf16 (module docstring): wgmma reads a 32-bit B operand only K-major, which
+# V's tile is not, and its TF32 keeps 10 mantissa bits.
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
 def _smem_transforms(dtype) -> tuple:
@@ -79,7 +94,7 @@ def _kernel(valid_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *scratch
     # entries padded to k_rows (>= 64, a multiple of 8) so tiles never read past a row;
     # o_gmem: f32[R, S, 64, D]; m_gmem / l_gmem: f32[R, S, 64].
     row, split = lax.axis_index("row"), lax.axis_index("split")
-    k_smem, v_smem, k_bar, v_bar = scratch[1], scratch[2], scratch[8], scratch[9]
+    k_smem, v_smem, k_bar, v_bar = _kv_scratch(scratch)
     valid = jnp.clip(valid_gmem[row], 0, k)  # the caller's k: padding is never valid
 
     def tile_start(start, i):  # clamped so a tile never reads past the row's k entries
@@ -100,7 +115,7 @@ def _paged_kernel(lengths_gmem, table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gm
     # lengths_gmem: i32[B]; table_gmem: i32[B, max_pages]; q_gmem: [B*H_kv, 64, D];
     # k_gmem / v_gmem: [num_pages, H_kv, P, D] (DESIGN.md's KV cache); o/m/l as in _kernel.
     row, split = lax.axis_index("row"), lax.axis_index("split")
-    k_smem, v_smem, k_bar, v_bar = scratch[1], scratch[2], scratch[8], scratch[9]
+    k_smem, v_smem, k_bar, v_bar = _kv_scratch(scratch)
     batch, head = lax.div(row, kv_heads), lax.rem(row, kv_heads)
     max_pages = table_gmem.shape[1]
     valid = jnp.clip(lengths_gmem[batch], 0, max_pages * page_size)
@@ -124,17 +139,37 @@ def _paged_kernel(lengths_gmem, table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gm
                  split_len=split_len, tile_start=tile_start, fetch=fetch, scale=scale)
 
 
+def _kv_scratch(scratch) -> tuple:
+    """(k_smem, v_smem, k_bar, v_bar) out of `_launch`'s scratch tuple."""
+    return scratch[1], scratch[2], scratch[7], scratch[8]
+
+
+def _split_bf16(x):
+    """f32 x -> (hi, lo) bf16 with hi + lo = x to 2^-18 relative (hi keeps 8 significant bits,
+    lo the next 8)."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
 def _flash_split(q_src, o_dst, m_dst, l_dst,
-                 q_smem, k_smem, v_smem, p_smem, o_smem, m_smem, l_smem, q_bar, k_bar, v_bar,
+                 q_smem, k_smem, v_smem, p_smem, m_smem, l_smem, q_bar, k_bar, v_bar, extra,
                  *, valid, start, split_len: int, tile_start, fetch, scale: float):
     """Online-softmax attention of the padded query group over entries [start, min(valid,
     start + split_len)) of one row, in 64-entry tiles that `fetch(start, i, slot)` brings into
     SMEM slot `slot` (tile i's first entry is `tile_start(start, i)`, which may precede its
-    nominal start start + 64 i); writes the split's unnormalised o, running max m and sum l."""
-    dtype = k_smem.dtype
+    nominal start start + 64 i); writes the split's unnormalised o, running max m and sum l.
+
+    16-bit K / V: `extra` is the f32 [64, D] staging buffer of o; q_smem [1, 64, D], p_smem
+    [1, 64, 64]. f32 K / V (3xbf16, see the module docstring): `extra` is the bf16 [2, 64, D]
+    (hi, lo) split of the current K, then V, tile; q_smem [2, 64, D] and p_smem [2, 64, 64]
+    hold (hi, lo) too, and o is staged in K's slot 0 (free once the last tile was scored)."""
+    split3 = k_smem.dtype == jnp.float32
     stop = jnp.minimum(valid, start + split_len)
     num_tiles = jnp.maximum(pl.cdiv(stop - start, BLOCK_K), 0)
-    plgpu.copy_gmem_to_smem(q_src, q_smem, q_bar.at[0])
+    for part in range(q_smem.shape[0]):
+        # One TMA per part (the barrier expects each): [2, 64, 128] bf16 in one copy would need
+        # a 6-dimensional TMA box once tiled, one more than TMA has.
+        plgpu.copy_gmem_to_smem(q_src.at[part], q_smem.at[part], q_bar.at[0])
 
     @pl.when(num_tiles > 0)
     def _():
@@ -142,15 +177,35 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
 
     plgpu.barrier_wait(q_bar.at[0])
     layout = plgpu.Layout.WGMMA
-    o = plgpu.layout_cast(jnp.zeros((WGMMA_M, o_smem.shape[1]), jnp.float32), layout)
+    o = plgpu.layout_cast(jnp.zeros((WGMMA_M, q_smem.shape[-1]), jnp.float32), layout)
     m = plgpu.layout_cast(jnp.full((WGMMA_M,), _M_INIT, jnp.float32), layout.reduce(1))
     l = plgpu.layout_cast(jnp.zeros((WGMMA_M,), jnp.float32), layout.reduce(1))
+
+    def split_tile(tile, keep=None):
+        # f32 SMEM tile -> (hi, lo) bf16 in `extra`, through registers. wgmma reads 32-bit B
+        # operands only K-major (no transpose), which V (entries x D, N-major) is not, and
+        # TF32 would keep 10 mantissa bits; 16-bit operands may be transposed.
+        x = tile[...]
+        if keep is not None:
+            x = jnp.where(keep(x.shape), x, jnp.zeros_like(x))
+        hi, lo = _split_bf16(x)
+        extra.at[0][...] = hi
+        extra.at[1][...] = lo
+        plgpu.commit_smem()  # written by threads, read by the async wgmma
+
+    def mma3(acc_ref, a, b):
+        # a = (a_hi, a_lo), b = (b_hi, b_lo): a_hi b_hi + a_hi b_lo + a_lo b_hi, the small
+        # terms first; a_lo b_lo (~2^-16 relative) is dropped.
+        plgpu.wgmma(acc_ref, a[0], b[1])
+        plgpu.wgmma(acc_ref, a[1], b[0])
+        plgpu.wgmma(acc_ref, a[0], b[0])
 
     def body(i, carry):
         o, m, l = carry
         slot = lax.rem(i, NUM_SLOTS)
 
-        # The other slot's last readers (tile i-1's wgmmas) completed: their results were read.
+        # The other slot's last readers (tile i-1's wgmmas, or its split's register loads)
+        # completed: their results were read.
         @pl.when(i + 1 < num_tiles)
         def _():
             fetch(start, i + 1, 1 - slot)
@@ -158,9 +213,14 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
         first = tile_start(start, i)
         nominal = start + i * BLOCK_K
         plgpu.barrier_wait(k_bar.at[slot])
+        if split3:
+            split_tile(k_smem.at[slot])  # `extra` is free: tile i-1's P V wgmmas were read
 
         def scores(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+            if split3:
+                mma3(acc_ref, (q_smem.at[0], q_smem.at[1]), (extra.at[0].T, extra.at[1].T))
+            else:
+                plgpu.wgmma(acc_ref, q_smem.at[0], k_smem.at[slot].T)
             return acc_ref[...]
 
         s = pl.run_scoped(scores, plgpu.ACC((WGMMA_M, BLOCK_K), jnp.float32)) * scale
@@ -171,19 +231,31 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
         p = jnp.exp(s - lax.broadcast_in_dim(m_next, s.shape, [0]))
         l_next = l * correction + p.sum(axis=1)
         o = o * lax.broadcast_in_dim(correction, o.shape, [0])
-        p_smem[...] = p.astype(dtype)
         plgpu.barrier_wait(v_bar.at[slot])
+        if split3:
+            p_smem.at[0][...], p_smem.at[1][...] = _split_bf16(p)
 
-        @pl.when(first + BLOCK_K > stop)  # the tile runs past valid_count: zero those V rows
-        def _():
-            v_tile = v_smem.at[slot]
-            entry = first + plgpu.broadcasted_iota(jnp.int32, v_tile.shape, 0, layout=layout)
-            v_tile[...] = jnp.where(entry < stop, v_tile[...], jnp.zeros_like(v_tile[...]))
+            def keep(shape):  # V rows past `stop` may be garbage: 0 x NaN must not reach P V
+                return first + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout) < stop
 
-        plgpu.commit_smem()  # P (and a zeroed V) written by threads, read by the async wgmma
+            # The split of K in `extra` was read by the scores' wgmmas, which completed.
+            split_tile(v_smem.at[slot], keep)
+        else:
+            p_smem.at[0][...] = p.astype(k_smem.dtype)
+
+            @pl.when(first + BLOCK_K > stop)  # the tile runs past valid_count: zero those V rows
+            def _():
+                v_tile = v_smem.at[slot]
+                entry = first + plgpu.broadcasted_iota(jnp.int32, v_tile.shape, 0, layout=layout)
+                v_tile[...] = jnp.where(entry < stop, v_tile[...], jnp.zeros_like(v_tile[...]))
+
+            plgpu.commit_smem()  # P (and a zeroed V) written by threads, read by the async wgmma
 
         def weighted_values(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+            if split3:
+                mma3(acc_ref, (p_smem.at[0], p_smem.at[1]), (extra.at[0], extra.at[1]))
+            else:
+                plgpu.wgmma(acc_ref, p_smem.at[0], v_smem.at[slot])
             return acc_ref[...]
 
         # A fresh accumulator, added in registers: the CPU interpreter runs wgmma only inside
@@ -192,6 +264,8 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
         return o, m_next, l_next
 
     o, m, l = lax.fori_loop(0, num_tiles, body, (o, m, l))
+    # f32: K's slot 0 stages o (SMEM is short at D = 128); every K tile fetched was waited for.
+    o_smem = k_smem.at[0] if split3 else extra
     o_smem[...] = o
     m_smem[...] = m
     l_smem[...] = l
@@ -207,7 +281,13 @@ def check_supported(head_dim: int, dtype, group: int = 1) -> None:
     if not MOSAIC_AVAILABLE:
         raise ValueError(f"jax {jax.__version__} has no Mosaic GPU Pallas (plgpu.kernel)")
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
-        raise ValueError(f"{dtype=} must be bf16 or f16 for the Mosaic kernel (f32: use Triton)")
+        raise ValueError(f"{dtype=} must be bf16, f16 or f32 for the Mosaic kernel")
+    if jnp.dtype(dtype) == jnp.float32:
+        # Its bf16 (hi, lo) tiles need 128-byte bf16 rows; at D > 128 the f32 K / V slots and
+        # the split tiles overflow the 227 KiB of SMEM an H200 block may use.
+        if head_dim not in (64, 128):
+            raise ValueError(f"{head_dim=} must be 64 or 128 for the Mosaic kernel in f32 "
+                             "(bf16 split rows of 128 bytes, SMEM)")
     row_bytes = head_dim * jnp.dtype(dtype).itemsize
     if head_dim % 16 or row_bytes % 128 or head_dim > 256:
         raise ValueError(
@@ -261,10 +341,18 @@ def _launch(body, q, group: int, rows: int, splits: int, dtype, interpret: bool,
     `copies_per_tile` TMA copies, each arriving once on the slot's barrier. Returns merged
     (out, lse)."""
     batch, heads, head_dim = q.shape
-    q_rows = q.reshape(rows, group, head_dim).astype(dtype)  # head h -> KV head h // G
+    q_rows = q.reshape(rows, group, head_dim).astype(jnp.float32)  # head h -> KV head h // G
     q_rows = jnp.pad(q_rows, ((0, 0), (0, WGMMA_M - group), (0, 0)))  # [R, 64, D]
-    transforms = _smem_transforms(dtype)
-    f32 = jnp.float32
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    if jnp.dtype(dtype) == f32:  # 3xbf16: the queries' (hi, lo) split, once, here
+        q_rows = jnp.stack(_split_bf16(q_rows), axis=1)  # [R, 2, 64, D] bf16
+        mma_dtype, extra = bf16, plgpu.SMEM((2, BLOCK_K, head_dim), bf16,
+                                            transforms=_smem_transforms(bf16))
+    else:
+        q_rows = q_rows.astype(dtype)[:, None]  # [R, 1, 64, D]
+        mma_dtype, extra = dtype, plgpu.SMEM((WGMMA_M, head_dim), f32)  # o's staging buffer
+    parts = q_rows.shape[1]
+    kv_transforms, mma_transforms = _smem_transforms(dtype), _smem_transforms(mma_dtype)
     o, m, l = plgpu.kernel(
         body,
         out_type=(
@@ -273,16 +361,16 @@ def _launch(body, q, group: int, rows: int, splits: int, dtype, interpret: bool,
             jax.ShapeDtypeStruct((rows, splits, WGMMA_M), f32),
         ),
         scratch_types=(
-            plgpu.SMEM((WGMMA_M, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((NUM_SLOTS, BLOCK_K, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((NUM_SLOTS, BLOCK_K, head_dim), dtype, transforms=transforms),
-            plgpu.SMEM((WGMMA_M, BLOCK_K), dtype, transforms=transforms),
-            plgpu.SMEM((WGMMA_M, head_dim), f32),
+            plgpu.SMEM((parts, WGMMA_M, head_dim), mma_dtype, transforms=mma_transforms),
+            plgpu.SMEM((NUM_SLOTS, BLOCK_K, head_dim), dtype, transforms=kv_transforms),
+            plgpu.SMEM((NUM_SLOTS, BLOCK_K, head_dim), dtype, transforms=kv_transforms),
+            plgpu.SMEM((parts, WGMMA_M, BLOCK_K), mma_dtype, transforms=mma_transforms),
             plgpu.SMEM((WGMMA_M,), f32),
             plgpu.SMEM((WGMMA_M,), f32),
-            plgpu.Barrier(num_barriers=1),
+            plgpu.Barrier(num_arrivals=parts, num_barriers=1),
             plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=NUM_SLOTS),
             plgpu.Barrier(num_arrivals=copies_per_tile, num_barriers=NUM_SLOTS),
+            extra,
         ),
         grid=(rows, splits),
         grid_names=("row", "split"),
