@@ -13,8 +13,11 @@
         page_table: i32[B, max_pages], lengths: i32[B]) -> (out f32[B, H, D], lse f32[B, H])
 
 Backends: "mosaic" (Hopper+: sparse attention by the Mosaic GPU kernel of `mosaic_attention`,
-the other ops by the Triton kernels; shapes or dtypes the Mosaic kernel does not take (f32, a
-head dim whose rows are not a multiple of 128 bytes) fall back to Triton), "pallas" (compiled
+bf16 / f16 and f32 (the latter as 3xbf16 products, ~16 mantissa bits: see that module), the
+other ops by the Triton kernels; shapes the Mosaic kernel does not take (a head dim whose rows
+are not a multiple of 128 bytes, f32 at a head dim other than 64 or 128, a query group over 64)
+fall back to Triton, paged attention to the XLA reference, with one log line per reason),
+"pallas" (compiled
 Pallas Triton kernels; GPU only), "interpret" (the Triton kernels in Pallas interpret mode; for
 tests on CPU, slow), "xla" (the pure-jnp references, which XLA compiles well on CPU), "auto" (the
 default: on a GPU of compute capability >= 9.0 "mosaic", on another GPU "pallas", without the
@@ -139,8 +142,9 @@ def _kernel_mode() -> bool | None:
 
 
 @functools.cache
-def _log_mosaic_fallback(reason: str) -> None:
-    log.info("sparse attention: Mosaic kernel does not take this call (%s); using Triton", reason)
+def _log_mosaic_fallback(op: str, reason: str, fallback: str) -> None:
+    # Once per (op, reason): a fallback is a per-shape fact, not a per-call event.
+    log.info("%s: Mosaic kernel does not take this call (%s); using %s", op, reason, fallback)
 
 
 def _check_k(k: int) -> int:
@@ -232,7 +236,7 @@ def sparse_decode_attention_partials(
         try:
             mosaic_attention.check_supported(q.shape[-1], k_sel.dtype, group)
         except ValueError as exc:
-            _log_mosaic_fallback(str(exc))
+            _log_mosaic_fallback("sparse attention", str(exc), "the Triton kernel")
         else:
             return mosaic_attention.sparse_decode_attention_partials_mosaic(
                 q, k_sel, v_sel, valid_count, scale=scale
@@ -276,7 +280,7 @@ def paged_decode_attention_partials(
             if k_pages.shape[2] not in (8, 16, 32, 64):
                 raise ValueError(f"page size {k_pages.shape[2]} is not 8, 16, 32 or 64")
         except ValueError as exc:
-            _log_mosaic_fallback(str(exc))
+            _log_mosaic_fallback("paged attention", str(exc), "the XLA reference")
         else:
             return mosaic_attention.paged_decode_attention_partials_mosaic(
                 q, k_pages, v_pages, page_table, lengths, scale=scale
