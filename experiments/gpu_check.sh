@@ -12,6 +12,10 @@
 #   kernels   tests/kernels with the kernels compiled (JKV_KERNEL_MODE=compiled), no -x
 #   bench     experiments/bench_kernels.py: each op per backend (mosaic / triton / xla), GB/s,
 #             fraction of measured HBM bandwidth, at k = 2,048, B*H_kv = 64
+#   f32_attention  f32 sparse decode attention per backend (the Mosaic kernel runs it as 3xbf16
+#             products): time, GB/s, and max error against an f64 reference, in
+#             attention_f32.csv (on CPU: the XLA reference, and the Mosaic kernel interpreted
+#             where jax >= 0.11 has the interpreter; interpret mode is never timed)
 #   programs  experiments/gpu_programs.py: end-to-end generate (random-weight model, token-id
 #             prompts) and the decode programs' times vs XLA, GB/s vs the H200's 4.8 TB/s
 # Then $OUT/summary.md: one table of the steps and the CSVs' contents.
@@ -109,6 +113,70 @@ run_step kernels 200 env JKV_KERNEL_MODE="$KERNEL_MODE" "$PYTHON" -m pytest -q -
     -W ignore::DeprecationWarning --junitxml="$OUT/kernels_junit.xml" "${KERNEL_TESTS[@]}"
 
 run_step bench 120 "$PYTHON" experiments/bench_kernels.py "${BENCH_ARGS[@]}" --out "$OUT"
+
+run_step f32_attention 150 "$PYTHON" - "$OUT" "$MODE" <<'PY'
+import csv, os, statistics, sys, time
+import jax, jax.numpy as jnp, numpy as np
+from pallas_kernels import dispatch, mosaic_attention
+
+out, mode = sys.argv[1], sys.argv[2]
+batch, kv_heads, group, k, head_dim = (1, 2, 4, 200, 64) if mode == "cpu" else (8, 8, 4, 2048, 128)
+rows, repeats = batch * kv_heads, 20
+rng = np.random.default_rng(0)
+q = rng.standard_normal((batch, kv_heads * group, head_dim), dtype=np.float32)
+keys = rng.standard_normal((rows, k, head_dim), dtype=np.float32)
+values = rng.standard_normal((rows, k, head_dim), dtype=np.float32)
+valid = np.full(rows, k, np.int32)
+valid[1:] = rng.integers(1, k + 1, rows - 1)  # mixed lengths, one row full
+# f64 reference: head h of batch b attends row b * H_kv + h // G.
+qr = q.reshape(rows, group, head_dim).astype(np.float64)
+want = np.zeros_like(qr)
+for r in range(rows):
+    s = qr[r] @ keys[r, : valid[r]].T.astype(np.float64) / np.sqrt(head_dim)
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    want[r] = p @ values[r, : valid[r]].astype(np.float64) / p.sum(axis=1, keepdims=True)
+want = want.reshape(q.shape)
+args = tuple(map(jnp.asarray, (q, keys, values, valid)))
+traffic = sum(a.nbytes for a in args) + q.nbytes
+if mode == "cpu":
+    runs = [("xla", "xla", None)]
+    if mosaic_attention.INTERPRET_AVAILABLE:
+        runs.append(("mosaic-interpret", None, lambda *a: mosaic_attention.sparse_decode_attention_partials_mosaic(*a, interpret=True)[0]))
+else:
+    with dispatch.backend("auto"):
+        auto = dispatch.resolved_backend()
+    runs = [(b, b, None) for b in (("mosaic", "pallas", "xla") if auto == "mosaic" else ("pallas", "xla"))]
+records, failed = [], 0
+for name, backend, direct in runs:
+    record = dict(backend=name, rows=rows, k=k, head_dim=head_dim, group=group, dtype="float32",
+                  ms="", gbps="", hbm_fraction_4800="", max_abs_err_vs_f64="", error="")
+    try:
+        if direct is not None:
+            got = direct(*args)
+        else:
+            with dispatch.backend(backend):
+                fn = jax.jit(lambda *a: dispatch.sparse_decode_attention_partials(*a)[0])
+                got = jax.block_until_ready(fn(*args))
+                times = []
+                for _ in range(repeats if mode != "cpu" else 1):
+                    start = time.perf_counter()
+                    jax.block_until_ready(fn(*args))
+                    times.append(time.perf_counter() - start)
+            seconds = statistics.median(times)
+            record.update(ms=f"{seconds * 1e3:.4f}", gbps=f"{traffic / seconds / 1e9:.1f}",
+                          hbm_fraction_4800=f"{traffic / seconds / 4.8e12:.3f}" if mode != "cpu" else "")
+        record["max_abs_err_vs_f64"] = f"{np.abs(np.asarray(got, np.float64) - want).max():.2e}"
+    except Exception as exc:  # recorded; the other backends still run
+        failed += 1
+        record["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+    print(record)
+    records.append(record)
+with open(os.path.join(out, "attention_f32.csv"), "w", newline="") as f:
+    writer = csv.DictWriter(f, fieldnames=list(records[0]))
+    writer.writeheader()
+    writer.writerows(records)
+sys.exit(1 if failed else 0)
+PY
 
 run_step programs 200 "$PYTHON" experiments/gpu_programs.py --out "$OUT" "${PROGRAM_ARGS[@]}"
 

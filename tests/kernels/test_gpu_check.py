@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = ("env", "wheels", "kernels", "bench", "programs")
+STEPS = ("env", "wheels", "kernels", "bench", "f32_attention", "programs")
 
 
 @pytest.mark.slow
@@ -30,8 +30,10 @@ def test_cpu_dry_run_leaves_a_summary_of_every_step_under_out(tmp_path):
         log = (out / f"{step}.log").read_text()[-1500:]
         assert steps[step] == "ok", f"{step}: {steps[step]}\n{log}"
     # The measurements came back as CSVs under $OUT and are in the summary.
-    for name in ("kernels_cpu.csv", "programs.csv", "generate.csv"):
+    for name in ("kernels_cpu.csv", "attention_f32.csv", "programs.csv", "generate.csv"):
         assert (out / name).exists() and f"## {name}" in text
+    f32 = list(csv.DictReader(open(out / "attention_f32.csv")))
+    assert f32 and all(not row["error"] and float(row["max_abs_err_vs_f64"]) < 1e-4 for row in f32)
     generate = list(csv.DictReader(open(out / "generate.csv")))
     assert generate and all(row["valid_ids"] == "True" for row in generate)
     assert proc.returncode == 0, proc.stdout[-2000:]
