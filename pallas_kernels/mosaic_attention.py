@@ -189,6 +189,9 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
         if keep is not None:
             x = jnp.where(keep(x.shape), x, jnp.zeros_like(x))
         hi, lo = _split_bf16(x)
+        # `extra` is the B operand of the previous wgmma, which each warp waited for on its
+        # own: a warpgroup barrier first, so no warp overwrites rows another still reads.
+        plgpu.commit_smem()
         extra.at[0][...] = hi
         extra.at[1][...] = lo
         plgpu.commit_smem()  # written by threads, read by the async wgmma
