@@ -65,7 +65,8 @@ class Case:
 
 def kernel_cases() -> list[Case]:
     """Every kernel configuration the tests lower (tests/kernels/test_gpu_lowering.py) and the
-    Mosaic attention kernels (selected rows and pages) at decode sizes."""
+    Mosaic attention kernels (selected rows and pages) at decode sizes, in bf16 / f16 and in
+    f32 (3xbf16 products) at both head dims f32 takes (64, 128: the SMEM-tightest)."""
     cases = []
     for rows, n, k, dtype in [(64, 32_768, 6_554, BF16), (8, 131_072, 26_215, F32), (3, 1000, 77, F32)]:
         cases.append(Case("topk_select", f"R={rows} N={n} k={k} {jnp.dtype(dtype).name}",
@@ -89,7 +90,8 @@ def kernel_cases() -> list[Case]:
                           f"B={batch} H_kv={kv_heads} G={group} k={k} D={head_dim} "
                           f"{jnp.dtype(dtype).name}", _triton_attention, avals))
     for group, dtype, head_dim, k in [(4, BF16, 128, 6_554), (3, BF16, 64, 2_048),
-                                      (1, BF16, 128, 100), (7, jnp.float16, 64, 2_048)]:
+                                      (1, BF16, 128, 100), (7, jnp.float16, 64, 2_048),
+                                      (4, F32, 128, 6_554), (7, F32, 64, 2_048)]:
         batch, kv_heads = 8, 8
         rows = batch * kv_heads
         avals = (S((batch, kv_heads * group, head_dim), dtype), S((rows, k, head_dim), dtype),
@@ -97,15 +99,17 @@ def kernel_cases() -> list[Case]:
         cases.append(Case("sparse_decode_attention[mosaic]",
                           f"B={batch} H_kv={kv_heads} G={group} k={k} D={head_dim} "
                           f"{jnp.dtype(dtype).name}", _mosaic_attention, avals))
-    for page_size, head_dim, pages in [(16, 128, 256), (16, 64, 128), (64, 128, 32)]:
+    for page_size, head_dim, pages, dtype in [(16, 128, 256, BF16), (16, 64, 128, BF16),
+                                              (64, 128, 32, BF16), (16, 128, 256, F32),
+                                              (16, 64, 128, F32)]:
         batch, kv_heads, group, num_pages = 8, 8, 4, 4096
-        avals = (S((batch, kv_heads * group, head_dim), BF16),
-                 S((num_pages, kv_heads, page_size, head_dim), BF16),
-                 S((num_pages, kv_heads, page_size, head_dim), BF16),
+        avals = (S((batch, kv_heads * group, head_dim), dtype),
+                 S((num_pages, kv_heads, page_size, head_dim), dtype),
+                 S((num_pages, kv_heads, page_size, head_dim), dtype),
                  S((batch, pages), I32), S((batch,), I32))
         cases.append(Case("paged_decode_attention[mosaic]",
                           f"B={batch} H_kv={kv_heads} G={group} P={page_size} pages={pages} "
-                          f"D={head_dim} bfloat16", _mosaic_paged, avals))
+                          f"D={head_dim} {jnp.dtype(dtype).name}", _mosaic_paged, avals))
     return cases
 
 
