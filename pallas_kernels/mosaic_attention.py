@@ -90,9 +90,10 @@ def _smem_transforms(dtype) -> tuple:
 
 def _kernel(valid_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *scratch,
             scale: float, split_len: int, k: int, k_rows: int):
-    # valid_gmem: i32[R]; q_gmem: [R, 64, D]; k_gmem / v_gmem: [R, k_rows, D], the caller's k
-    # entries padded to k_rows (>= 64, a multiple of 8) so tiles never read past a row;
-    # o_gmem: f32[R, S, 64, D]; m_gmem / l_gmem: f32[R, S, 64].
+    # valid_gmem: i32[R]; q_gmem: [R, parts, 64, D] (parts: 1, or f32's bf16 hi / lo);
+    # k_gmem / v_gmem: [R, k_rows, D], the caller's k entries padded to k_rows (>= 64, a
+    # multiple of 8) so tiles never read past a row; o_gmem: f32[R, S, 64, D]; m_gmem /
+    # l_gmem: f32[R, S, 64].
     row, split = lax.axis_index("row"), lax.axis_index("split")
     k_smem, v_smem, k_bar, v_bar = _kv_scratch(scratch)
     valid = jnp.clip(valid_gmem[row], 0, k)  # the caller's k: padding is never valid
@@ -112,7 +113,7 @@ def _kernel(valid_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem, *scratch
 
 def _paged_kernel(lengths_gmem, table_gmem, q_gmem, k_gmem, v_gmem, o_gmem, m_gmem, l_gmem,
                   *scratch, scale: float, split_len: int, page_size: int, kv_heads: int):
-    # lengths_gmem: i32[B]; table_gmem: i32[B, max_pages]; q_gmem: [B*H_kv, 64, D];
+    # lengths_gmem: i32[B]; table_gmem: i32[B, max_pages]; q_gmem: [B*H_kv, parts, 64, D];
     # k_gmem / v_gmem: [num_pages, H_kv, P, D] (DESIGN.md's KV cache); o/m/l as in _kernel.
     row, split = lax.axis_index("row"), lax.axis_index("split")
     k_smem, v_smem, k_bar, v_bar = _kv_scratch(scratch)
