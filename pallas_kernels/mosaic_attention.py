@@ -199,7 +199,7 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
 
     def mma3(acc_ref, a, b):
         # a = (a_hi, a_lo), b = (b_hi, b_lo): a_hi b_hi + a_hi b_lo + a_lo b_hi, the small
-        # terms first; a_lo b_lo (~2^-16 relative) is dropped.
+        # terms first; a_lo b_lo (<= 2^-18 relative) is dropped.
         plgpu.wgmma(acc_ref, a[0], b[1])
         plgpu.wgmma(acc_ref, a[1], b[0])
         plgpu.wgmma(acc_ref, a[0], b[0])
