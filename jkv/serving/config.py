@@ -40,6 +40,7 @@ class ServeConfig:
     # disaggregated prefill/decode (SmartGen); field meanings as in jkv.disagg.Disaggregation
     disaggregation: str | None = None
     num_prefill_workers: int = 1
+    prefill_restarts: int = 5
     prefill_worker: tuple[str, ...] = ()
     selector: str = "infinigen"
     selector_file: str | None = None
@@ -107,6 +108,8 @@ class ServeConfig:
             raise ValueError(f"--disaggregation is for --role all or decode, not role={self.role!r}")
         if self.num_prefill_workers < 1:
             raise ValueError(f"num_prefill_workers={self.num_prefill_workers} must be >= 1")
+        if self.prefill_restarts < 0:
+            raise ValueError(f"prefill_restarts={self.prefill_restarts} must be >= 0 (0: never restart)")
         for name in ("lease_s", "transfer_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
@@ -165,6 +168,9 @@ _HELP = {
                             "continuously: a request joins the running decode batch once its prefill hand-off "
                             "arrives"),
     "num_prefill_workers": (int, "role all --disaggregation: local prefill worker processes to start"),
+    "prefill_restarts": (int, "role all --disaggregation: a local prefill worker that dies is restarted with "
+                              "backoff; give up after this many quick failures in a row (each within 60 s of its "
+                              "start); 0: never restart"),
     "prefill_worker": (str, "role decode: transport address (main|bulk) of a prefill worker, as a "
                             "`--role prefill` server logs it and reports on /health (repeatable)"),
     "selector": (str, "sparse-attention selector shared by prefill and decode (infinigen, quest, oracle, "

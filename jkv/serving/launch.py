@@ -3,7 +3,8 @@
 Process model: one process per role. `--role all` loads the model, starts the engine thread
 (`ContinuousBatcher`) and serves HTTP on uvicorn's event loop in the main thread; with
 `--disaggregation MODE` the engine is instead a SmartGen decode worker (`DisaggBatcher`) fed by
-`--num-prefill-workers` local prefill worker processes (`jkv.disagg.cluster`). `--role decode`
+`--num-prefill-workers` local prefill worker processes (`jkv.disagg.cluster`), each restarted
+with backoff when it dies (`jkv.disagg.supervisor`, `--prefill-restarts`). `--role decode`
 is the same engine connected to running `--role prefill` servers (`--prefill-worker ADDRESS`).
 `--role prefill` runs a prefill worker (its "jkv-prefill-main" thread plus transport threads)
 and a small /health + /metrics app. `--role router` has no model and runs only the event loop.
@@ -81,37 +82,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class ChildReaper:
-    """Reaps local prefill worker processes that exit while the server runs (else each stays a
-    <defunct> zombie until the server exits) and logs each exit once, as a WARNING with its code.
-    One daemon thread polls `Popen.poll()` every `interval` seconds; `stop()` ends it."""
-
-    def __init__(self, procs, interval: float = 0.5):
-        import threading
-
-        self.procs, self.interval = procs, interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="jkv-reaper", daemon=True)
-
-    def start(self):
-        self._thread.start()
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self):
-        reported: set[int] = set()
-        while not self._stop.wait(self.interval):
-            for i, p in enumerate(list(self.procs)):
-                code = p.poll()  # waits for (reaps) an exited child
-                if code is not None and p.pid not in reported:
-                    reported.add(p.pid)
-                    log.warning("prefill-worker: local process prefill-%d (pid %d) exited with code %s; its "
-                                "requests fail and /ready reports 503 while no prefill worker is live", i, p.pid,
-                                code)
-
-
 def _secret() -> str:
     import os
 
@@ -173,19 +143,37 @@ def build_disaggregated(cfg: ServeConfig):
              model, cfg.mode, selector.name, cfg.strategy, cfg.transport, cfg.bandwidth or "unpaced", cfg.max_slots,
              dict(zip(cluster.decode.owners, addresses)))
 
-    reaper = None if remote else ChildReaper(cluster.workers.procs)
-    if reaper is not None:
-        reaper.start()
+    supervisor = None if remote else _supervise(cluster.workers, engine, metrics, cfg.prefill_restarts)
 
     def shutdown():
-        if reaper is not None:
-            reaper.stop()
+        if supervisor is not None:
+            supervisor.stop()
         engine.stop()
         cluster.close()
 
     app = create_app(engine, cfg.model_name, metrics, cfg.default_max_tokens, on_shutdown=shutdown,
                      max_request_bytes=cfg.max_request_bytes)
     return app, engine
+
+
+def _supervise(workers, engine, metrics, max_quick_failures: int):
+    """--role all --disaggregation: restart local prefill workers that die (jkv/disagg/supervisor.py),
+    counted in /metrics (jkv_prefill_worker_restarts_total) and listed with their state in /health."""
+    from prometheus_client import Counter
+
+    from jkv.disagg.supervisor import PrefillSupervisor
+
+    restarts = Counter("jkv_prefill_worker_restarts", "local prefill worker processes restarted after they died",
+                       ["worker"], registry=metrics.registry)
+
+    def on_restart(i: int, old: str, new: str):
+        restarts.labels(f"prefill-{i}").inc()
+        engine.prefill_worker_moved(old, new)
+
+    supervisor = PrefillSupervisor(workers, on_restart=on_restart, max_quick_failures=max_quick_failures)
+    engine.supervisor = supervisor
+    supervisor.start()
+    return supervisor
 
 
 def build_prefill(cfg: ServeConfig):
