@@ -163,10 +163,13 @@ class PrefillWorker:
         return self.endpoint.name
 
     def listen(self, address=None) -> str:
-        """Returns "main|bulk": the decode worker connects to both."""
-        main = self.endpoint.listen(address)
+        """Returns "main|bulk": the decode worker connects to both. `address`: "host:port" (the bulk
+        connection on a free port of that host) or "host:port|host:port" (both fixed, e.g. the
+        ports a container exposes)."""
+        main_at, _, bulk_at = (address or "").partition("|")
+        main = self.endpoint.listen(main_at or None)
         host = main.rpartition(":")[0] if self.endpoint.backend == "tcp" else None
-        bulk = self.bulk.listen(f"{host}:0" if host else None)
+        bulk = self.bulk.listen(bulk_at or (f"{host}:0" if host else None))
         return f"{main}|{bulk}"
 
     def set_bandwidth(self, bits_per_s: float) -> None:
@@ -510,7 +513,8 @@ def add_args(p):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--selector-file", required=True, help="selector saved by the decode side (save_selector)")
     p.add_argument("--name", default="prefill-0")
-    p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1 on a free port)")
+    p.add_argument("--listen", default=None, help="host:port, or main|bulk host:port pair (default 127.0.0.1 on "
+                                                  "free ports)")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--bandwidth", default=None, help='paced link, e.g. "1gbit"')
     p.add_argument("--lease-s", type=float, default=300.0)

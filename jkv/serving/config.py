@@ -56,6 +56,7 @@ class ServeConfig:
     transfer_timeout: float = 5.0
     min_budget: int = DEFAULT_MIN_BUDGET
     transport_listen: str | None = None
+    transport_advertise: str | None = None
     worker_name: str | None = None
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
@@ -104,6 +105,11 @@ class ServeConfig:
                              "`jkv serve --role prefill` logs and reports on /health)")
         if self.role != "decode" and self.prefill_worker:
             raise ValueError(f"--prefill-worker is only for --role decode, not role={self.role!r}")
+        if self.transport_advertise is not None and self.role != "prefill":
+            raise ValueError(f"--transport-advertise is only for --role prefill, not role={self.role!r}")
+        if self.transport_advertise is not None and "|" not in self.transport_advertise:
+            raise ValueError(f"--transport-advertise {self.transport_advertise!r} must be a main|bulk pair, e.g. "
+                             "jkv-prefill-a:7100|jkv-prefill-a:7101")
         if self.disaggregation is not None and self.role not in ("all", "decode"):
             raise ValueError(f"--disaggregation is for --role all or decode, not role={self.role!r}")
         if self.num_prefill_workers < 1:
@@ -192,7 +198,11 @@ _HELP = {
                         "k = min(N, max(ceil(0.2 N), min_budget)), and requests of up to min_budget tokens "
                         "(prompt + generated) decode densely, exactly like the single-process server; "
                         "0 keeps the bare 20%% ratio"),
-    "transport_listen": (str, "role prefill: host:port of the transport endpoint (default loopback, free port)"),
+    "transport_listen": (str, "role prefill: host:port of the transport endpoint (default loopback, free port), or "
+                              "main|bulk host:port pair (fixed ports, e.g. in a container)"),
+    "transport_advertise": (str, "role prefill: the main|bulk address decode servers and the router reach this "
+                                 "worker at when it differs from the bound one (a container behind a Service); "
+                                 "reported on /health"),
     "worker_name": (str, "role prefill: the worker's transport name, unique per deployment (default "
                          "prefill-<pid>)"),
     "prefill": (str, "router: URL of a `jkv serve --role prefill` server (repeatable)"),

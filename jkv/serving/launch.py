@@ -192,11 +192,13 @@ def build_prefill(cfg: ServeConfig):
     worker = ServingPrefillWorker(model, selector, name, secret=secret, backend=cfg.transport,
                                   bandwidth=cfg.bandwidth, lease_s=cfg.lease_s, timeout=cfg.transfer_timeout,
                                   metrics=metrics)
-    address = worker.listen(cfg.transport_listen)
+    bound = worker.listen(cfg.transport_listen)
+    address = cfg.transport_advertise or bound  # what decode servers and the router are told
     runner = threading.Thread(target=worker.run, name="jkv-prefill-main", daemon=True)
     runner.start()
-    log.info("prefill-worker: %s, %r, selector %s, transport %s listening on %s, link %s, lease %.0fs",
-             name, model, selector.name, cfg.transport, address, cfg.bandwidth or "unpaced", cfg.lease_s)
+    log.info("prefill-worker: %s, %r, selector %s, transport %s listening on %s%s, link %s, lease %.0fs",
+             name, model, selector.name, cfg.transport, bound, f" (advertised as {address})" if address != bound else "",
+             cfg.bandwidth or "unpaced", cfg.lease_s)
     info = {"transport_address": address, "transport": cfg.transport, "selector": selector.name,
             "model": cfg.model_name, "bandwidth": cfg.bandwidth}
 
