@@ -175,3 +175,36 @@ def test_the_command_line_check_catches_a_bad_flag():
         _parse_jkv(["serve", "--role", "prefill", "--no-such-flag"], "probe")
     with pytest.raises(ValueError, match="--prefill-worker"):
         _parse_jkv(["serve", "--role", "decode"], "probe")
+
+
+# ----------------------------------------------------------------------------- flags the manifests rely on
+def test_a_prefill_worker_binds_a_fixed_main_and_bulk_port_pair():
+    import socket
+    from types import SimpleNamespace
+
+    from jkv.disagg.prefill_worker import PrefillWorker
+    from transport import Endpoint
+
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    pair = f"127.0.0.1:{ports[0]}|127.0.0.1:{ports[1]}"
+    worker = SimpleNamespace(endpoint=Endpoint("p", secret="deploy-test-secret"),
+                             bulk=Endpoint("p.bulk", secret="deploy-test-secret"))
+    try:
+        assert PrefillWorker.listen(worker, pair) == pair
+    finally:
+        worker.endpoint.close()
+        worker.bulk.close()
+
+
+def test_transport_advertise_is_a_main_bulk_pair_of_a_prefill_role():
+    from jkv.serving.config import ServeConfig
+
+    assert ServeConfig(role="prefill", transport_advertise="p:7100|p:7101").transport_advertise == "p:7100|p:7101"
+    with pytest.raises(ValueError, match="only for --role prefill"):
+        ServeConfig(role="router", upstream=("http://a:1",), transport_advertise="p:7100|p:7101")
+    with pytest.raises(ValueError, match="must be a main\\|bulk pair"):
+        ServeConfig(role="prefill", transport_advertise="p:7100")
