@@ -84,6 +84,8 @@ def test_the_weights_fingerprint_is_stable_per_checkpoint_and_differs_across_see
     assert weights_fingerprint(same) == weights_fingerprint(model)
     assert weights_fingerprint(tiny_model("qwen2", 1)) != weights_fingerprint(model)
     assert len(weights_fingerprint(model)) == 16
+    # an accelerator samples with one jitted gather, a CPU reads in place: the same digest
+    assert weights_fingerprint(model, gather_on_device=True) == weights_fingerprint(model, gather_on_device=False)
 
 
 def test_decode_and_prefill_workers_with_different_dtypes_never_connect(model, selector):
