@@ -123,7 +123,9 @@ class DisaggregatedEngine:
     """One decode worker (this process) fed by prefill worker processes."""
 
     def __init__(self, model, config: Disaggregation, model_spec: str | None = None, selector=None,
-                 oracle_profile: ImportanceProfile | None = None):
+                 oracle_profile: ImportanceProfile | None = None, name: str = "decode-0"):
+        """name: the decode worker's transport name, unique among the decode servers that share a
+        prefill worker (a second connection under one name replaces the first)."""
         self.config = config
         self.model = model
         spec = config.model_spec or model_spec
@@ -144,7 +146,7 @@ class DisaggregatedEngine:
         self.workers = None
         self.decode = DecodeWorker(model, self.selector, transfer, secret=secret, backend=config.transport,
                                    profile=profile, oracle_profile=oracle_profile, on_failure=config.on_failure,
-                                   timeout=config.timeout_s, compression=config.compression_policy())
+                                   timeout=config.timeout_s, compression=config.compression_policy(), name=name)
         try:
             addresses = list(config.addresses)
             if not addresses:

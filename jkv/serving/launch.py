@@ -17,6 +17,7 @@ variable (never a flag or a config file); `--role all --disaggregation` makes a 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -83,8 +84,6 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _secret() -> str:
-    import os
-
     secret = os.environ.get("JKV_SECRET", "")
     if len(secret) < 8:
         raise ValueError("set JKV_SECRET to the deployment's shared transport secret (>= 8 bytes); every prefill "
@@ -123,7 +122,9 @@ def build_disaggregated(cfg: ServeConfig):
     selector = _selector(cfg, model)
     remote = cfg.role == "decode"
     dis = cfg.disaggregation_config(secret=_secret() if remote else None)
-    cluster = DisaggregatedEngine(model, dis, model_spec=cfg.model, selector=selector)
+    # --role decode: several decode servers may share prefill workers, which key peers by name
+    name = f"decode-{socket.gethostname()}-{os.getpid()}"[-200:] if remote else "decode-0"
+    cluster = DisaggregatedEngine(model, dis, model_spec=cfg.model, selector=selector, name=name)
     addresses = list(dis.addresses) if remote else cluster.workers.addresses
     if not remote:
         for i, a in enumerate(addresses):
@@ -178,7 +179,6 @@ def _supervise(workers, engine, metrics, max_quick_failures: int):
 
 def build_prefill(cfg: ServeConfig):
     """--role prefill: a SmartGen prefill worker and its /health + /metrics app. Returns (app, worker)."""
-    import os
     import threading
 
     from .disagg_prefill import ServingPrefillWorker, create_prefill_app
