@@ -208,3 +208,14 @@ def test_transport_advertise_is_a_main_bulk_pair_of_a_prefill_role():
         ServeConfig(role="router", upstream=("http://a:1",), transport_advertise="p:7100|p:7101")
     with pytest.raises(ValueError, match="must be a main\\|bulk pair"):
         ServeConfig(role="prefill", transport_advertise="p:7100")
+
+
+def test_the_placeholder_secret_of_the_manifest_is_refused(monkeypatch):
+    from jkv.serving import launch
+
+    secret = next(d for _, d in DOCS_ if d["kind"] == "Secret")["stringData"]["JKV_SECRET"]
+    monkeypatch.setenv("JKV_SECRET", secret)
+    with pytest.raises(ValueError, match="placeholder of deploy/k8s/secret.yaml"):
+        launch._secret()
+    monkeypatch.setenv("JKV_SECRET", "a-random-deployment-secret")
+    assert launch._secret() == "a-random-deployment-secret"

@@ -83,8 +83,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# the value deploy/k8s/secret.yaml ships: a known secret, so a deployment applying it unchanged is refused
+PLACEHOLDER_SECRET = "replace-with-openssl-rand-hex-32"
+
+
 def _secret() -> str:
     secret = os.environ.get("JKV_SECRET", "")
+    if secret == PLACEHOLDER_SECRET:
+        raise ValueError("JKV_SECRET is the placeholder of deploy/k8s/secret.yaml; create the Secret with a random "
+                         "value: kubectl create secret generic jkv-transport --from-literal=JKV_SECRET=\"$(openssl "
+                         "rand -hex 32)\"")
     if len(secret) < 8:
         raise ValueError("set JKV_SECRET to the deployment's shared transport secret (>= 8 bytes); every prefill "
                          "and decode role of one deployment must use the same one")
