@@ -11,10 +11,13 @@ RDMA-style semantics on every backend (``tcp`` default, ``shm`` same host, ``rdm
 * Every operation returns a :class:`Transfer` (CONNECTING → TRANSFERRING → COMPLETE |
   FAILED(reason)); a dead or silent peer fails pending operations within ``timeout``.
 * Pacing: ``bandwidth="10gbit"`` per endpoint or per peer (token bucket).
+* ``Endpoint(config_check=ConfigCheck(config, check))``: peers exchange their configuration in
+  the handshake and a mismatch refuses the connection before any frame is exchanged.
 * ``Endpoint.metrics.snapshot()`` — counters for a Prometheus exporter.
 
 This package imports neither jax nor the model code.
 """
+from transport.auth import ConfigCheck, ConfigMismatch
 from transport.endpoint import BACKENDS, Endpoint, Notification
 from transport.errors import (AuthError, BackendUnavailable, FrameError, OpTimeout, PeerDeadError,
                               RemoteError, TransportError)
@@ -27,5 +30,5 @@ __all__ = [
     "BACKENDS", "Endpoint", "Notification", "Peer", "Mask", "WriteItem", "Region", "RemoteRegion",
     "aligned_empty", "Transfer", "TransferState", "wait_all", "TokenBucket", "parse_bandwidth",
     "TransportError", "PeerDeadError", "OpTimeout", "AuthError", "FrameError", "RemoteError",
-    "BackendUnavailable",
+    "BackendUnavailable", "ConfigCheck", "ConfigMismatch",
 ]

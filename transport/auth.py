@@ -26,7 +26,13 @@ not just a per-read timeout, so a peer dribbling a byte at a time is cut off whe
 A server over its cap of unauthenticated connections (``Endpoint(max_handshakes=)``) answers
 with an ERROR "busy: ..." frame and closes (:class:`HandshakeBusy` on the client, which
 ``Endpoint.connect`` retries until its connect deadline).
-Handshake frames are capped at 1 KiB and use the wire ``VERSION``; a peer speaking another
+The AUTH and WELCOME ``extra`` may carry the application's configuration (``Endpoint(config=,
+check_config=)``): the server checks the client's before it sends WELCOME and refuses a mismatch
+with an ERROR "config mismatch: ..." frame naming the field and both values (:class:`ConfigMismatch`
+on the client); the client checks the server's before it adopts the connection. So no frame of a
+mismatched peer is ever read, and nothing lands in a registered region before both agreed.
+
+Handshake frames are capped at 4 KiB and use the wire ``VERSION``; a peer speaking another
 version gets an ERROR naming this side's version (and its own header check names both). Anything unexpected raises
 :class:`~transport.errors.AuthError`. Runs on the calling thread.
 """
@@ -42,7 +48,8 @@ import time
 from transport.errors import AuthError, FrameError
 from transport.wire import HEADER_SIZE, MAGIC, VERSION, Header, Op, crc32c, decode_header, encode_header
 
-MAX_HANDSHAKE_PAYLOAD = 1024
+MAX_HANDSHAKE_PAYLOAD = 4096  # AUTH/WELCOME carry a few hundred bytes of JSON config
+CONFIG_PREFIX = "config mismatch:"
 NONCE_BYTES = 32
 PROOF_BYTES = 32
 BUSY_PREFIX = "busy:"
@@ -54,6 +61,11 @@ class HandshakeBusy(AuthError):
 
 class VersionMismatch(AuthError):
     """The peer's frames carry another wire protocol version."""
+
+
+class ConfigMismatch(AuthError):
+    """The peers authenticated but run incompatible configurations; the text names the field
+    and both values."""
 
 
 class _Refused(AuthError):
@@ -81,6 +93,27 @@ class Deadline:
     def expired(self) -> AuthError:
         return AuthError(f"handshake did not complete within its {self.seconds:g}s deadline "
                          f"(handshake_timeout)")
+
+
+class ConfigCheck:
+    """What an endpoint tells its peers about itself in the handshake, and how it judges theirs.
+
+    ``config``: a JSON-serialisable dict sent in AUTH (client) / WELCOME (server);
+    ``check(peer_config) -> str | None``: the refusal reason (naming the field and both values)
+    or None to accept; ``peer_config`` is None when the peer sent no config."""
+
+    def __init__(self, config: dict, check):
+        import json
+        if len(json.dumps(config)) > MAX_HANDSHAKE_PAYLOAD - 512:
+            raise ValueError(f"handshake config of {len(json.dumps(config))} bytes of JSON leaves no room in a "
+                             f"{MAX_HANDSHAKE_PAYLOAD}-byte handshake frame; shorten its values")
+        self.config, self.check = config, check
+
+    def verify(self, peer_extra: dict) -> None:
+        """Raise ConfigMismatch with the reason when the peer's config (in its extra) is refused."""
+        reason = self.check(peer_extra.get("config"))
+        if reason:
+            raise ConfigMismatch(reason)
 
 
 def _nonce() -> bytes:
@@ -171,6 +204,8 @@ def client_handshake(sock, secret: bytes, name: str, backend: str, deadline: Dea
     try:
         payload = recv_frame(sock, Op.WELCOME, deadline)
     except _Refused as e:
+        if e.text.startswith(CONFIG_PREFIX):
+            raise ConfigMismatch(f"endpoint {server_name!r} refused this endpoint: {e.text}") from None
         raise AuthError(f"endpoint {server_name!r} refused this endpoint ({e.text}): it failed to prove "
                         f"the shared secret (secrets differ)") from None
     if len(payload) < PROOF_BYTES or not hmac.compare_digest(payload[:PROOF_BYTES],
@@ -183,7 +218,8 @@ def client_handshake(sock, secret: bytes, name: str, backend: str, deadline: Dea
 def server_handshake(sock, secret: bytes, name: str, backend: str, deadline: Deadline,
                      extra_fn=lambda client_extra: b"") -> tuple[str, bytes]:
     """Run the server side. Returns (client name, client's AUTH extra). ``extra_fn`` is
-    called only after the client proved the secret and returns the WELCOME extra."""
+    called only after the client proved the secret and returns the WELCOME extra; when it
+    raises ConfigMismatch the client gets an ERROR frame with that text instead."""
     tag = backend_tag(backend)
     try:
         payload = recv_frame(sock, Op.HELLO, deadline)
@@ -208,5 +244,11 @@ def server_handshake(sock, secret: bytes, name: str, backend: str, deadline: Dea
         send_frame(sock, Op.ERROR, b"authentication failed: wrong shared secret", 2, deadline)
         raise AuthError(f"client {client_name!r} failed to prove the shared secret")
     client_extra = payload[PROOF_BYTES:]
-    send_frame(sock, Op.WELCOME, proof(secret, "server", transcript) + extra_fn(client_extra), 2, deadline)
+    try:
+        extra = extra_fn(client_extra)
+    except ConfigMismatch as e:
+        text = f"{CONFIG_PREFIX} {e}".encode()[:MAX_HANDSHAKE_PAYLOAD]
+        send_frame(sock, Op.ERROR, text, 2, deadline)
+        raise
+    send_frame(sock, Op.WELCOME, proof(secret, "server", transcript) + extra, 2, deadline)
     return client_name, client_extra

@@ -46,7 +46,7 @@ from typing import Callable
 
 from transport.address import parse_tcp, parse_unix
 from transport.admission import Acceptor, HandshakeGate, RefusalLog
-from transport.auth import Deadline, HandshakeBusy, client_handshake, server_handshake
+from transport.auth import ConfigCheck, Deadline, HandshakeBusy, client_handshake, server_handshake
 from transport.connection import Connection, Frame, Operation
 from transport.errors import AuthError, OpTimeout, TransportError
 from transport.metrics import Metrics
@@ -79,14 +79,16 @@ class Endpoint:
     unchecksummed writes. Only for trusted links where the CPU cost matters.
     ``handshake_timeout``: overall deadline of one handshake, either side (default ``timeout``);
     ``max_handshakes``: incoming connections allowed to be unauthenticated at once — more are
-    refused on accept (the client's ``connect`` retries them until its deadline)."""
+    refused on accept (the client's ``connect`` retries them until its deadline).
+    ``config_check``: this endpoint's configuration, sent to every peer in the handshake, and the
+    test it applies to theirs; a refused peer is never adopted (transport/auth.py)."""
 
     def __init__(self, name: str, backend: str = "tcp", *, secret: bytes | str,
                  bandwidth: str | float | None = None, timeout: float = 5.0,
                  heartbeat: float | None = None, op_timeout: float | None = 60.0,
                  max_message: int = 256 << 20, rpc_workers: int = 4, ring_bytes: int = 32 << 20,
                  payload_checksum: bool = True, rdma_device=None, handshake_timeout: float | None = None,
-                 max_handshakes: int = 32):
+                 max_handshakes: int = 32, config_check: ConfigCheck | None = None):
         if not isinstance(name, str) or not name or len(name.encode()) > 200:
             raise ValueError(f"endpoint name {name!r} must be a non-empty string (<= 200 bytes)")
         if backend not in BACKENDS:
@@ -115,7 +117,7 @@ class Endpoint:
         self.timeout, self.heartbeat, self.op_timeout = timeout, heartbeat, op_timeout
         self.max_message, self.ring_bytes = max_message, ring_bytes
         self.payload_checksum = bool(payload_checksum)
-        self.handshake_timeout = handshake_timeout
+        self.handshake_timeout, self.config_check = handshake_timeout, config_check
         self._gate = HandshakeGate(max_handshakes)
         self._refusals = RefusalLog(log, name)
         self.rdma = None
@@ -293,9 +295,11 @@ class Endpoint:
         try:
             if self.backend == "shm":
                 ring_tx = ShmRing.create(self.ring_bytes)
-            extra = json.dumps({**info, "ring": ring_tx.name if ring_tx else None}).encode()
+            extra = json.dumps({**info, "ring": ring_tx.name if ring_tx else None, **self._my_config()}).encode()
             peer_name, server_extra = client_handshake(sock, self._secret, self.name, self.backend,
                                                        Deadline(self.handshake_timeout), lambda: extra)
+            if self.config_check is not None:
+                self.config_check.verify(json.loads(server_extra))
             if ring_tx is not None:
                 ring_rx = ShmRing.attach(json.loads(server_extra)["ring"])
             sock.settimeout(None)
@@ -311,6 +315,9 @@ class Endpoint:
                 raise
             raise AuthError(f"handshake with {address!r} failed: {e}") from e
         return sock, peer_name, ring_tx, ring_rx
+
+    def _my_config(self) -> dict:
+        return {} if self.config_check is None else {"config": self.config_check.config}
 
     def _new_socket(self) -> socket.socket:
         if self.backend == "shm":
@@ -364,11 +371,13 @@ class Endpoint:
 
         def welcome_extra(client_extra: bytes) -> bytes:
             info.update(json.loads(client_extra))
+            if self.config_check is not None:
+                self.config_check.verify(info)
             if self.backend != "shm":
-                return json.dumps({"ring": None}).encode()
+                return json.dumps({"ring": None, **self._my_config()}).encode()
             rings["rx"] = ShmRing.attach(info["ring"])
             rings["tx"] = ShmRing.create(self.ring_bytes)
-            return json.dumps({"ring": rings["tx"].name}).encode()
+            return json.dumps({"ring": rings["tx"].name, **self._my_config()}).encode()
 
         try:
             if self.backend != "shm":

@@ -1,8 +1,9 @@
 """Local worker processes and the disaggregated engine `LLM(disaggregation=...)` uses.
 
 `LocalPrefillWorkers` starts `python -m jkv.disagg.prefill_worker` processes (each its own JAX
-process), reads the address each prints (`JKV-READY host:port`) and stops them on `close()`
-(SIGTERM, then SIGKILL after a grace period). `DisaggregatedEngine` builds the selector once,
+process), reads the address each prints (`JKV-READY host:port`), starts a replacement for one that
+exited (`respawn`, driven by jkv/disagg/supervisor.py) and stops them on `close()` (SIGTERM, then
+SIGKILL after a grace period). `DisaggregatedEngine` builds the selector once,
 ships it to the workers through a file, starts them (or connects to `addresses`) and runs a
 `DecodeWorker` in the calling process (the decode process). Not thread-safe: one generate at a
 time, like `DenseEngine`.
@@ -33,26 +34,55 @@ class WorkerStartError(RuntimeError):
 
 
 class LocalPrefillWorkers:
+    """`count` prefill worker processes named prefill-0 .. prefill-{count-1}. `procs[i]` and
+    `addresses[i]` are worker i's current process and transport address ("main|bulk");
+    `respawn(i)` replaces an exited one (jkv/disagg/supervisor.py). `_lock` guards both lists
+    against a respawn racing `close()`."""
+
     def __init__(self, count: int, model_spec: str, selector_file: str, *, secret: str, transport: str = "tcp",
-                 bandwidth=None, lease_s: float = 300.0, timeout_s: float = 5.0, start_timeout: float = 300.0):
+                 bandwidth=None, lease_s: float = 300.0, timeout_s: float = 5.0, start_timeout: float = 300.0,
+                 dtype: str = "float32", max_blocks: int | None = None):
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
-        env = dict(os.environ, JKV_SECRET=secret)
+        self.start_timeout = start_timeout
+        self._lock = threading.Lock()
+        self._closed = False
+        self._env = dict(os.environ, JKV_SECRET=secret)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        self._env["PYTHONPATH"] = root + os.pathsep + self._env.get("PYTHONPATH", "")
+        self._args = ["--model", model_spec, "--selector-file", selector_file, "--transport", transport,
+                      "--lease-s", str(lease_s), "--timeout-s", str(timeout_s), "--dtype", dtype, "--exit-with-parent"]
+        if max_blocks is not None:
+            self._args += ["--max-blocks", str(max_blocks)]
+        if bandwidth is not None:
+            self._args += ["--bandwidth", str(bandwidth)]
         try:
-            for i in range(count):
-                cmd = [sys.executable, "-m", "jkv.disagg.prefill_worker", "--model", model_spec,
-                       "--selector-file", selector_file, "--name", f"prefill-{i}", "--transport", transport,
-                       "--lease-s", str(lease_s), "--timeout-s", str(timeout_s), "--exit-with-parent"]
-                if bandwidth is not None:
-                    cmd += ["--bandwidth", str(bandwidth)]
-                self.procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env, text=True))
-            for i, proc in enumerate(self.procs):
-                self.addresses.append(self._wait_ready(i, proc, start_timeout))
+            self.procs = [self._spawn(i) for i in range(count)]
+            self.addresses = [self._wait_ready(i, proc, start_timeout) for i, proc in enumerate(self.procs)]
         except BaseException:
             self.close()
             raise
+
+    def _spawn(self, i: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "jkv.disagg.prefill_worker", "--name", f"prefill-{i}", *self._args]
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, env=self._env, text=True)
+
+    def respawn(self, i: int) -> str:
+        """Start a new process for worker i (whose process has exited) and return its address once
+        it listens. Raises WorkerStartError when it does not start, or once `close()` has begun."""
+        with self._lock:
+            if self._closed:
+                raise WorkerStartError(f"prefill worker {i} not restarted: the workers are closing")
+            old = self.procs[i]
+            if old.poll() is None:
+                raise RuntimeError(f"prefill worker {i} (pid {old.pid}) is still running")
+            if old.stdout:
+                old.stdout.close()
+            proc = self.procs[i] = self._spawn(i)  # close() stops it from here on
+        address = self._wait_ready(i, proc, self.start_timeout)
+        with self._lock:
+            self.addresses[i] = address
+        return address
 
     @staticmethod
     def _wait_ready(i, proc, timeout) -> str:
@@ -72,11 +102,14 @@ class LocalPrefillWorkers:
         self.procs[i].wait()
 
     def close(self, grace: float = 10.0) -> None:
-        for p in self.procs:
+        with self._lock:
+            self._closed = True
+            procs, self.procs = list(self.procs), []
+        for p in procs:
             if p.poll() is None:
                 p.terminate()
         deadline = time.monotonic() + grace
-        for p in self.procs:
+        for p in procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -84,14 +117,15 @@ class LocalPrefillWorkers:
                 p.wait()
             if p.stdout:
                 p.stdout.close()
-        self.procs = []
 
 
 class DisaggregatedEngine:
     """One decode worker (this process) fed by prefill worker processes."""
 
     def __init__(self, model, config: Disaggregation, model_spec: str | None = None, selector=None,
-                 oracle_profile: ImportanceProfile | None = None):
+                 oracle_profile: ImportanceProfile | None = None, name: str = "decode-0"):
+        """name: the decode worker's transport name, unique among the decode servers that share a
+        prefill worker (a second connection under one name replaces the first)."""
         self.config = config
         self.model = model
         spec = config.model_spec or model_spec
@@ -112,7 +146,7 @@ class DisaggregatedEngine:
         self.workers = None
         self.decode = DecodeWorker(model, self.selector, transfer, secret=secret, backend=config.transport,
                                    profile=profile, oracle_profile=oracle_profile, on_failure=config.on_failure,
-                                   timeout=config.timeout_s, compression=config.compression_policy())
+                                   timeout=config.timeout_s, compression=config.compression_policy(), name=name)
         try:
             addresses = list(config.addresses)
             if not addresses:
@@ -120,7 +154,8 @@ class DisaggregatedEngine:
                 save_selector(self.selector, path)
                 self.workers = LocalPrefillWorkers(config.prefill_workers, spec, path, secret=secret,
                                                    transport=config.transport, bandwidth=config.bandwidth,
-                                                   lease_s=config.lease_s, timeout_s=config.timeout_s)
+                                                   lease_s=config.lease_s, timeout_s=config.timeout_s,
+                                                   dtype=model.cfg.dtype, max_blocks=config.max_blocks)
                 addresses = self.workers.addresses
             self.decode.connect(addresses)
         except BaseException:

@@ -82,6 +82,7 @@ from jkv.disagg.decode_lanes import FetchLanes
 from jkv.disagg.decode_owners import OwnerSide
 from jkv.disagg.decode_state import (CAPACITY_BUCKET, LiveRequest, RequestFailed, StepPhases, Submission, bucket,
                                      error_output)
+from jkv.disagg.handshake import role_config
 from jkv.disagg.hint import make_hint as make_set_hint
 from jkv.disagg.lookahead import LayerLookahead
 from jkv.engine import Request, StopChecker, check_context
@@ -138,8 +139,10 @@ class DecodeWorker(OwnerSide, FetchLanes):
                              "profile: create one with `jkv profile` and pass it")
         cfg = model.cfg
         self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        # agreed with every prefill worker in the handshake, before any KV crosses (handshake.py)
+        self.config = role_config(model, "decode", selector, max_blocks=transfer.max_blocks)
         self.endpoint = Endpoint(name, backend, secret=secret, timeout=timeout, op_timeout=None,
-                                 max_message=1 << 30)
+                                 max_message=1 << 30, config_check=self.config.check())
         self.endpoint.on_notify("meta", self._on_meta)
         self.endpoint.on_notify("handoff", self._on_handoff)
         self.endpoint.on_notify("failed", self._on_failed)

@@ -42,6 +42,7 @@ import numpy as np
 
 from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, KVCodec
 from jkv.disagg import protocol as proto
+from jkv.disagg.handshake import role_config
 from jkv.disagg.selectors import load_selector, needs_metadata
 from jkv.kvbuffers.fetch import kv_offset, mask_offset, pack_reply, parse_fetch
 from jkv.kvbuffers.geometry import LOCAL, BlockGeometry
@@ -122,20 +123,25 @@ class _Held:
 
 class PrefillWorker:
     def __init__(self, model, selector, name: str = "prefill-0", *, secret: str, backend: str = "tcp",
-                 bandwidth=None, lease_s: float = 300.0, timeout: float = 5.0, codec=None):
+                 bandwidth=None, lease_s: float = 300.0, timeout: float = 5.0, codec=None,
+                 max_blocks: int | None = None):
+        """max_blocks: the M this worker declares in the handshake (None: it follows the M each
+        request names, so any decode side's M is accepted)."""
         self.model, self.selector = model, selector
         self.codec = codec  # jkv.compression.KVCodec; made on first use by a request that asks for compression
         cfg = model.cfg
         self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
         self.lease_s = lease_s
+        # checked against every decode worker in the handshake, on both endpoints (handshake.py)
+        self.config = role_config(model, "prefill", selector, max_blocks=max_blocks)
         self.endpoint = Endpoint(name, backend, secret=secret, bandwidth=bandwidth, timeout=timeout,
-                                 op_timeout=None, max_message=1 << 30)
+                                 op_timeout=None, max_message=1 << 30, config_check=self.config.check())
         # Bulk lane: proactive/speculative writes, metadata and hand-offs travel on a second
         # connection sharing this worker's token bucket (one paced link), so an on-demand reply
         # on the main connection never queues behind a whole layer of bulk writes (SmartGen §4.2:
         # on-demand fetches must not stall behind background transfer).
         self.bulk = Endpoint(f"{name}.bulk", backend, secret=secret, timeout=timeout, op_timeout=None,
-                             max_message=1 << 30)
+                             max_message=1 << 30, config_check=self.config.check())
         self.bulk.pacer = _YieldToOnDemand(self.endpoint.pacer) if self.endpoint.pacer is not None else None
         self.endpoint.serve("fetch", self._fetch)
         self.endpoint.serve("free", self._free_call)
@@ -157,10 +163,13 @@ class PrefillWorker:
         return self.endpoint.name
 
     def listen(self, address=None) -> str:
-        """Returns "main|bulk": the decode worker connects to both."""
-        main = self.endpoint.listen(address)
+        """Returns "main|bulk": the decode worker connects to both. `address`: "host:port" (the bulk
+        connection on a free port of that host) or "host:port|host:port" (both fixed, e.g. the
+        ports a container exposes)."""
+        main_at, _, bulk_at = (address or "").partition("|")
+        main = self.endpoint.listen(main_at or None)
         host = main.rpartition(":")[0] if self.endpoint.backend == "tcp" else None
-        bulk = self.bulk.listen(f"{host}:0" if host else None)
+        bulk = self.bulk.listen(bulk_at or (f"{host}:0" if host else None))
         return f"{main}|{bulk}"
 
     def set_bandwidth(self, bits_per_s: float) -> None:
@@ -504,11 +513,14 @@ def add_args(p):
     p.add_argument("--dtype", default="float32")
     p.add_argument("--selector-file", required=True, help="selector saved by the decode side (save_selector)")
     p.add_argument("--name", default="prefill-0")
-    p.add_argument("--listen", default=None, help="host:port (default 127.0.0.1 on a free port)")
+    p.add_argument("--listen", default=None, help="host:port, or main|bulk host:port pair (default 127.0.0.1 on "
+                                                  "free ports)")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--bandwidth", default=None, help='paced link, e.g. "1gbit"')
     p.add_argument("--lease-s", type=float, default=300.0)
     p.add_argument("--timeout-s", type=float, default=5.0)
+    p.add_argument("--max-blocks", type=int, default=None,
+                   help="M the decode side must use (checked in the handshake; default: any)")
     p.add_argument("--exit-with-parent", action="store_true", help="exit when the starting process dies")
 
 
@@ -521,7 +533,8 @@ def run_from_args(args) -> int:
     model = load_model_spec(args.model, args.dtype)
     selector = load_selector(args.selector_file)
     worker = PrefillWorker(model, selector, args.name, secret=secret, backend=args.transport,
-                           bandwidth=args.bandwidth, lease_s=args.lease_s, timeout=args.timeout_s)
+                           bandwidth=args.bandwidth, lease_s=args.lease_s, timeout=args.timeout_s,
+                           max_blocks=args.max_blocks)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     address = worker.listen(args.listen)

@@ -1,5 +1,8 @@
 """Control-plane messages between the decode worker and its prefill workers.
 
+PROTOCOL_VERSION numbers this message set; the two roles compare it (with the rest of their
+configuration, jkv/disagg/handshake.py) in the transport handshake before any message crosses.
+
 Every message is a small JSON header, optionally followed by raw array bytes:
 
     frame = u32 header_len | header JSON | payload bytes
@@ -29,7 +32,9 @@ import numpy as np
 
 from jkv.framing import pack, unpack
 
-__all__ = ["kv_region", "mask_region", "pack", "unpack", "pack_leaves", "unpack_leaves"]
+PROTOCOL_VERSION = 1
+
+__all__ = ["PROTOCOL_VERSION", "kv_region", "mask_region", "pack", "unpack", "pack_leaves", "unpack_leaves"]
 
 
 def kv_region(rid: str) -> str:

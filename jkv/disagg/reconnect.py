@@ -121,6 +121,15 @@ class PrefillReconnector:
         """The configured addresses, in order."""
         return [link.address for link in self._links]
 
+    def readdress(self, old: str, new: str) -> None:
+        """The prefill worker configured at `old` now listens at `new` (a restarted local worker,
+        jkv/disagg/supervisor.py): reconnect there, at once. Any thread."""
+        for link in self._links:
+            if link.address == old:
+                link.address, link.failures, link.next_at = new, 0, 0.0
+                return
+        raise KeyError(f"{old!r} is not a configured prefill worker address (have {self.addresses})")
+
     def reconnecting(self) -> list[str]:
         """The configured addresses whose connection is down right now."""
         return [link.address for link in self._links if link.down_since is not None]

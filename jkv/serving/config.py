@@ -40,6 +40,7 @@ class ServeConfig:
     # disaggregated prefill/decode (SmartGen); field meanings as in jkv.disagg.Disaggregation
     disaggregation: str | None = None
     num_prefill_workers: int = 1
+    prefill_restarts: int = 5
     prefill_worker: tuple[str, ...] = ()
     selector: str = "infinigen"
     selector_file: str | None = None
@@ -55,6 +56,7 @@ class ServeConfig:
     transfer_timeout: float = 5.0
     min_budget: int = DEFAULT_MIN_BUDGET
     transport_listen: str | None = None
+    transport_advertise: str | None = None
     worker_name: str | None = None
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
@@ -103,10 +105,17 @@ class ServeConfig:
                              "`jkv serve --role prefill` logs and reports on /health)")
         if self.role != "decode" and self.prefill_worker:
             raise ValueError(f"--prefill-worker is only for --role decode, not role={self.role!r}")
+        if self.transport_advertise is not None and self.role != "prefill":
+            raise ValueError(f"--transport-advertise is only for --role prefill, not role={self.role!r}")
+        if self.transport_advertise is not None and "|" not in self.transport_advertise:
+            raise ValueError(f"--transport-advertise {self.transport_advertise!r} must be a main|bulk pair, e.g. "
+                             "jkv-prefill-a:7100|jkv-prefill-a:7101")
         if self.disaggregation is not None and self.role not in ("all", "decode"):
             raise ValueError(f"--disaggregation is for --role all or decode, not role={self.role!r}")
         if self.num_prefill_workers < 1:
             raise ValueError(f"num_prefill_workers={self.num_prefill_workers} must be >= 1")
+        if self.prefill_restarts < 0:
+            raise ValueError(f"prefill_restarts={self.prefill_restarts} must be >= 0 (0: never restart)")
         for name in ("lease_s", "transfer_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
@@ -165,6 +174,9 @@ _HELP = {
                             "continuously: a request joins the running decode batch once its prefill hand-off "
                             "arrives"),
     "num_prefill_workers": (int, "role all --disaggregation: local prefill worker processes to start"),
+    "prefill_restarts": (int, "role all --disaggregation: a local prefill worker that dies is restarted with "
+                              "backoff; give up after this many quick failures in a row (each within 60 s of its "
+                              "start); 0: never restart"),
     "prefill_worker": (str, "role decode: transport address (main|bulk) of a prefill worker, as a "
                             "`--role prefill` server logs it and reports on /health (repeatable)"),
     "selector": (str, "sparse-attention selector shared by prefill and decode (infinigen, quest, oracle, "
@@ -186,7 +198,11 @@ _HELP = {
                         "k = min(N, max(ceil(0.2 N), min_budget)), and requests of up to min_budget tokens "
                         "(prompt + generated) decode densely, exactly like the single-process server; "
                         "0 keeps the bare 20%% ratio"),
-    "transport_listen": (str, "role prefill: host:port of the transport endpoint (default loopback, free port)"),
+    "transport_listen": (str, "role prefill: host:port of the transport endpoint (default loopback, free port), or "
+                              "main|bulk host:port pair (fixed ports, e.g. in a container)"),
+    "transport_advertise": (str, "role prefill: the main|bulk address decode servers and the router reach this "
+                                 "worker at when it differs from the bound one (a container behind a Service); "
+                                 "reported on /health"),
     "worker_name": (str, "role prefill: the worker's transport name, unique per deployment (default "
                          "prefill-<pid>)"),
     "prefill": (str, "router: URL of a `jkv serve --role prefill` server (repeatable)"),

@@ -23,6 +23,10 @@ decode worker that was stopped past the transport timeout serves again without a
 the worker. While no prefill worker is live (and on_failure is not "recompute") `submit` refuses a
 request at once with a RuntimeError the server answers 503.
 
+Supervision (`--role all`): when a local prefill worker process dies, jkv/disagg/supervisor.py
+restarts it and calls `prefill_worker_moved(old, new)`, which points the reconnector at the new
+address; /health lists the local workers with their restart counts (`supervisor`).
+
 Threads. The engine thread owns the DecodeWorker: it admits waiting requests, calls
 `DecodeWorker.step` in a loop, and runs the worker's `on_token` / `on_done` callbacks.
 `submit` / `cancel` come from the event loop: a submit goes through a `queue.SimpleQueue`; a
@@ -68,6 +72,7 @@ class DisaggBatcher:
     """A SmartGen DecodeWorker behind ContinuousBatcher's submit/cancel/events interface."""
 
     check_request = ContinuousBatcher.check_request
+    supervisor = None  # jkv.disagg.supervisor.PrefillSupervisor of local prefill workers (--role all), for /health
 
     def __init__(self, model, worker, config: BatcherConfig = BatcherConfig(), metrics=None,
                  addresses: list[str] = (), owners: list[str] = ()):
@@ -122,6 +127,12 @@ class DisaggBatcher:
         raise RuntimeError("no live prefill worker is connected" + (
             f"; reconnecting to {', '.join(configured)} with backoff, retry shortly" if configured else
             "; start `jkv prefill-worker` processes"))
+
+    def prefill_worker_moved(self, old: str, new: str) -> None:
+        """A local prefill worker was restarted at a new address (the supervisor's `on_restart`):
+        forget the old one and reconnect to the new one at once. Any thread."""
+        self._owner_by_main.pop(old.partition("|")[0], None)
+        self._reconnect.readdress(old, new)
 
     def _connect_worker(self, address: str, timeout: float) -> str:
         name = self.worker.connect_one(address, connect_timeout=timeout)
@@ -182,13 +193,17 @@ class DisaggBatcher:
         return True, None
 
     def health(self) -> dict:
-        """Extra /health fields: the prefill workers this decode worker knows and the KV it holds."""
+        """Extra /health fields: the prefill workers this decode worker knows, the KV it holds and
+        the configuration every connected prefill worker agreed to in the handshake."""
         peers = self.worker.endpoint.peers
-        return {"mode": self.worker.transfer.mode, "kv_host_bytes_in_use": self.worker.pool.bytes_in_use,
+        agreed = [o for o in self.worker.owners if o in peers and peers[o].alive]
+        return {"mode": self.worker.transfer.mode,
+                "handshake": {"config": self.worker.config.as_dict(), "agreed_with": agreed}, "kv_host_bytes_in_use": self.worker.pool.bytes_in_use,
                 "kv_host_requests": len(self.worker.pool.live()),
                 "prefill_workers": [{"name": o, "alive": o in peers and peers[o].alive,
                                      "address": next((a for a, n in self._owner_by_main.items() if n == o), None)}
-                                    for o in self.worker.owners]}
+                                    for o in self.worker.owners],
+                **({} if self.supervisor is None else {"local_prefill_workers": self.supervisor.status()})}
 
     # ------------------------------------------------------------ engine thread
     def _set_gauges(self):

@@ -117,7 +117,9 @@ def create_prefill_app(worker: ServingPrefillWorker, metrics: PrefillMetrics, in
         requests, tokens = worker.inflight()
         return {"status": "ok", "role": "prefill", "name": worker.name, **info,
                 "inflight_requests": requests, "inflight_tokens": tokens,
-                "kv_host_bytes_in_use": worker.pool.bytes_in_use, "kv_host_requests": len(worker.pool.live())}
+                "kv_host_bytes_in_use": worker.pool.bytes_in_use, "kv_host_requests": len(worker.pool.live()),
+                # every connected decode worker passed the handshake check against this config
+                "handshake": {"config": worker.config.as_dict(), "agreed_with": sorted(worker.endpoint.peers)}}
 
     @app.get("/ready")
     async def ready():  # the transport endpoint listens from before the app starts until shutdown

@@ -3,7 +3,8 @@
 Process model: one process per role. `--role all` loads the model, starts the engine thread
 (`ContinuousBatcher`) and serves HTTP on uvicorn's event loop in the main thread; with
 `--disaggregation MODE` the engine is instead a SmartGen decode worker (`DisaggBatcher`) fed by
-`--num-prefill-workers` local prefill worker processes (`jkv.disagg.cluster`). `--role decode`
+`--num-prefill-workers` local prefill worker processes (`jkv.disagg.cluster`), each restarted
+with backoff when it dies (`jkv.disagg.supervisor`, `--prefill-restarts`). `--role decode`
 is the same engine connected to running `--role prefill` servers (`--prefill-worker ADDRESS`).
 `--role prefill` runs a prefill worker (its "jkv-prefill-main" thread plus transport threads)
 and a small /health + /metrics app. `--role router` has no model and runs only the event loop.
@@ -16,6 +17,7 @@ variable (never a flag or a config file); `--role all --disaggregation` makes a 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 import sys
@@ -81,41 +83,16 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-class ChildReaper:
-    """Reaps local prefill worker processes that exit while the server runs (else each stays a
-    <defunct> zombie until the server exits) and logs each exit once, as a WARNING with its code.
-    One daemon thread polls `Popen.poll()` every `interval` seconds; `stop()` ends it."""
-
-    def __init__(self, procs, interval: float = 0.5):
-        import threading
-
-        self.procs, self.interval = procs, interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="jkv-reaper", daemon=True)
-
-    def start(self):
-        self._thread.start()
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self):
-        reported: set[int] = set()
-        while not self._stop.wait(self.interval):
-            for i, p in enumerate(list(self.procs)):
-                code = p.poll()  # waits for (reaps) an exited child
-                if code is not None and p.pid not in reported:
-                    reported.add(p.pid)
-                    log.warning("prefill-worker: local process prefill-%d (pid %d) exited with code %s; its "
-                                "requests fail and /ready reports 503 while no prefill worker is live", i, p.pid,
-                                code)
+# the value deploy/k8s/secret.yaml ships: a known secret, so a deployment applying it unchanged is refused
+PLACEHOLDER_SECRET = "replace-with-openssl-rand-hex-32"
 
 
 def _secret() -> str:
-    import os
-
     secret = os.environ.get("JKV_SECRET", "")
+    if secret == PLACEHOLDER_SECRET:
+        raise ValueError("JKV_SECRET is the placeholder of deploy/k8s/secret.yaml; create the Secret with a random "
+                         "value: kubectl create secret generic jkv-transport --from-literal=JKV_SECRET=\"$(openssl "
+                         "rand -hex 32)\"")
     if len(secret) < 8:
         raise ValueError("set JKV_SECRET to the deployment's shared transport secret (>= 8 bytes); every prefill "
                          "and decode role of one deployment must use the same one")
@@ -153,7 +130,9 @@ def build_disaggregated(cfg: ServeConfig):
     selector = _selector(cfg, model)
     remote = cfg.role == "decode"
     dis = cfg.disaggregation_config(secret=_secret() if remote else None)
-    cluster = DisaggregatedEngine(model, dis, model_spec=cfg.model, selector=selector)
+    # --role decode: several decode servers may share prefill workers, which key peers by name
+    name = f"decode-{socket.gethostname()}-{os.getpid()}"[-200:] if remote else "decode-0"
+    cluster = DisaggregatedEngine(model, dis, model_spec=cfg.model, selector=selector, name=name)
     addresses = list(dis.addresses) if remote else cluster.workers.addresses
     if not remote:
         for i, a in enumerate(addresses):
@@ -173,13 +152,11 @@ def build_disaggregated(cfg: ServeConfig):
              model, cfg.mode, selector.name, cfg.strategy, cfg.transport, cfg.bandwidth or "unpaced", cfg.max_slots,
              dict(zip(cluster.decode.owners, addresses)))
 
-    reaper = None if remote else ChildReaper(cluster.workers.procs)
-    if reaper is not None:
-        reaper.start()
+    supervisor = None if remote else _supervise(cluster.workers, engine, metrics, cfg.prefill_restarts)
 
     def shutdown():
-        if reaper is not None:
-            reaper.stop()
+        if supervisor is not None:
+            supervisor.stop()
         engine.stop()
         cluster.close()
 
@@ -188,9 +165,28 @@ def build_disaggregated(cfg: ServeConfig):
     return app, engine
 
 
+def _supervise(workers, engine, metrics, max_quick_failures: int):
+    """--role all --disaggregation: restart local prefill workers that die (jkv/disagg/supervisor.py),
+    counted in /metrics (jkv_prefill_worker_restarts_total) and listed with their state in /health."""
+    from prometheus_client import Counter
+
+    from jkv.disagg.supervisor import PrefillSupervisor
+
+    restarts = Counter("jkv_prefill_worker_restarts", "local prefill worker processes restarted after they died",
+                       ["worker"], registry=metrics.registry)
+
+    def on_restart(i: int, old: str, new: str):
+        restarts.labels(f"prefill-{i}").inc()
+        engine.prefill_worker_moved(old, new)
+
+    supervisor = PrefillSupervisor(workers, on_restart=on_restart, max_quick_failures=max_quick_failures)
+    engine.supervisor = supervisor
+    supervisor.start()
+    return supervisor
+
+
 def build_prefill(cfg: ServeConfig):
     """--role prefill: a SmartGen prefill worker and its /health + /metrics app. Returns (app, worker)."""
-    import os
     import threading
 
     from .disagg_prefill import ServingPrefillWorker, create_prefill_app
@@ -204,11 +200,13 @@ def build_prefill(cfg: ServeConfig):
     worker = ServingPrefillWorker(model, selector, name, secret=secret, backend=cfg.transport,
                                   bandwidth=cfg.bandwidth, lease_s=cfg.lease_s, timeout=cfg.transfer_timeout,
                                   metrics=metrics)
-    address = worker.listen(cfg.transport_listen)
+    bound = worker.listen(cfg.transport_listen)
+    address = cfg.transport_advertise or bound  # what decode servers and the router are told
     runner = threading.Thread(target=worker.run, name="jkv-prefill-main", daemon=True)
     runner.start()
-    log.info("prefill-worker: %s, %r, selector %s, transport %s listening on %s, link %s, lease %.0fs",
-             name, model, selector.name, cfg.transport, address, cfg.bandwidth or "unpaced", cfg.lease_s)
+    log.info("prefill-worker: %s, %r, selector %s, transport %s listening on %s%s, link %s, lease %.0fs",
+             name, model, selector.name, cfg.transport, bound, f" (advertised as {address})" if address != bound else "",
+             cfg.bandwidth or "unpaced", cfg.lease_s)
     info = {"transport_address": address, "transport": cfg.transport, "selector": selector.name,
             "model": cfg.model_name, "bandwidth": cfg.bandwidth}
 

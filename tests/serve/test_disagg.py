@@ -345,9 +345,10 @@ def _state(pid: int) -> str | None:
 
 
 def test_no_live_prefill_worker_is_unready_and_the_router_stops_routing_there(tiny_dir, cache_env):
+    # --prefill-restarts 0: the killed worker stays dead (restarts: tests/serve/test_supervision.py)
     s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0", *TRANSFER,
-                       "--disaggregation", "smartgen", "--num-prefill-workers", "1", "--max-model-len", "256"],
-                      env=cache_env)
+                       "--disaggregation", "smartgen", "--num-prefill-workers", "1", "--max-model-len", "256",
+                       "--prefill-restarts", "0"], env=cache_env)
     router = None
     try:
         router = ServerProcess(["--role", "router", "--port", "0", "--upstream", s.url, "--health-interval", "0.2"])
