@@ -5,8 +5,9 @@ Two OS processes on loopback (the receiver is a child process):
 * throughput of one-sided writes for 64 KiB, 1 MiB and 16 MiB blocks, tcp and shm backends
   (and tcp with ``payload_checksum=False``, to separate framing cost from checksum cost),
   vs a raw-socket baseline (``sendall`` of the block / ``recv_into`` a preallocated buffer,
-  no framing, no checksum) — ratio goal >= 0.85x for blocks >= 1 MiB; 64 KiB blocks also
-  batched 32 per ``write_many`` (how a layer's blocks are pushed);
+  no framing, no checksum) — ratio goal >= 0.85x for blocks >= 1 MiB, with the checksum on
+  (its crc32c rides in a trailer, computed on side threads: transport/checksum.py); 64 KiB
+  blocks also batched 32 per ``write_many`` (how a layer's blocks are pushed);
 * RPC latency p50/p99 for 64 KiB replies (the decode worker's remote-row fetch);
 * pacing accuracy: achieved / target over ~1 s at 100 Mbit/s, 1 Gbit/s, 2 Gbit/s.
 
@@ -16,7 +17,11 @@ transport / raw-of-the-same-round (with its interquartile range), so background 
 a shared machine hits both sides alike. Prints a table with ratios and writes
 ``experiments/results/bench_transport.csv``.
 
+The first line printed (and every CSV row) records the CPU model and the load average: on a
+shared machine the ratios are what to compare, and a high load average says how far to trust them.
+
     python experiments/bench_transport.py [--quick]
+    python experiments/bench_transport.py --blocks 1m,16m --configs tcp,tcp-nocrc --skip-rpc-pacing  # integrity check
 """
 from __future__ import annotations
 
@@ -39,7 +44,7 @@ sys.path.insert(0, str(REPO))
 from transport import Endpoint  # noqa: E402
 from transport.tool import read_request  # noqa: E402
 
-from experiments.common import RESULTS, add_out_arg, write_csv  # noqa: E402
+from experiments.common import RESULTS, add_out_arg, describe_machine, machine_info, write_csv  # noqa: E402
 
 SECRET = "bench-secret-123"
 KiB, MiB = 1 << 10, 1 << 20
@@ -188,11 +193,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller transfers (smoke run)")
     ap.add_argument("--repeats", type=int, default=9, help="measurement rounds per block size")
     ap.add_argument("--blocks", default="64k,1m,16m", help="subset of 64k,1m,16m")
+    ap.add_argument("--configs", default=None,
+                    help="subset of tcp,shm,tcp-nocrc,tcp-3streams,tcp+wm32,shm+wm32 (default: all that apply)")
     ap.add_argument("--skip-rpc-pacing", action="store_true")
     add_out_arg(ap, RESULTS / "bench_transport.csv")
     args = ap.parse_args()
     scale = 0.25 if args.quick else 1.0
     rows = []
+    info = machine_info()
+    print(describe_machine(info), flush=True)
     print(f"{'backend':10} {'block':>8} {'raw Gbit/s':>11} {'jkv Gbit/s':>11} {'ratio':>6}")
     sizes = {"64k": (64 * KiB, 64 * MiB), "1m": (1 * MiB, 256 * MiB), "16m": (16 * MiB, 512 * MiB)}
     for key in args.blocks.split(","):
@@ -205,6 +214,12 @@ def main() -> int:
         if block < MiB:  # a layer's small blocks go out 32 per write_many
             configs["tcp+wm32"] = dict(backend="tcp", batch=32, window=4)
             configs["shm+wm32"] = dict(backend="shm", batch=32, window=4)
+        if args.configs:
+            wanted = set(args.configs.split(","))
+            unknown = wanted - {"tcp", "shm", "tcp-nocrc", "tcp-3streams", "tcp+wm32", "shm+wm32"}
+            if unknown:
+                ap.error(f"--configs {sorted(unknown)} unknown")
+            configs = {k: v for k, v in configs.items() if k in wanted}
         raw_sink = RawSink(block, total)
         sinks = {name: TransportSink(block=block, total=total, **cfg) for name, cfg in configs.items()}
         raws, results = [], {name: [] for name in sinks}
@@ -238,6 +253,10 @@ def main() -> int:
         print(f"pacing {rate:>8}: achieved {achieved / 1e6:8.1f} Mbit/s = {achieved / target:.3f} x target")
         rows.append(dict(metric="pacing", config="tcp", target_bps=target, jkv_bps=achieved,
                          ratio=achieved / target))
+    end = machine_info()
+    print(f"after the run: {describe_machine(end)}")
+    rows = [dict(r, cpu_model=info["cpu_model"], cpu_count=info["cpu_count"], loadavg_start=info["loadavg_1m"],
+                 loadavg_end=end["loadavg_1m"]) for r in rows]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(out, rows, fields=sorted({k for r in rows for k in r}))
