@@ -287,6 +287,7 @@ class Connection:
         self.host.metrics.begin("tx", t.kind)
         t.add_done_callback(lambda tr: self.host.metrics.end("tx", tr.kind, tr.nbytes,
                                                              tr.error is None))
+        sending_since, paced_bytes = time.monotonic(), 0
         for i, frame in enumerate(op.frames):
             if t.done():
                 return  # timed out mid-operation; the remaining frames are not sent
@@ -315,6 +316,8 @@ class Connection:
             h = Header(frame.op, flags, frame.region, seq, frame.offset,
                        frame.length if wire_len is None else wire_len, aux, crc)
             self._send_frame(h, payload, paced=self.ring_tx is None, trailer=trailer)
+            paced_bytes += frame.length
+        self._count_link_time(t.kind, paced_bytes, time.monotonic() - sending_since)
         if op.expects == "none":
             t.complete()
 
@@ -363,6 +366,17 @@ class Connection:
                 else:
                     views[0] = views[0][sent:]
                     sent = 0
+
+    def _count_link_time(self, kind: str, nbytes: int, wall_s: float) -> None:
+        """Paced link: an operation occupies the emulated link for at least nbytes / rate. When
+        it went out faster (its first chunk rode on credit the bucket banked while the link idled),
+        the difference is busy time the wall clock missed; count it so busy-time goodput (the
+        compression controller's bandwidth estimate) reads the link, not up to twice it."""
+        rates = [r for r in (getattr(b, "rate_Bps", None) for b in self.pacers) if r]
+        if nbytes and rates:
+            shortfall = nbytes / min(rates) - wall_s
+            if shortfall > 0:
+                self.host.metrics.add_busy("tx", kind, shortfall)
 
     def _paced_sendall(self, data) -> None:
         chunk = min(b.chunk for b in self.pacers)

@@ -80,6 +80,12 @@ class _YieldToOnDemand:
         the credit waits at most this long (a non-preemptible packet on a priority link)."""
         return max(4096, self.shared.chunk // 4)
 
+    @property
+    def rate_Bps(self) -> float:
+        """The shared link's rate: the transport counts at least nbytes / rate_Bps of busy time per
+        bulk message (link time sent on banked credit), so the link estimate reads the link."""
+        return self.shared.rate_Bps
+
     def reserve(self, nbytes: int) -> None:
         with self._lock:
             start = max(time.monotonic(), self._busy_until)
