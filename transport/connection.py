@@ -110,6 +110,9 @@ class ConnectionHost(Protocol):
     max_message: int
     payload_checksum: bool
 
+    def transfer_finished(self, transfer: Transfer) -> None:
+        """Whichever thread finished it: an operation submitted on this connection is done."""
+
     def incoming_call(self, conn: "Connection", seq: int, method: str, payload: memoryview) -> None:
         """Reader thread: a CALL arrived; the reply is submitted on ``conn`` later."""
 
@@ -165,6 +168,7 @@ class Connection(ReceiveSide):
             else:
                 self._ops.append(op)
                 self._cond.notify_all()
+                op.transfer.add_done_callback(self.host.transfer_finished)
                 return op.transfer
         self.host.metrics.fail("tx", op.transfer.kind)
         op.transfer.fail(PeerDeadError(f"connection to {self.peer_name!r} is down: {err}"))

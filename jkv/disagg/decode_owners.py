@@ -89,6 +89,8 @@ class OwnerSide:
         if lv is not None:
             lv.first_token, lv.t_first, lv.prefill_s = header["first_token"], header["t_first"], header["prefill_s"]
             lv.bytes["proactive"] = header["bytes"]["proactive"]
+            if "encode_s" in header:
+                lv.codec_s["encode"] = float(header["encode_s"])
             if "compression" in header and self.compression is not None:
                 if "link" in header:
                     self.compression.observe_link(header["link"]["bytes"], header["link"]["busy_s"])
@@ -110,7 +112,9 @@ class OwnerSide:
         if lv is None or lv.error is not None:
             return
         try:
+            t0 = time.perf_counter()
             apply_frame(header, payload, lv.kv.kv, lv.kv.mask)
+            lv.codec_s["decode"] = lv.codec_s.get("decode", 0.0) + time.perf_counter() - t0
         except ValueError as e:
             lv.error = f"request {lv.req.request_id}: bad compressed KV from {note.peer!r}: {e}"
             lv.handoff.set()

@@ -314,6 +314,8 @@ class PrefillWorker:
             extra = {} if link0 is None else dict(compression=h.codec.spec_id if h.codec else None)
             if link is not None:
                 extra["link"] = link
+            if h.codec is not None:  # every chunk is encoded during the prefill (absorb)
+                extra["encode_s"] = h.codec.encode_s
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
                                                     prefill_s=prefill_s, bytes=dict(h.bytes), **extra))
 

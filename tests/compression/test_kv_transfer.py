@@ -167,6 +167,9 @@ def test_fixed_profile_keeps_the_mode_invariant(model, selector, prompts, fast_l
     for mode in ("full", "partial", "smartgen"):
         outs = run(model, selector, addresses, mode, prompts, policy)
         assert all(o.metrics.extra["compression"] == SPEC for o in outs)
+        # codec seconds for serving's histograms: encode on the prefill side, decode of every frame here
+        assert all(o.metrics.extra["compression_reason"] == "fixed" and o.metrics.extra["encode_s"] > 0
+                   and o.metrics.extra["decode_s"] > 0 for o in outs), mode
         tokens[mode] = [o.token_ids for o in outs]
         if mode == "full":
             full_bytes = proactive_bytes(outs)
@@ -228,6 +231,7 @@ def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, select
         for mode in ("full", "smartgen"):
             outs = run(model, selector, slow.addresses, mode, prompts, policy)
             assert all(o.metrics.extra["compression"] == SPEC for o in outs), mode
+            assert all(o.metrics.extra["compression_reason"] == "greedy" for o in outs), mode  # epsilon=0
             tokens[mode] = [o.token_ids for o in outs]
             if mode == "full":
                 wire_cr = raw_bytes(model, prompts) / proactive_bytes(outs)
