@@ -184,8 +184,8 @@ def test_checksum_worker_matches_crc_of_the_pieces_in_order():
         running = worker.begin()
         for start in range(0, len(data), 70_001):
             running.add(memoryview(data)[start:start + 70_001])
-        assert running.result(10) == crc32c(data)
-        assert worker.begin().result(10) == 0  # an empty payload
+        assert running.result() == crc32c(data)
+        assert worker.begin().result() == 0  # an empty payload
     finally:
         worker.close()
     assert not [t for t in threading.enumerate() if t.name == "jkvt-crc-test"]
@@ -197,3 +197,15 @@ def test_split_tail_keeps_every_byte_in_order():
         head, back = _split_tail(parts, tail)
         assert b"".join(bytes(p) for p in back) == b"abcdefghij"[10 - tail:]
         assert b"".join(bytes(p) for p in head + back) == b"abcdefghij"
+
+
+def test_owner_steals_pieces_the_side_thread_has_not_reached():
+    """With the side thread never scheduled (here: never started), result() still returns: the
+    owner checksums every piece itself."""
+    worker = ChecksumWorker("jkvt-crc-idle")
+    worker._thread = threading.current_thread()  # pretend it runs; nothing consumes the queue
+    data = np.random.default_rng(1).bytes(3 << 20)
+    running = worker.begin()
+    running.add(data)
+    assert running.result() == crc32c(data)
+    worker._thread = None
