@@ -17,6 +17,10 @@ transport / raw-of-the-same-round (with its interquartile range), so background 
 a shared machine hits both sides alike. Prints a table with ratios and writes
 ``experiments/results/bench_transport.csv``.
 
+Next to each ratio: CPU seconds per GiB moved (sender process + receiver process, user + system),
+the transport's over raw's — on a loaded machine wall-clock rates swing with the load while CPU per
+byte stays comparable, so it says whether the checksum and framing cost CPU or only wait.
+
 The first line printed (and every CSV row) records the CPU model and the load average: on a
 shared machine the ratios are what to compare, and a high load average says how far to trust them.
 
@@ -48,6 +52,19 @@ from experiments.common import RESULTS, add_out_arg, describe_machine, machine_i
 
 SECRET = "bench-secret-123"
 KiB, MiB = 1 << 10, 1 << 20
+
+
+def _cpu_s(pid: int) -> float:
+    """user + system CPU seconds of process ``pid`` so far (Linux /proc), every thread."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(run, child_pid: int, nbytes: int) -> tuple[float, float]:
+    """(bits/s that ``run`` returns, CPU seconds per GiB of this process + the receiver child)."""
+    cpu0 = time.process_time() + _cpu_s(child_pid)
+    bps = run()
+    return bps, (time.process_time() + _cpu_s(child_pid) - cpu0) / (nbytes / (1 << 30))
 
 
 # ------------------------------------------------------------------ raw-socket baseline
@@ -223,11 +240,16 @@ def main() -> int:
         raw_sink = RawSink(block, total)
         sinks = {name: TransportSink(block=block, total=total, **cfg) for name, cfg in configs.items()}
         raws, results = [], {name: [] for name in sinks}
+        raw_cpu, cpu = [], {name: [] for name in sinks}
         try:
             for _ in range(args.repeats):  # each round: raw, then every config right after it
-                raws.append(raw_sink.run())
+                bps, c = measured(raw_sink.run, raw_sink.proc.pid, total)
+                raws.append(bps)
+                raw_cpu.append(c)
                 for name, sink in sinks.items():
-                    results[name].append(sink.run())
+                    bps, c = measured(sink.run, sink.child.proc.pid, total // block // sink.batch * sink.batch * block)
+                    results[name].append(bps)
+                    cpu[name].append(c)
         finally:
             raw_sink.close()
             for sink in sinks.values():
@@ -238,11 +260,14 @@ def main() -> int:
             ratio = statistics.median(ratios)
             q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
             v = statistics.median(values)
+            cpu_raw, cpu_jkv = statistics.median(raw_cpu), statistics.median(cpu[name])
             print(f"{name:10} {block // KiB:>6}Ki {raw / 1e9:11.2f} {v / 1e9:11.2f} {ratio:6.2f}"
-                  f"   (ratio IQR {q1:.2f}-{q3:.2f}, {len(ratios)} rounds)", flush=True)
+                  f"   (ratio IQR {q1:.2f}-{q3:.2f}, {len(ratios)} rounds)"
+                  f"   CPU s/GiB raw {cpu_raw:.2f} jkv {cpu_jkv:.2f} ({cpu_jkv / cpu_raw:.2f}x)", flush=True)
             rows.append(dict(metric="throughput", config=name, block_bytes=block,
                              raw_bps=raw, jkv_bps=v, ratio=ratio, ratio_q1=q1, ratio_q3=q3,
-                             rounds=len(ratios), total_bytes=total))
+                             rounds=len(ratios), total_bytes=total, raw_cpu_s_per_gib=cpu_raw,
+                             jkv_cpu_s_per_gib=cpu_jkv))
     for backend in () if args.skip_rpc_pacing else ("tcp", "shm"):
         p50, p99 = rpc_latency(backend, 64 * KiB, int(2000 * scale))
         print(f"rpc 64KiB reply {backend}: p50 {p50:.0f} us  p99 {p99:.0f} us")
