@@ -5,8 +5,9 @@ Two OS processes on loopback (the receiver is a child process):
 * throughput of one-sided writes for 64 KiB, 1 MiB and 16 MiB blocks, tcp and shm backends
   (and tcp with ``payload_checksum=False``, to separate framing cost from checksum cost),
   vs a raw-socket baseline (``sendall`` of the block / ``recv_into`` a preallocated buffer,
-  no framing, no checksum) — ratio goal >= 0.85x for blocks >= 1 MiB; 64 KiB blocks also
-  batched 32 per ``write_many`` (how a layer's blocks are pushed);
+  no framing, no checksum) — ratio goal >= 0.85x for blocks >= 1 MiB, with the checksum on
+  (its crc32c rides in a trailer, computed on side threads: transport/checksum.py); 64 KiB
+  blocks also batched 32 per ``write_many`` (how a layer's blocks are pushed);
 * RPC latency p50/p99 for 64 KiB replies (the decode worker's remote-row fetch);
 * pacing accuracy: achieved / target over ~1 s at 100 Mbit/s, 1 Gbit/s, 2 Gbit/s.
 
@@ -16,7 +17,15 @@ transport / raw-of-the-same-round (with its interquartile range), so background 
 a shared machine hits both sides alike. Prints a table with ratios and writes
 ``experiments/results/bench_transport.csv``.
 
+Next to each ratio: CPU seconds per GiB moved (sender process + receiver process, user + system),
+the transport's over raw's — on a loaded machine wall-clock rates swing with the load while CPU per
+byte stays comparable, so it says whether the checksum and framing cost CPU or only wait.
+
+The first line printed (and every CSV row) records the CPU model and the load average: on a
+shared machine the ratios are what to compare, and a high load average says how far to trust them.
+
     python experiments/bench_transport.py [--quick]
+    python experiments/bench_transport.py --blocks 1m,16m --configs tcp,tcp-nocrc --skip-rpc-pacing  # integrity check
 """
 from __future__ import annotations
 
@@ -39,10 +48,23 @@ sys.path.insert(0, str(REPO))
 from transport import Endpoint  # noqa: E402
 from transport.tool import read_request  # noqa: E402
 
-from experiments.common import RESULTS, add_out_arg, write_csv  # noqa: E402
+from experiments.common import RESULTS, add_out_arg, describe_machine, machine_info, write_csv  # noqa: E402
 
 SECRET = "bench-secret-123"
 KiB, MiB = 1 << 10, 1 << 20
+
+
+def _cpu_s(pid: int) -> float:
+    """user + system CPU seconds of process ``pid`` so far (Linux /proc), every thread."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measured(run, child_pid: int, nbytes: int) -> tuple[float, float]:
+    """(bits/s that ``run`` returns, CPU seconds per GiB of this process + the receiver child)."""
+    cpu0 = time.process_time() + _cpu_s(child_pid)
+    bps = run()
+    return bps, (time.process_time() + _cpu_s(child_pid) - cpu0) / (nbytes / (1 << 30))
 
 
 # ------------------------------------------------------------------ raw-socket baseline
@@ -188,11 +210,15 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller transfers (smoke run)")
     ap.add_argument("--repeats", type=int, default=9, help="measurement rounds per block size")
     ap.add_argument("--blocks", default="64k,1m,16m", help="subset of 64k,1m,16m")
+    ap.add_argument("--configs", default=None,
+                    help="subset of tcp,shm,tcp-nocrc,tcp-3streams,tcp+wm32,shm+wm32 (default: all that apply)")
     ap.add_argument("--skip-rpc-pacing", action="store_true")
     add_out_arg(ap, RESULTS / "bench_transport.csv")
     args = ap.parse_args()
     scale = 0.25 if args.quick else 1.0
     rows = []
+    info = machine_info()
+    print(describe_machine(info), flush=True)
     print(f"{'backend':10} {'block':>8} {'raw Gbit/s':>11} {'jkv Gbit/s':>11} {'ratio':>6}")
     sizes = {"64k": (64 * KiB, 64 * MiB), "1m": (1 * MiB, 256 * MiB), "16m": (16 * MiB, 512 * MiB)}
     for key in args.blocks.split(","):
@@ -205,14 +231,25 @@ def main() -> int:
         if block < MiB:  # a layer's small blocks go out 32 per write_many
             configs["tcp+wm32"] = dict(backend="tcp", batch=32, window=4)
             configs["shm+wm32"] = dict(backend="shm", batch=32, window=4)
+        if args.configs:
+            wanted = set(args.configs.split(","))
+            unknown = wanted - {"tcp", "shm", "tcp-nocrc", "tcp-3streams", "tcp+wm32", "shm+wm32"}
+            if unknown:
+                ap.error(f"--configs {sorted(unknown)} unknown")
+            configs = {k: v for k, v in configs.items() if k in wanted}
         raw_sink = RawSink(block, total)
         sinks = {name: TransportSink(block=block, total=total, **cfg) for name, cfg in configs.items()}
         raws, results = [], {name: [] for name in sinks}
+        raw_cpu, cpu = [], {name: [] for name in sinks}
         try:
             for _ in range(args.repeats):  # each round: raw, then every config right after it
-                raws.append(raw_sink.run())
+                bps, c = measured(raw_sink.run, raw_sink.proc.pid, total)
+                raws.append(bps)
+                raw_cpu.append(c)
                 for name, sink in sinks.items():
-                    results[name].append(sink.run())
+                    bps, c = measured(sink.run, sink.child.proc.pid, total // block // sink.batch * sink.batch * block)
+                    results[name].append(bps)
+                    cpu[name].append(c)
         finally:
             raw_sink.close()
             for sink in sinks.values():
@@ -223,11 +260,14 @@ def main() -> int:
             ratio = statistics.median(ratios)
             q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
             v = statistics.median(values)
+            cpu_raw, cpu_jkv = statistics.median(raw_cpu), statistics.median(cpu[name])
             print(f"{name:10} {block // KiB:>6}Ki {raw / 1e9:11.2f} {v / 1e9:11.2f} {ratio:6.2f}"
-                  f"   (ratio IQR {q1:.2f}-{q3:.2f}, {len(ratios)} rounds)", flush=True)
+                  f"   (ratio IQR {q1:.2f}-{q3:.2f}, {len(ratios)} rounds)"
+                  f"   CPU s/GiB raw {cpu_raw:.2f} jkv {cpu_jkv:.2f} ({cpu_jkv / cpu_raw:.2f}x)", flush=True)
             rows.append(dict(metric="throughput", config=name, block_bytes=block,
                              raw_bps=raw, jkv_bps=v, ratio=ratio, ratio_q1=q1, ratio_q3=q3,
-                             rounds=len(ratios), total_bytes=total))
+                             rounds=len(ratios), total_bytes=total, raw_cpu_s_per_gib=cpu_raw,
+                             jkv_cpu_s_per_gib=cpu_jkv))
     for backend in () if args.skip_rpc_pacing else ("tcp", "shm"):
         p50, p99 = rpc_latency(backend, 64 * KiB, int(2000 * scale))
         print(f"rpc 64KiB reply {backend}: p50 {p50:.0f} us  p99 {p99:.0f} us")
@@ -238,6 +278,10 @@ def main() -> int:
         print(f"pacing {rate:>8}: achieved {achieved / 1e6:8.1f} Mbit/s = {achieved / target:.3f} x target")
         rows.append(dict(metric="pacing", config="tcp", target_bps=target, jkv_bps=achieved,
                          ratio=achieved / target))
+    end = machine_info()
+    print(f"after the run: {describe_machine(end)}")
+    rows = [dict(r, cpu_model=info["cpu_model"], cpu_count=info["cpu_count"], loadavg_start=info["loadavg_1m"],
+                 loadavg_end=end["loadavg_1m"]) for r in rows]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_csv(out, rows, fields=sorted({k for r in rows for k in r}))

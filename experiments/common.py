@@ -49,6 +49,25 @@ def add_out_arg(parser: argparse.ArgumentParser, default: str | os.PathLike = RE
     parser.add_argument(flag, default=str(default), help=f"output {what} (default {default})")
 
 
+def machine_info() -> dict:
+    """CPU model, core count and load average (1, 5, 15 min) of this machine, for the header of a
+    timed benchmark: ratios measured side by side survive load, absolute rates do not."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    return dict(cpu_model=model, cpu_count=os.cpu_count(), loadavg_1m=load[0], loadavg_5m=load[1],
+                loadavg_15m=load[2])
+
+
+def describe_machine(info: dict) -> str:
+    return (f"cpu: {info['cpu_model']} x{info['cpu_count']}; load average {info['loadavg_1m']:.2f} "
+            f"{info['loadavg_5m']:.2f} {info['loadavg_15m']:.2f}")
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """Timestamped `name: message` lines on stderr; absl's and JAX's backend chatter at WARNING."""
     logging.basicConfig(level=level, format=LOG_FORMAT)

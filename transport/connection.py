@@ -6,18 +6,32 @@ Threads per connection (named ``jkvt-tx-<local>-><peer>`` / ``jkvt-rx-<local><-<
   (ACK, CREDIT, PING, ERROR) between frames and user operations from a FIFO queue, one
   frame at a time, pacing payload chunks with the token buckets. Frames of one operation
   are contiguous on the stream, so a block and its trailing mask write are applied in order.
+  A payload above ``_SMALL`` bytes goes out with ``FLAG_TRAILER``: the sender hands it to its
+  checksum side thread (``jkvt-crc-tx-*``, :mod:`transport.checksum`) and starts writing at
+  once (header and payload in one ``sendmsg``, no joining copy); it waits for the crc32c only to
+  send the last piece and the 4-byte trailer. Smaller payloads keep the crc in the header,
+  computed by the submitting thread.
 * **reader** — the only thread that reads. It validates each header (checksum, sequence,
   op, region, bounds, size) *before* a payload byte is written, receives WRITE payloads
   straight into the registered region's memoryview (tcp: ``recv_into``; shm: one copy out
   of the ring), verifies the payload crc32c, and only then processes the next frame — so
-  the mask frame after a block is applied after the block is complete. It never blocks on
+  the mask frame after a block is applied after the block is complete. A trailer-carried
+  payload is checksummed by its side thread (``jkvt-crc-rx-*``) piece by piece as the pieces
+  land, while the reader keeps receiving; the reader compares the result with the trailer
+  before it looks at the next frame. It never blocks on
   sending (control frames are queued for the sender), which rules out the classic
   both-sides-sending deadlock. RPC requests go to the endpoint's handler pool and
   notifications to its dispatcher thread.
 
-A payload crc mismatch is detected after the bytes landed (the receive is zero-copy);
-the frame is then rejected: no ACK, the connection closes, and the trailing mask frame is
-never applied, so a mask value never vouches for damaged bytes.
+Integrity guarantee, precisely: the receive is zero-copy, so a WRITE payload lands in the
+destination region *before* its checksum (header field or trailer) is compared; what a
+damaged payload can never do is become visible as valid. The commit of a block is the mask
+frame that follows it on the stream, and that frame is only parsed after the block's
+checksum matched: on a mismatch the frame is rejected (no ACK, the connection closes) and
+the trailing mask frame is never applied, so a mask value never vouches for damaged bytes.
+A malformed *header* (bad header crc, unknown region, out of bounds, oversized, wrong
+sequence, bad flags) is rejected before any payload byte is written anywhere. RPC and
+notification payloads are received into private buffers and handed on only after the check.
 
 Failure: :meth:`Connection.fail` is idempotent; the first reason wins, every queued and
 pending operation fails with it, and the socket is shut down, which wakes both threads.
@@ -34,19 +48,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from transport.errors import FrameError, OpTimeout, PeerDeadError, RemoteError, TransportError
+from transport.errors import OpTimeout, PeerDeadError, TransportError
+from transport.checksum import ChecksumWorker
 from transport.pacing import TokenBucket
+from transport.receiver import MAX_ERROR_TEXT as _MAX_ERROR_TEXT, ReceiveSide
 from transport.shm import ShmRing
 from transport.transfer import Transfer
-from transport.wire import (FLAG_ACK, FLAG_ERR, FLAG_NOCRC, HEADER_SIZE, Header, Op, crc32c, decode_header,
-                            encode_header, unpack_named)
+from transport.wire import FLAG_ACK, FLAG_NOCRC, FLAG_TRAILER, TRAILER, Header, Op, crc32c, encode_header
 
 log = logging.getLogger(__name__)
 
-_SMALL = 64 * 1024  # header and payload below this go out in one sendall
-_RECV_CHUNK = 4 << 20  # recv_into at most this much per call so liveness stays fresh
-_COPY_CHUNK = 1 << 20  # shm: copy out of the ring and checksum in cache-sized pieces
-_MAX_ERROR_TEXT = 4096
+_SMALL = 64 * 1024  # header and payload below this go out in one sendall, crc in the header
+_TAIL = 256 * 1024  # trailer frames: the last this-many payload bytes wait for the crc, then go with the trailer
+_COPY_CHUNK = 1 << 20  # shm: copy into the ring and checksum in cache-sized pieces
 
 
 @dataclass
@@ -57,14 +71,15 @@ class Frame:
     offset: int = 0
     aux: int = 0
     flags: int = 0
-    crc: int = -1  # payload crc32c; computed by the submitting thread (see __post_init__)
+    crc: int = -1  # payload crc32c; -1: a large payload, checksummed while it is sent (trailer)
 
     def __post_init__(self):
-        # The submitting (user / handler) thread pays for the checksum, so the sender thread
-        # only moves bytes and checksumming overlaps with the previous frame's send.
+        # Small payloads: the submitting (user / handler) thread pays for the checksum, which
+        # travels in the header. Large ones stay -1: the sender's checksum side thread computes
+        # it while the socket copies, and it travels in a trailer (FLAG_TRAILER).
         if self.flags & FLAG_NOCRC:
             self.crc = 0
-        elif self.crc < 0:
+        elif self.crc < 0 and self.length <= _SMALL:
             crc = 0
             for p in self.payload:
                 crc = crc32c(p, crc)
@@ -95,6 +110,9 @@ class ConnectionHost(Protocol):
     max_message: int
     payload_checksum: bool
 
+    def transfer_finished(self, transfer: Transfer) -> None:
+        """Whichever thread finished it: an operation submitted on this connection is done."""
+
     def incoming_call(self, conn: "Connection", seq: int, method: str, payload: memoryview) -> None:
         """Reader thread: a CALL arrived; the reply is submitted on ``conn`` later."""
 
@@ -108,7 +126,7 @@ class ConnectionHost(Protocol):
         """Reader thread, last: both threads are done and the socket is closed."""
 
 
-class Connection:
+class Connection(ReceiveSide):
     def __init__(self, host: ConnectionHost, sock: socket.socket, peer_name: str, *,
                  pacers: list[TokenBucket] = (), ring_tx: ShmRing | None = None,
                  ring_rx: ShmRing | None = None):
@@ -131,6 +149,8 @@ class Connection:
         self._rx_consumed = 0  # shm: ring bytes consumed (monotonic)
         self._rx_reported = 0
         local = host.name
+        self._tx_crc = ChecksumWorker(f"jkvt-crc-tx-{local}->{peer_name}")
+        self._rx_crc = ChecksumWorker(f"jkvt-crc-rx-{local}<-{peer_name}")
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"jkvt-tx-{local}->{peer_name}")
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
@@ -148,6 +168,7 @@ class Connection:
             else:
                 self._ops.append(op)
                 self._cond.notify_all()
+                op.transfer.add_done_callback(self.host.transfer_finished)
                 return op.transfer
         self.host.metrics.fail("tx", op.transfer.kind)
         op.transfer.fail(PeerDeadError(f"connection to {self.peer_name!r} is down: {err}"))
@@ -247,6 +268,8 @@ class Connection:
             self.fail(PeerDeadError(f"sending to {self.peer_name!r} failed: {e}"))
         except TransportError as e:
             self.fail(e)
+        finally:
+            self._tx_crc.close()
 
     def _flush_control(self) -> None:
         while True:
@@ -265,6 +288,7 @@ class Connection:
         self.host.metrics.begin("tx", t.kind)
         t.add_done_callback(lambda tr: self.host.metrics.end("tx", tr.kind, tr.nbytes,
                                                              tr.error is None))
+        sending_since, paced_bytes = time.monotonic(), 0
         for i, frame in enumerate(op.frames):
             if t.done():
                 return  # timed out mid-operation; the remaining frames are not sent
@@ -273,13 +297,18 @@ class Connection:
             flags = frame.flags | (FLAG_ACK if last and op.expects == "ack" else 0)
             payload = frame.payload
             aux = frame.aux
+            crc = frame.crc
+            trailer = False
             if frame.op == Op.WRITE and self.ring_tx is not None:
-                aux = self._ring_put(payload)
+                aux, ring_crc = self._ring_put(payload, crc < 0)
+                crc = ring_crc if crc < 0 else crc
                 payload = []
                 wire_len = frame.length
             else:
                 wire_len = None
-            crc = frame.crc
+                if crc < 0:  # large payload on the stream: checksummed while it is sent
+                    crc, trailer = 0, True
+                    flags |= FLAG_TRAILER
             with self._cond:
                 seq = self._next_seq()
                 if last and op.expects != "none":
@@ -287,29 +316,68 @@ class Connection:
                     self._pending[seq] = op
             h = Header(frame.op, flags, frame.region, seq, frame.offset,
                        frame.length if wire_len is None else wire_len, aux, crc)
-            self._send_frame(h, payload, paced=self.ring_tx is None)
+            self._send_frame(h, payload, paced=self.ring_tx is None, trailer=trailer)
+            paced_bytes += frame.length
+        self._count_link_time(t.kind, paced_bytes, time.monotonic() - sending_since)
         if op.expects == "none":
             t.complete()
 
-    def _send_frame(self, h: Header, payload, paced: bool) -> None:
+    def _send_frame(self, h: Header, payload, paced: bool, trailer: bool = False) -> None:
+        """Header, payload and (``trailer``: the payload's crc32c, computed on the side thread
+        meanwhile) on the stream; unpaced large frames use few ``sendmsg`` calls, no copies."""
         if h.seq == 0:
             with self._cond:
                 h = Header(h.op, h.flags, h.region, self._next_seq(), h.offset, h.length,
                            h.aux, h.payload_crc)
         hdr = encode_header(h)
         parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
+        parts = [_flat(p) for p in parts if len(p)]
         total = sum(len(p) for p in parts)
+        running = None
+        if trailer:
+            running = self._tx_crc.begin()
+            for p in parts:
+                running.add(p)
         if paced and self.pacers and total:
             self.sock.sendall(hdr)
             for p in parts:
                 self._paced_sendall(p)
-        elif total <= _SMALL:
+            if running is not None:
+                self.sock.sendall(TRAILER.pack(running.result()))
+        elif total <= _SMALL and running is None:
             self.sock.sendall(b"".join([hdr, *parts]))
+        elif running is None:
+            self._sendmsg_all([hdr, *parts])
         else:
-            self.sock.sendall(hdr)
-            for p in parts:
-                self.sock.sendall(p)
+            head, tail = _split_tail(parts, min(_TAIL, total))
+            self._sendmsg_all([hdr, *head])
+            self._sendmsg_all([*tail, TRAILER.pack(running.result())])
         self.last_tx = time.monotonic()
+
+    def _sendmsg_all(self, bufs: list) -> None:
+        """``sendall`` of several buffers with scatter-gather ``sendmsg`` (one syscall when the
+        socket buffer has room), resuming after partial sends."""
+        views = [b if isinstance(b, memoryview) else memoryview(b) for b in bufs if len(b)]
+        while views:
+            sent = self.sock.sendmsg(views[:_IOV_MAX])
+            while sent and views:
+                if sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+
+    def _count_link_time(self, kind: str, nbytes: int, wall_s: float) -> None:
+        """Paced link: an operation occupies the emulated link for at least nbytes / rate. When
+        it went out faster (its first chunk rode on credit the bucket banked while the link idled),
+        the difference is busy time the wall clock missed; count it so busy-time goodput (the
+        compression controller's bandwidth estimate) reads the link, not up to twice it."""
+        rates = [r for r in (getattr(b, "rate_Bps", None) for b in self.pacers) if r]
+        if nbytes and rates:
+            shortfall = nbytes / min(rates) - wall_s
+            if shortfall > 0:
+                self.host.metrics.add_busy("tx", kind, shortfall)
 
     def _paced_sendall(self, data) -> None:
         chunk = min(b.chunk for b in self.pacers)
@@ -321,8 +389,10 @@ class Connection:
             self.sock.sendall(piece)
             self.last_tx = time.monotonic()
 
-    def _ring_put(self, parts) -> int:
-        """shm: copy a WRITE payload into the tx ring (waiting for credit); returns position."""
+    def _ring_put(self, parts, checksum: bool = False) -> tuple[int, int]:
+        """shm: copy a WRITE payload into the tx ring (waiting for credit); returns (position,
+        crc32c of the payload if ``checksum`` else 0 — computed piece by piece as each piece is
+        copied, while it is in cache)."""
         ring = self.ring_tx
         n = sum(len(p) for p in parts)
         while True:
@@ -337,212 +407,43 @@ class Connection:
                 break
             self._flush_control()
         pos = start % ring.size
+        crc = 0
         for p in parts:
             for off in range(0, len(p), self._pace_chunk(len(p))):
                 piece = p[off:off + self._pace_chunk(len(p))]
                 for bucket in self.pacers:
                     bucket.consume(len(piece))
                 ring.view[pos:pos + len(piece)] = piece
+                if checksum:
+                    crc = crc32c(piece, crc)
                 pos += len(piece)
-        return start
+        return start, crc
 
     def _pace_chunk(self, n: int) -> int:
-        return min(b.chunk for b in self.pacers) if self.pacers else max(n, 1)
+        """Copy size into the ring: the pacers' chunk, else cache-sized pieces (checksummed hot)."""
+        if self.pacers:
+            return min(b.chunk for b in self.pacers)
+        return min(max(n, 1), _COPY_CHUNK)
 
-    # ---------------------------------------------------------------- reader thread
-    def _recv_exact(self, view: memoryview, *, frame_start: bool = False) -> bool:
-        got, n = 0, len(view)
-        while got < n:
-            k = self.sock.recv_into(view[got:], min(n - got, _RECV_CHUNK))
-            if k == 0:
-                if frame_start and got == 0:
-                    return False
-                raise PeerDeadError(f"peer {self.peer_name!r} closed the connection "
-                                    f"mid-frame ({got}/{n} bytes)")
-            got += k
-            self.last_rx = time.monotonic()
-        return True
+_IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 
-    def _recv_crc(self, view: memoryview) -> int:
-        """Receive exactly ``len(view)`` bytes into ``view``; return their crc32c, computed
-        piece by piece right after each piece lands (while it is still in cache)."""
-        got, n, crc = 0, len(view), 0
-        while got < n:
-            k = self.sock.recv_into(view[got:], min(n - got, _RECV_CHUNK))
-            if k == 0:
-                raise PeerDeadError(f"peer {self.peer_name!r} closed the connection "
-                                    f"mid-frame ({got}/{n} bytes)")
-            crc = crc32c(view[got:got + k], crc)
-            got += k
-            self.last_rx = time.monotonic()
-        return crc
 
-    def _read_loop(self) -> None:
-        hdr = bytearray(HEADER_SIZE)
-        hview = memoryview(hdr)
-        error: TransportError | None = None
-        farewell = None
-        try:
-            while self.failed is None:
-                if not self._recv_exact(hview, frame_start=True):
-                    error = PeerDeadError(f"peer {self.peer_name!r} closed the connection")
-                    break
-                h = decode_header(hdr)
-                if h.seq != self._seq_rx + 1:
-                    raise FrameError(f"sequence {h.seq} after {self._seq_rx}: frame lost or replayed")
-                self._seq_rx = h.seq
-                self._dispatch(h)
-        except FrameError as e:
-            self.host.metrics.incr("frames_rejected")
-            log.warning("rejected frame from %r on %r: %s", self.peer_name, self.host.name, e)
-            error, farewell = e, f"frame rejected by {self.host.name!r}: {e}"
-        except TransportError as e:
-            error = e
-        except OSError as e:
-            error = PeerDeadError(f"receiving from {self.peer_name!r} failed: {e}")
-        finally:
-            if error is None:
-                error = self.failed or PeerDeadError("connection closed")
-            self.fail(error, farewell)
-            self._sender.join()
-            self.sock.close()
-            self.host.connection_closed(self)
+def _flat(p) -> memoryview:
+    """A 1-d unsigned-byte view of a payload part (what sendmsg and the checksum take)."""
+    v = p if isinstance(p, memoryview) else memoryview(p)
+    return v if v.ndim == 1 and v.format == "B" else v.cast("B")
 
-    def _dispatch(self, h: Header) -> None:
-        op = h.op
-        if op == Op.WRITE:
-            self._on_write(h)
-        elif op in (Op.CALL, Op.NOTIFY):
-            payload = self._recv_payload(h, self.host.max_message)
-            name, body = unpack_named(memoryview(payload))
-            if op == Op.CALL:
-                self.host.incoming_call(self, h.seq, name, body)
-            else:
-                self.host.incoming_notify(self, name, body)
-                self.host.metrics.begin("rx", "notify")
-                self.host.metrics.end("rx", "notify", len(payload), True)
-            if h.flags & FLAG_ACK:
-                self._control_frame(Op.ACK, h.seq)
-        elif op == Op.REPLY:
-            self._on_reply(h)
-        elif op == Op.ACK:
-            self._expect_empty(h)
-            with self._cond:
-                pending = self._pending.pop(h.aux, None)
-            if pending is not None:
-                pending.transfer.complete()
-        elif op == Op.PING:
-            self._expect_empty(h)
-        elif op == Op.CREDIT:
-            self._expect_empty(h)
-            if self.ring_tx is None or not self.ring_tx.credit <= h.aux <= self.ring_tx.head:
-                raise FrameError(f"CREDIT {h.aux} outside the ring's outstanding range")
-            with self._cond:
-                self.ring_tx.credit = h.aux
-                self._cond.notify_all()
-        elif op == Op.ERROR:
-            text = self._recv_payload(h, _MAX_ERROR_TEXT).decode(errors="replace")
-            raise PeerDeadError(f"peer {self.peer_name!r} closed the connection: {text}")
+
+def _split_tail(parts: list, tail: int) -> tuple[list, list]:
+    """Split the concatenation of ``parts`` into (all but the last ``tail`` bytes, those bytes)."""
+    head, back = list(parts), []
+    while tail and head:
+        last = head.pop()
+        if len(last) <= tail:
+            back.insert(0, last)
+            tail -= len(last)
         else:
-            raise FrameError(f"unexpected {op.name} frame after the handshake")
-
-    def _expect_empty(self, h: Header) -> None:
-        if h.length:
-            raise FrameError(f"{h.op.name} frame carries {h.length} payload bytes, expected 0")
-
-    def _recv_payload(self, h: Header, limit: int) -> bytearray:
-        if h.length > limit:
-            raise FrameError(f"{h.op.name} payload of {h.length} bytes exceeds the "
-                             f"{limit}-byte limit (max_message)")
-        buf = bytearray(h.length)
-        if self._recv_crc(memoryview(buf)) != h.payload_crc:
-            raise FrameError(f"{h.op.name} payload checksum mismatch")
-        return buf
-
-    def _on_write(self, h: Header) -> None:
-        region = self.host.regions.by_id(h.region)
-        if region is None:
-            raise FrameError(f"WRITE to unknown region id {h.region}")
-        if h.offset + h.length > region.nbytes:
-            raise FrameError(f"WRITE [{h.offset}, {h.offset + h.length}) outside region "
-                             f"{region.name!r} of {region.nbytes} bytes")
-        verify = not h.flags & FLAG_NOCRC
-        if not verify and self.host.payload_checksum:
-            raise FrameError("peer sent a WRITE without payload checksum, but this endpoint "
-                             "requires them (payload_checksum=True on both sides)")
-        dest = region.view[h.offset:h.offset + h.length]
-        self.host.metrics.begin("rx", "write")
-        ok = False
-        try:
-            if self.ring_rx is not None:
-                crc = self._copy_from_ring(h, dest, verify)
-            elif verify:
-                crc = self._recv_crc(dest)  # zero-copy: straight into the registered region
-            else:
-                self._recv_exact(dest)
-                crc = 0
-            if crc != h.payload_crc:
-                raise FrameError(f"WRITE payload checksum mismatch in region {region.name!r} "
-                                 f"[{h.offset}, {h.offset + h.length}): not acknowledged")
-            ok = True
-        finally:
-            self.host.metrics.end("rx", "write", h.length, ok)
-        if h.flags & FLAG_ACK:
-            self._control_frame(Op.ACK, h.seq)
-
-    def _copy_from_ring(self, h: Header, dest: memoryview, verify: bool = True) -> int:
-        ring = self.ring_rx
-        pos = h.aux % ring.size
-        if (h.aux < self._rx_consumed or pos + h.length > ring.size
-                or h.aux + h.length - self._rx_consumed > ring.size):
-            raise FrameError(f"WRITE ring span [{h.aux}, {h.aux + h.length}) invalid "
-                             f"(consumed {self._rx_consumed}, ring {ring.size} bytes)")
-        crc = 0
-        for start in range(0, h.length, _COPY_CHUNK):  # crc each piece while it is in cache
-            piece = dest[start:start + _COPY_CHUNK]
-            piece[:] = ring.view[pos + start:pos + start + len(piece)]
-            if verify:
-                crc = crc32c(piece, crc)
-        self._rx_consumed = h.aux + h.length
-        self.last_rx = time.monotonic()
-        if (h.flags & FLAG_ACK) or self._rx_consumed - self._rx_reported >= ring.size // 8:
-            self._rx_reported = self._rx_consumed
-            self._control_frame(Op.CREDIT, self._rx_consumed)
-        return crc
-
-    def _on_reply(self, h: Header) -> None:
-        with self._cond:
-            op = self._pending.pop(h.aux, None)
-        if op is None:  # the call timed out or was never ours: drain and ignore
-            self._drain(h.length)
-            return
-        t = op.transfer
-        if h.flags & FLAG_ERR:
-            text = self._recv_payload(h, _MAX_ERROR_TEXT).decode(errors="replace")
-            t.fail(RemoteError(f"call to {self.peer_name!r} failed remotely: {text}"))
-            return
-        into = op.reply_into
-        if into is not None and h.length > len(into):
-            self._drain(h.length)
-            t.fail(RemoteError(f"reply of {h.length} bytes does not fit the {len(into)}-byte "
-                               f"'into' buffer"))
-            return
-        if into is not None:
-            value = into[:h.length]
-            if self._recv_crc(value) != h.payload_crc:
-                raise FrameError("REPLY payload checksum mismatch")
-        else:
-            value = self._recv_payload(h, self.host.max_message)
-        self.host.metrics.begin("rx", "reply")
-        self.host.metrics.end("rx", "reply", h.length, True)
-        t.complete(value)
-
-    def _drain(self, n: int) -> None:
-        if n > self.host.max_message:
-            raise FrameError(f"payload of {n} bytes exceeds max_message")
-        scratch = memoryview(bytearray(min(n, 1 << 20)))
-        while n:
-            k = min(n, len(scratch))
-            self._recv_exact(scratch[:k])
-            n -= k
-
+            head.append(last[:len(last) - tail])
+            back.insert(0, last[len(last) - tail:])
+            tail = 0
+    return head, back

@@ -139,6 +139,7 @@ class Endpoint:
         self._conns: set[Connection] = set()
         self._handlers: dict[str, Handler] = {}
         self._notify_handlers: dict[str, Callable[[Notification], None]] = {}
+        self._transfer_observers: tuple = ()
         self._inbox: queue.Queue[Notification] = queue.Queue()
         self._notify_q: queue.Queue = queue.Queue()
         self._rpc_workers = rpc_workers
@@ -194,6 +195,19 @@ class Endpoint:
         if method.startswith("_jkv."):
             raise ValueError(f"method {method!r}: the '_jkv.' prefix is reserved")
         self._handlers[method] = handler
+
+    def observe_transfers(self, observer: Callable[[Transfer], None]) -> None:
+        """``observer(transfer)`` for every operation this endpoint starts, once done (COMPLETE or
+        FAILED), on the thread that finished it (quick, never blocking; see Transfer's timings)."""
+        with self._lock:
+            self._transfer_observers = (*self._transfer_observers, observer)
+
+    def transfer_finished(self, transfer: Transfer) -> None:
+        for observer in self._transfer_observers:  # Connection hook; an observer's error is logged
+            try:
+                observer(transfer)
+            except Exception:  # noqa: BLE001 - an observer must never break the transport thread
+                log.exception("transfer observer %r failed on %r", observer, transfer)
 
     def on_notify(self, kind: str, handler: Callable[[Notification], None]) -> None:
         """Run ``handler(notification)`` on the dispatcher thread for every ``kind`` message."""

@@ -11,7 +11,10 @@
 ``kind`` is one of ``write``, ``call``, ``reply``, ``notify``. Busy time is the union of the
 intervals during which at least one operation of that kind and direction was in flight, so
 ``busy_bandwidth_bps = 8 * bytes / busy_s`` is the link rate while in use, not averaged
-over idle wall time.
+over idle wall time. On a paced link, busy time also includes the link time a message needed
+beyond its wall time (:meth:`Metrics.add_busy`): the token bucket lets a message's first bytes
+pass on credit banked while the link idled, so they leave in no wall time but still occupied
+the emulated link; without it, goodput after small messages with gaps reads up to ~2x the link.
 
 Concurrency: all methods take one lock; they are called from sender, reader and user threads.
 """
@@ -60,6 +63,14 @@ class Metrics:
                 c.bytes += nbytes
             else:
                 c.failures += 1
+
+    def add_busy(self, direction: str, kind: str, seconds: float) -> None:
+        """Count ``seconds`` more busy time for ``kind``: link time the pacer charged that the
+        operation's wall-clock interval did not cover (bytes sent on banked credit)."""
+        if not seconds >= 0:
+            raise ValueError(f"busy time of {seconds} seconds must be >= 0")
+        with self._lock:
+            self._c[direction][kind].busy_s += seconds
 
     def fail(self, direction: str, kind: str) -> None:
         """An operation failed before it began moving bytes."""

@@ -194,6 +194,7 @@ class Peer:
             nbytes += len(view)
         channel = self.endpoint.rdma_channel(self)
         t = Transfer("write", self.name, nbytes, self._deadline(timeout))
+        t.add_done_callback(self.endpoint.transfer_finished)
         metrics = self.endpoint.metrics
         metrics.begin("tx", "write")
         t.add_done_callback(lambda tr: metrics.end("tx", "write", tr.nbytes, tr.error is None))
@@ -216,7 +217,7 @@ class Peer:
         body = as_byte_view(payload, what="call payload")
         into_view = None if into is None else as_byte_view(into, writable=True, what="into")
         parts = pack_named(method, body)
-        t = Transfer("call", self.name, len(body), self._deadline(timeout))
+        t = Transfer("call", self.name, len(body), self._deadline(timeout), method=method)
         return self._conn.submit(Operation(t, [Frame(Op.CALL, parts)], "reply", into_view))
 
     def call(self, method: str, payload=b"", *, timeout: float | None = None, into=None):

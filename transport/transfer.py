@@ -35,8 +35,10 @@ class TransferState(enum.Enum):
 class Transfer:
     """Future for one operation (``write``, ``write_many``, ``call``, ``notify``)."""
 
-    def __init__(self, kind: str, peer: str, nbytes: int, deadline: float | None = None):
+    def __init__(self, kind: str, peer: str, nbytes: int, deadline: float | None = None,
+                 method: str | None = None):
         self.kind = kind
+        self.method = method  # calls: the RPC method (observers tell e.g. "fetch" round trips apart)
         self.peer = peer
         self.nbytes = nbytes
         self.deadline = deadline  # time.monotonic() after which the watchdog fails it
@@ -119,7 +121,8 @@ class Transfer:
 
     @property
     def elapsed(self) -> float | None:
-        """Seconds from the first byte on the wire to completion (None until done)."""
+        """Seconds from the first byte on the wire to completion (None until done). The time
+        queued before that is ``started_at - created_at``."""
         if self.finished_at is None or self.started_at is None:
             return None
         return self.finished_at - self.started_at

@@ -15,8 +15,14 @@ the header's ``aux`` field says where)::
     28     8    length       payload length in bytes
     36     8    aux          WRITE over shm: ring position; ACK/REPLY/ERROR: referenced seq;
                              CREDIT: bytes consumed from the ring (monotonic)
-    44     4    payload_crc  crc32c of the payload bytes
+    44     4    payload_crc  crc32c of the payload bytes (0 with FLAG_TRAILER or FLAG_NOCRC)
     48     4    header_crc   crc32c of bytes 0..47
+
+With ``FLAG_TRAILER`` the payload's crc32c follows the payload on the stream as a 4-byte
+little-endian trailer instead of sitting in the header, so a sender can put the first payload byte
+on the wire before the checksum is computed (large payloads; :mod:`transport.checksum` computes
+it on a side thread while the socket copies). The trailer is covered by nothing but itself: a
+flipped trailer bit is a mismatch like a flipped payload bit.
 
 The header checksum is verified before anything else is looked at, so random bytes never
 get as far as a region lookup. Decoding is pure: :func:`decode_header` either returns a
@@ -41,7 +47,10 @@ _CRC_SPAN = HEADER_SIZE - 4
 FLAG_ACK = 0x1  # receiver acknowledges this frame once it (and every earlier frame) is applied
 FLAG_ERR = 0x2  # REPLY carries an error message instead of a result
 FLAG_NOCRC = 0x4  # WRITE payload carries no checksum (sender has payload_checksum=False)
-FLAG_ALL = FLAG_ACK | FLAG_ERR | FLAG_NOCRC
+FLAG_TRAILER = 0x8  # the payload crc32c follows the payload as a 4-byte trailer (header field 0)
+FLAG_ALL = FLAG_ACK | FLAG_ERR | FLAG_NOCRC | FLAG_TRAILER
+TRAILER = struct.Struct("<I")
+TRAILER_SIZE = TRAILER.size  # 4
 
 
 class Op(enum.IntEnum):

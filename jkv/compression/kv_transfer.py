@@ -88,6 +88,7 @@ class RequestCodec:
         self._containers: dict[tuple[int, int], tuple[bytes, bytes]] = {}
         self.raw_bytes = 0  # fp16 bytes encoded (the CR baseline of the papers)
         self.encoded_bytes = 0
+        self.encode_s = 0.0  # seconds spent in encode_block (serving's codec-time histogram)
 
     @property
     def spec_id(self) -> str:
@@ -102,8 +103,10 @@ class RequestCodec:
                 continue
             parts = []
             for kind, i in (("k", 0), ("v", 1)):
+                t0 = time.perf_counter()
                 data = self.pipeline.encode_block(kv_layer[i, :, start:stop].astype(WIRE_DTYPE), layer=layer,
                                                   kind=kind)
+                self.encode_s += time.perf_counter() - t0
                 kv_layer[i, :, start:stop] = np.asarray(decode_block(data), np.float32)
                 parts.append(data)
                 self.encoded_bytes += len(data)

@@ -80,6 +80,7 @@ class Choice:
     spec_id: str  # BASELINE ("identity+none+none") = uncompressed block writes
     decision: Decision | None = None  # the controller's, in "auto"
     t_model_known: bool = False  # T_model was given: an observed JCT is comparable with the prediction
+    reason: str = "fixed"  # why: "fixed" (a configured pipeline), "no_estimate", or the controller's reason
 
 
 def wire_profiles(profile: ProfileFile) -> list[Profile]:
@@ -161,10 +162,10 @@ class CompressionPolicy:
         if self.estimator.estimate() is None:
             log.warning("compression='auto': no bandwidth estimate yet (unpaced link, no transfer observed); "
                         "this request moves uncompressed")
-            return Choice(BASELINE)
+            return Choice(BASELINE, reason="no_estimate")
         d = self.controller.decide(Context(self.workload, self.config.t_slo_s, self.config.q_min, int(kv_bytes),
                                            float(t_model_s)))
-        return Choice(d.profile.name, d, t_model_s > 0)
+        return Choice(d.profile.name, d, t_model_s > 0, d.reason.split(":")[0])  # "fallback: why" -> "fallback"
 
     def observe_link(self, nbytes: int, busy_s: float) -> None:
         """A busy-time goodput sample of the link (bytes the prefill worker sent, seconds busy)."""

@@ -89,10 +89,21 @@ class OwnerSide:
         if lv is not None:
             lv.first_token, lv.t_first, lv.prefill_s = header["first_token"], header["t_first"], header["prefill_s"]
             lv.bytes["proactive"] = header["bytes"]["proactive"]
-            if "link" in header and self.compression is not None:
-                self.compression.observe_link(header["link"]["bytes"], header["link"]["busy_s"])
+            if "encode_s" in header:
+                lv.codec_s["encode"] = float(header["encode_s"])
+            if "compression" in header and self.compression is not None:
+                if "link" in header:
+                    self.compression.observe_link(header["link"]["bytes"], header["link"]["busy_s"])
                 self.compression.observe(lv.compression, time.time() - lv.t_hand_in)
             lv.handoff.set()
+
+    def _on_link(self, note):
+        """A link sample the prefill worker sent after the pushes of a batch that moved uncompressed
+        were acknowledged (its hand-off did not wait for them): one observation per request."""
+        header, _ = proto.unpack(note.payload)
+        if self.compression is not None:
+            for _rid in header["rids"]:
+                self.compression.observe_link(header["bytes"], header["busy_s"])
 
     def _on_compressed(self, note):
         """Compressed KV chunks: decode into the pool, then flip their mask bytes (kv_transfer)."""
@@ -101,7 +112,9 @@ class OwnerSide:
         if lv is None or lv.error is not None:
             return
         try:
+            t0 = time.perf_counter()
             apply_frame(header, payload, lv.kv.kv, lv.kv.mask)
+            lv.codec_s["decode"] = lv.codec_s.get("decode", 0.0) + time.perf_counter() - t0
         except ValueError as e:
             lv.error = f"request {lv.req.request_id}: bad compressed KV from {note.peer!r}: {e}"
             lv.handoff.set()

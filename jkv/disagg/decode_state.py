@@ -131,6 +131,7 @@ class LiveRequest:
     fetch_bytes: int = 0
     fetched: np.ndarray | None = None  # bool[L, H_kv, N_cap]: rows already fetched on demand (KV reuse)
     compression: object = None  # compression.policy.Choice, fixed for the request's KV movement (KVServe §6)
+    codec_s: dict = dataclasses.field(default_factory=dict)  # "encode" (prefill side) / "decode" (here) seconds
     t_hand_in: float = 0.0
     cancelled: bool = False
     # Decode state (engine thread): set when the request joins the running set.
@@ -170,6 +171,13 @@ class LiveRequest:
             step_on_demand_ratio=[r / s if s else 0.0 for r, s in zip(self.step_remote, self.step_selected)],
             bytes=bytes_, kr=self.kr, blocks=int(len(self.order)), prefill_s=self.prefill_s, owner=self.owner,
             recomputed=self.recomputed, mode=mode, step_phases=self.step_phases,
-            **({} if self.compression is None else dict(compression=self.compression.spec_id)))
+            **({} if self.compression is None else self._compression_extra()))
         return RequestOutput(self.req.request_id, self.req.prompt, list(self.req.prompt_token_ids), text, ids,
                              reason, m)
+
+    def _compression_extra(self) -> dict:
+        """The pipeline, why it was chosen (`policy.Choice.reason`) and the codec seconds of this request (encode: the prefill worker's, during the
+        prefill; decode: this worker's, of every compressed frame)."""
+        c = self.compression
+        return dict(compression=c.spec_id, compression_reason=c.reason,
+                    encode_s=float(self.codec_s.get("encode", 0.0)), decode_s=float(self.codec_s.get("decode", 0.0)))

@@ -148,6 +148,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
         self.endpoint.on_notify("failed", self._on_failed)
         self.compression = compression  # jkv.compression.policy.CompressionPolicy or None ("off")
         self.endpoint.on_notify("ckv", self._on_compressed)
+        self.endpoint.on_notify("link", self._on_link)
         self._lock = threading.Lock()
         self._live: dict[str, LiveRequest] = {}
         self.owners: list[str] = []

@@ -81,6 +81,12 @@ class _YieldToOnDemand:
         the credit waits at most this long (a non-preemptible packet on a priority link)."""
         return max(4096, self.shared.chunk // 4)
 
+    @property
+    def rate_Bps(self) -> float:
+        """The shared link's rate: the transport counts at least nbytes / rate_Bps of busy time per
+        bulk message (link time sent on banked credit), so the link estimate reads the link."""
+        return self.shared.rate_Bps
+
     def reserve(self, nbytes: int) -> None:
         with self._lock:
             start = max(time.monotonic(), self._busy_until)
@@ -154,6 +160,7 @@ class PrefillWorker:
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
+        self.link_sample_waits = 0  # batches whose hand-off waited for push acknowledgements (a link sample)
         self._closed = threading.Event()
         self._lease_thread = threading.Thread(target=self._lease_loop, daemon=True, name=f"jkv-lease-{name}")
         self._lease_thread.start()
@@ -306,10 +313,18 @@ class PrefillWorker:
         prefill_s = time.time() - t_start
         first = self._first_tokens(logits, requests)
         t_first = time.time()
-        link = self._link_sample(link0, held) if link0 is not None else None
+        link = None
+        if link0 is not None and any(h.codec is not None for h in held):
+            link = self._link_sample(link0, held)
+        elif link0 is not None:  # "auto" chose no compression: never delay the hand-off for a sample
+            self._link_sample_later(peer_name, link0, held)
         for b, h in enumerate(held):
             h.lease_until = time.monotonic() + self.lease_s  # the lease runs from the hand-off
-            extra = {} if link is None else dict(link=link, compression=h.codec.spec_id if h.codec else None)
+            extra = {} if link0 is None else dict(compression=h.codec.spec_id if h.codec else None)
+            if link is not None:
+                extra["link"] = link
+            if h.codec is not None:  # every chunk is encoded during the prefill (absorb)
+                extra["encode_s"] = h.codec.encode_s
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
                                                     prefill_s=prefill_s, bytes=dict(h.bytes), **extra))
 
@@ -326,7 +341,9 @@ class PrefillWorker:
     def _link_sample(self, before, held) -> dict:
         """Busy-time goodput of this batch's bulk traffic (KVServe §3.1: B is measured goodput), for
         the decode side's bandwidth estimator; waits for the batch's pushes to be acknowledged (the
-        hand-off queues behind them on the same connection anyway)."""
+        hand-off queues behind them on the same connection anyway). Only batches with a compressed
+        request wait (their hand-off carries the sample); see `_link_sample_later` for the others."""
+        self.link_sample_waits += 1
         for h in held:
             for t in list(h.inflight):
                 try:
@@ -335,6 +352,29 @@ class PrefillWorker:
                     pass
         nbytes, busy = self._link_counters()
         return dict(bytes=nbytes - before[0], busy_s=busy - before[1])
+
+    def _link_sample_later(self, peer_name: str, before, held) -> None:
+        """The same sample without waiting: once every push of the batch is acknowledged (a done
+        callback, on a transport thread), it goes to the decode worker as a "link" notification
+        (one sample per request, as a hand-off would carry). The hand-off does not wait for it."""
+        pending = [t for h in held for t in list(h.inflight) if not t.done()]
+        rids = [h.rid for h in held]
+        left = [len(pending)]
+        lock = threading.Lock()
+
+        def send(_t=None):
+            with lock:
+                left[0] -= 1
+                if left[0] > 0:
+                    return
+            nbytes, busy = self._link_counters()
+            self._notify(peer_name, "link", dict(rids=rids, bytes=nbytes - before[0], busy_s=busy - before[1]))
+
+        if not pending:
+            left[0] = 1
+            send()
+        for t in pending:
+            t.add_done_callback(send)
 
     @staticmethod
     def _first_tokens(logits, requests):

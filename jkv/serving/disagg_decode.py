@@ -94,6 +94,8 @@ class DisaggBatcher:
         self._cancelled_waiting: set[str] = set()
         if metrics is not None and metrics.kv is not None:
             metrics.kv.watch_pool(worker.pool)
+        if metrics is not None and metrics.transfers is not None:  # fetch RPCs, notifications (transport threads)
+            worker.endpoint.observe_transfers(metrics.transfers.observe_transfer)
         self._reconnect = PrefillReconnector(addresses, dict(zip(addresses, owners)),
                                              connect=self._connect_worker, alive=worker.owner_alive)
 
@@ -301,6 +303,9 @@ class DisaggBatcher:
         kv = self.metrics.kv if self.metrics is not None else None
         if kv is not None and out is not None:
             kv.observe_output(out.metrics.extra)
+        if self.metrics is not None and self.metrics.transfers is not None and out is not None \
+                and out.finish_reason != "error":
+            self.metrics.transfers.observe_request(out.metrics.extra)
         if out is None or out.finish_reason == "error":
             if not run.cancelled:
                 if kv is not None:

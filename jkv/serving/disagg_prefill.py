@@ -43,6 +43,8 @@ class ServingPrefillWorker(PrefillWorker):
         self._failed: set[str] = set()
         super().__init__(*args, **kw)
         metrics.kv.watch_pool(self.pool)
+        for endpoint in (self.endpoint, self.bulk):  # on-demand replies; pushes, metadata, hand-offs
+            endpoint.observe_transfers(metrics.transfers.observe_transfer)
         metrics.inflight_tokens.set_function(lambda: self.inflight()[1])
         metrics.inflight_requests.set_function(lambda: self.inflight()[0])
 

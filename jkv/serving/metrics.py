@@ -42,6 +42,7 @@ class ServerMetrics:
         self.requests = Counter("jkv_http_requests", "HTTP API requests by role, endpoint and status code",
                                 ["role", "endpoint", "status"], registry=r)
         self.kv = DecodeKVMetrics(r) if kv_transfer else None  # the decode side of a disaggregated engine
+        self.transfers = TransferHistograms(r, "decode") if kv_transfer else None
 
     # engine thread
     def set_engine_state(self, waiting: int, running: int, slots: int):
@@ -165,6 +166,7 @@ class PrefillMetrics:
         self.inflight_requests = Gauge("jkv_prefill_inflight_requests", "requests queued or holding KV here",
                                        registry=r)
         self.kv = KVTransferMetrics(r, "prefill")
+        self.transfers = TransferHistograms(r, "prefill")
 
     def count_request(self, endpoint: str, status: int):
         self.requests.labels(self.role, endpoint, str(status)).inc()
@@ -195,3 +197,62 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# ---------------------------------------------------------------- transfer histograms ([compose] item 5)
+# Kept apart from the metrics above: fed by the transport's transfer observer (Endpoint.observe_transfers,
+# any transport thread) and by each finished request's RequestOutput.metrics.extra (engine thread).
+_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                     5.0, 10.0, 30.0)
+_BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 32, 2))  # 1 KiB .. 1 GiB, x4
+UNCOMPRESSED_CODEC = "off"  # codec label of a request whose KV moved as plain float32 rows
+
+
+class TransferHistograms:
+    """Histograms of KV movement for one role's registry.
+
+    Per transport operation (write / call / notify / reply) this process started: the time it waited
+    behind earlier operations on its connection (queue: submitted -> first byte on the wire) and its
+    wire time (first byte -> acknowledged, or the reply landed), and for on-demand "fetch" calls the
+    round trip (submitted -> reply landed, SmartGen §4.2). Per finished request (decode side): the bytes
+    it moved per path and codec, its encode (prefill side) and decode (here) seconds per codec, and the
+    compression choice as a counter labelled by pipeline and reason (KVServe §6: greedy / explore /
+    fallback; "fixed" for a configured pipeline; codec "off" with compression disabled)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str):
+        r, self.role = registry, role
+        self.queue = Histogram("jkv_transfer_queue_seconds", "transport operation: submitted -> first byte on the "
+                               "wire (queueing behind earlier operations)", ["role", "kind"],
+                               buckets=_TRANSFER_BUCKETS, registry=r)
+        self.wire = Histogram("jkv_transfer_wire_seconds", "transport operation: first byte on the wire -> "
+                              "acknowledged or replied", ["role", "kind"], buckets=_TRANSFER_BUCKETS, registry=r)
+        self.fetch_round_trip = Histogram("jkv_kv_fetch_round_trip_seconds", "on-demand KV row fetch: request "
+                                          "submitted -> reply landed", ["role"], buckets=_TRANSFER_BUCKETS, registry=r)
+        self.request_bytes = Histogram("jkv_kv_request_path_bytes", "KV bytes one request moved, by path and codec",
+                                       ["role", "path", "codec"], buckets=_BYTES_BUCKETS, registry=r)
+        self.codec_time = Histogram("jkv_kv_codec_seconds", "per request: KV encode (prefill side) or decode "
+                                    "(decode side) seconds, by codec", ["op", "codec"], buckets=_TRANSFER_BUCKETS,
+                                    registry=r)
+        self.choice = Counter("jkv_compression_choice", "compression pipeline chosen per request, by reason",
+                              ["codec", "reason"], registry=r)
+
+    def observe_transfer(self, t) -> None:
+        """Endpoint.observe_transfers callback (a transport thread): one finished operation."""
+        if t.error is not None or t.started_at is None or t.finished_at is None:
+            return
+        self.queue.labels(self.role, t.kind).observe(t.started_at - t.created_at)
+        self.wire.labels(self.role, t.kind).observe(t.finished_at - t.started_at)
+        if t.kind == "call" and t.method == "fetch":
+            self.fetch_round_trip.labels(self.role).observe(t.finished_at - t.created_at)
+
+    def observe_request(self, extra: dict) -> None:
+        """Engine thread: a finished request's RequestOutput.metrics.extra."""
+        codec = extra.get("compression") or UNCOMPRESSED_CODEC
+        for path, n in (extra.get("bytes") or {}).items():
+            if path in KV_PATHS:
+                self.request_bytes.labels(self.role, path, codec).observe(n)
+        self.choice.labels(codec, extra.get("compression_reason", "off" if codec == UNCOMPRESSED_CODEC
+                                            else "fixed")).inc()
+        for op in ("encode", "decode"):
+            if f"{op}_s" in extra:
+                self.codec_time.labels(op, codec).observe(float(extra[f"{op}_s"]))

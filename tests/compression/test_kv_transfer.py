@@ -1,6 +1,7 @@
 """Compressed KV on the SmartGen block path: chunking, frame round trip, and end to end through
 real prefill workers (loopback TCP, paced links) in full / partial / smartgen modes."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -166,6 +167,9 @@ def test_fixed_profile_keeps_the_mode_invariant(model, selector, prompts, fast_l
     for mode in ("full", "partial", "smartgen"):
         outs = run(model, selector, addresses, mode, prompts, policy)
         assert all(o.metrics.extra["compression"] == SPEC for o in outs)
+        # codec seconds for serving's histograms: encode on the prefill side, decode of every frame here
+        assert all(o.metrics.extra["compression_reason"] == "fixed" and o.metrics.extra["encode_s"] > 0
+                   and o.metrics.extra["decode_s"] > 0 for o in outs), mode
         tokens[mode] = [o.token_ids for o in outs]
         if mode == "full":
             full_bytes = proactive_bytes(outs)
@@ -202,10 +206,17 @@ def test_controller_skips_compression_on_a_fast_link(model, selector, prompts, f
                                profiles=[profile])
     wire = Profile(SPEC, profile.points[0].cr * 2, profile.points[0].throughput_Bps * 2, 0.99)
     assert wire.threshold_Bps < 10e9 / 8  # Theorem 6.1: this profile cannot pay off at 10 Gbit/s
+    waits = fast_link.worker.link_sample_waits
     outs = run(model, selector, fast_link.addresses, "full", prompts, policy)
     assert all(o.metrics.extra["compression"] == BASELINE for o in outs)
     assert proactive_bytes(outs) == raw_bytes(model, prompts)  # plain float32 rows, nothing else
-    assert policy.estimator.samples == len(prompts)  # the hand-offs fed the live estimate ...
+    # No compression chosen: no hand-off waited for push acknowledgements; the link samples come
+    # in "link" notifications once the pushes are acknowledged (possibly after generate returns).
+    assert fast_link.worker.link_sample_waits == waits
+    deadline = time.monotonic() + 10
+    while policy.estimator.samples < len(prompts) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert policy.estimator.samples == len(prompts)  # the pushes fed the live estimate ...
     assert policy.estimator.estimate() != 10e9 / 8  # ... with measured busy-time goodput
 
 
@@ -220,6 +231,7 @@ def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, select
         for mode in ("full", "smartgen"):
             outs = run(model, selector, slow.addresses, mode, prompts, policy)
             assert all(o.metrics.extra["compression"] == SPEC for o in outs), mode
+            assert all(o.metrics.extra["compression_reason"] == "greedy" for o in outs), mode  # epsilon=0
             tokens[mode] = [o.token_ids for o in outs]
             if mode == "full":
                 wire_cr = raw_bytes(model, prompts) / proactive_bytes(outs)
@@ -228,5 +240,6 @@ def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, select
         # cost a little)
         assert 0.9 * 2 * cr <= wire_cr <= 2 * cr, (wire_cr, cr)
         assert policy.estimator.samples == 2 * len(prompts)  # every hand-off carried a link sample
+        assert slow.worker.link_sample_waits >= 2  # compressed batches wait for their pushes' acks
     finally:
         slow.close()

@@ -1,0 +1,118 @@
+"""Payload checksums off the socket threads: a side thread that crc32c's byte ranges in order.
+
+A large payload's crc32c travels in a 4-byte trailer right after the payload (``wire.FLAG_TRAILER``),
+so neither side has to finish the checksum before the bytes move:
+
+* sender: hands the payload to its connection's :class:`ChecksumWorker` (in pieces of ``PIECE``
+  bytes) and starts writing at once; the side thread checksums while the socket copies, and the
+  sender needs the value only to append the trailer;
+* receiver: receives the payload piece by piece and hands each landed piece to its worker (pieces
+  of one payload are checksummed in arrival order, continuing the running value) while it keeps
+  receiving; after the payload it reads the trailer and compares.
+
+``crc32c`` (the ``crc32c`` package, what :func:`transport.wire.crc32c` calls) releases the GIL while
+it runs, so the side thread and the socket thread really overlap when a core is free.
+
+Work stealing: when the owner asks for the value (:meth:`Running.result`) it checksums the pieces the
+side thread has not reached yet itself, and waits only for a piece the side thread is in the middle
+of. On a machine with no spare core (the side thread not scheduled in time) this degrades to the
+owner checksumming inline, as it would without a side thread, instead of waiting a scheduler
+quantum for it.
+
+Concurrency: one worker per connection and direction, started on first use by the thread that owns
+the direction (sender or reader) and closed by that thread when it exits (:meth:`close` joins it,
+so no thread outlives its connection). ``begin``/``add``/``result`` are called by that owning thread
+only. A payload's pieces are taken in order under the payload's lock, one at a time, by whichever
+thread is free; the running value is only updated by the thread that holds the piece.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+
+from transport.wire import crc32c
+
+PIECE = 256 * 1024  # stealing granularity: the most the owner ever waits for is one piece in progress
+
+
+class Running:
+    """The checksum of one payload in progress: pieces added in order, the value once complete."""
+
+    __slots__ = ("_worker", "_cond", "_pieces", "_busy", "value", "error")
+
+    def __init__(self, worker: "ChecksumWorker"):
+        self._worker = worker
+        self._cond = threading.Condition(threading.Lock())
+        self._pieces: collections.deque = collections.deque()
+        self._busy = False  # a thread is checksumming the piece it took
+        self.value = 0
+        self.error: BaseException | None = None
+
+    def add(self, view) -> None:
+        """Queue the next bytes of the payload (a bytes-like that stays unchanged until ``result``)."""
+        view = memoryview(view)
+        with self._cond:
+            for start in range(0, len(view), PIECE):
+                self._pieces.append(view[start:start + PIECE])
+        self._worker._q.put(self)
+
+    def _work(self) -> None:
+        """Checksum queued pieces in order until none is left or another thread holds one."""
+        while True:
+            with self._cond:
+                if self._busy or not self._pieces or self.error is not None:
+                    return
+                piece, value, self._busy = self._pieces.popleft(), self.value, True
+            try:
+                value = crc32c(piece, value)
+            except BaseException as e:  # noqa: BLE001 - handed to the owner thread by result()
+                with self._cond:
+                    self.error, self._busy = e, False
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self.value, self._busy = value, False
+                self._cond.notify_all()
+
+    def result(self) -> int:
+        """The crc32c (from 0) of everything added; checksums what the side thread has not reached."""
+        while True:
+            self._work()
+            with self._cond:
+                while self._busy:
+                    self._cond.wait()
+                if self.error is not None:
+                    raise self.error
+                if not self._pieces:
+                    return self.value
+
+
+class ChecksumWorker:
+    """One side thread that works on queued payloads (:class:`Running`) in the order they come."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def begin(self) -> Running:
+        """Start checksumming a new payload (starts the side thread on first use)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, daemon=True, name=self.name)
+            self._thread.start()
+        return Running(self)
+
+    def _loop(self) -> None:
+        while True:
+            running = self._q.get()
+            if running is None:
+                return
+            running._work()
+
+    def close(self) -> None:
+        """Stop and join the side thread."""
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join()
+            self._thread = None
