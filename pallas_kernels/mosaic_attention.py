@@ -152,6 +152,53 @@ def _split_bf16(x):
     return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
 
+def _split_tile(extra, tile, keep=None):
+    """f32 SMEM `tile` -> its (hi, lo) bf16 split in `extra` [2, ...], through registers (rows
+    where `keep(shape)` is false become 0). wgmma reads 32-bit B operands only K-major (no
+    transpose), which V (entries x D, N-major) is not, and TF32 would keep 10 mantissa bits;
+    16-bit operands may be transposed."""
+    x = tile[...]
+    if keep is not None:
+        x = jnp.where(keep(x.shape), x, jnp.zeros_like(x))
+    hi, lo = _split_bf16(x)
+    # `extra` is the B operand of the previous wgmma, which each warp waited for on its
+    # own: a warpgroup barrier first, so no warp overwrites rows another still reads.
+    plgpu.commit_smem()
+    extra.at[0][...] = hi
+    extra.at[1][...] = lo
+    plgpu.commit_smem()  # written by threads, read by the async wgmma
+
+
+def _mma3(acc_ref, a, b):
+    """acc += a b for a = (a_hi, a_lo), b = (b_hi, b_lo): a_hi b_hi + a_hi b_lo + a_lo b_hi, the
+    small terms first; a_lo b_lo (<= 2^-18 relative) is dropped."""
+    plgpu.wgmma(acc_ref, a[0], b[1])
+    plgpu.wgmma(acc_ref, a[1], b[0])
+    plgpu.wgmma(acc_ref, a[0], b[0])
+
+
+def _stage_p_and_v(p, p_smem, v_tile, extra, first, stop, layout, split3: bool):
+    """Write the probabilities P into `p_smem` and make the V tile safe for P V: rows at or past
+    `stop` become 0 (they may be garbage, and 0 x NaN must not reach the product); f32 V is
+    split into `extra` (whose split of K the scores' wgmmas already read)."""
+    if split3:
+        p_smem.at[0][...], p_smem.at[1][...] = _split_bf16(p)
+
+        def keep(shape):
+            return first + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout) < stop
+
+        _split_tile(extra, v_tile, keep)
+        return
+    p_smem.at[0][...] = p.astype(v_tile.dtype)
+
+    @pl.when(first + BLOCK_K > stop)  # the tile runs past valid_count: zero those V rows
+    def _():
+        entry = first + plgpu.broadcasted_iota(jnp.int32, v_tile.shape, 0, layout=layout)
+        v_tile[...] = jnp.where(entry < stop, v_tile[...], jnp.zeros_like(v_tile[...]))
+
+    plgpu.commit_smem()  # P (and a zeroed V) written by threads, read by the async wgmma
+
+
 def _flash_split(q_src, o_dst, m_dst, l_dst,
                  q_smem, k_smem, v_smem, p_smem, m_smem, l_smem, q_bar, k_bar, v_bar, extra,
                  *, valid, start, split_len: int, tile_start, fetch, scale: float):
@@ -182,28 +229,6 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
     m = plgpu.layout_cast(jnp.full((WGMMA_M,), _M_INIT, jnp.float32), layout.reduce(1))
     l = plgpu.layout_cast(jnp.zeros((WGMMA_M,), jnp.float32), layout.reduce(1))
 
-    def split_tile(tile, keep=None):
-        # f32 SMEM tile -> (hi, lo) bf16 in `extra`, through registers. wgmma reads 32-bit B
-        # operands only K-major (no transpose), which V (entries x D, N-major) is not, and
-        # TF32 would keep 10 mantissa bits; 16-bit operands may be transposed.
-        x = tile[...]
-        if keep is not None:
-            x = jnp.where(keep(x.shape), x, jnp.zeros_like(x))
-        hi, lo = _split_bf16(x)
-        # `extra` is the B operand of the previous wgmma, which each warp waited for on its
-        # own: a warpgroup barrier first, so no warp overwrites rows another still reads.
-        plgpu.commit_smem()
-        extra.at[0][...] = hi
-        extra.at[1][...] = lo
-        plgpu.commit_smem()  # written by threads, read by the async wgmma
-
-    def mma3(acc_ref, a, b):
-        # a = (a_hi, a_lo), b = (b_hi, b_lo): a_hi b_hi + a_hi b_lo + a_lo b_hi, the small
-        # terms first; a_lo b_lo (<= 2^-18 relative) is dropped.
-        plgpu.wgmma(acc_ref, a[0], b[1])
-        plgpu.wgmma(acc_ref, a[1], b[0])
-        plgpu.wgmma(acc_ref, a[0], b[0])
-
     def body(i, carry):
         o, m, l = carry
         slot = lax.rem(i, NUM_SLOTS)
@@ -218,11 +243,11 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
         nominal = start + i * BLOCK_K
         plgpu.barrier_wait(k_bar.at[slot])
         if split3:
-            split_tile(k_smem.at[slot])  # `extra` is free: tile i-1's P V wgmmas were read
+            _split_tile(extra, k_smem.at[slot])  # `extra` is free: tile i-1's P V wgmmas were read
 
         def scores(acc_ref):
             if split3:
-                mma3(acc_ref, (q_smem.at[0], q_smem.at[1]), (extra.at[0].T, extra.at[1].T))
+                _mma3(acc_ref, (q_smem.at[0], q_smem.at[1]), (extra.at[0].T, extra.at[1].T))
             else:
                 plgpu.wgmma(acc_ref, q_smem.at[0], k_smem.at[slot].T)
             return acc_ref[...]
@@ -236,28 +261,11 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
         l_next = l * correction + p.sum(axis=1)
         o = o * lax.broadcast_in_dim(correction, o.shape, [0])
         plgpu.barrier_wait(v_bar.at[slot])
-        if split3:
-            p_smem.at[0][...], p_smem.at[1][...] = _split_bf16(p)
-
-            def keep(shape):  # V rows past `stop` may be garbage: 0 x NaN must not reach P V
-                return first + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=layout) < stop
-
-            # The split of K in `extra` was read by the scores' wgmmas, which completed.
-            split_tile(v_smem.at[slot], keep)
-        else:
-            p_smem.at[0][...] = p.astype(k_smem.dtype)
-
-            @pl.when(first + BLOCK_K > stop)  # the tile runs past valid_count: zero those V rows
-            def _():
-                v_tile = v_smem.at[slot]
-                entry = first + plgpu.broadcasted_iota(jnp.int32, v_tile.shape, 0, layout=layout)
-                v_tile[...] = jnp.where(entry < stop, v_tile[...], jnp.zeros_like(v_tile[...]))
-
-            plgpu.commit_smem()  # P (and a zeroed V) written by threads, read by the async wgmma
+        _stage_p_and_v(p, p_smem, v_smem.at[slot], extra, first, stop, layout, split3)
 
         def weighted_values(acc_ref):
             if split3:
-                mma3(acc_ref, (p_smem.at[0], p_smem.at[1]), (extra.at[0], extra.at[1]))
+                _mma3(acc_ref, (p_smem.at[0], p_smem.at[1]), (extra.at[0], extra.at[1]))
             else:
                 plgpu.wgmma(acc_ref, p_smem.at[0], v_smem.at[slot])
             return acc_ref[...]
@@ -269,14 +277,16 @@ def _flash_split(q_src, o_dst, m_dst, l_dst,
 
     o, m, l = lax.fori_loop(0, num_tiles, body, (o, m, l))
     # f32: K's slot 0 stages o (SMEM is short at D = 128); every K tile fetched was waited for.
-    o_smem = k_smem.at[0] if split3 else extra
-    o_smem[...] = o
-    m_smem[...] = m
-    l_smem[...] = l
+    _store_split((o, m, l), (k_smem.at[0] if split3 else extra, m_smem, l_smem), (o_dst, m_dst, l_dst))
+
+
+def _store_split(values, smem, gmem):
+    """Write a split's (o, m, l) registers to GMEM through their SMEM staging buffers."""
+    for value, buf in zip(values, smem):
+        buf[...] = value
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_dst)
-    plgpu.copy_smem_to_gmem(m_smem, m_dst)
-    plgpu.copy_smem_to_gmem(l_smem, l_dst)
+    for buf, dst in zip(smem, gmem):
+        plgpu.copy_smem_to_gmem(buf, dst)
     plgpu.wait_smem_to_gmem(0)
 
 

@@ -52,6 +52,7 @@ from transport.errors import AuthError, OpTimeout, TransportError
 from transport.metrics import Metrics
 from transport.pacing import TokenBucket
 from transport.peer import RDMA_QP_METHOD, RDMA_REGIONS_METHOD, REGIONS_METHOD, Peer
+from transport.rdma_control import RdmaControl
 from transport.region import Region, RegionTable, as_byte_view
 from transport.shm import ShmRing
 from transport.transfer import Transfer
@@ -70,7 +71,7 @@ class Notification:
     payload: bytes
 
 
-class Endpoint:
+class Endpoint(RdmaControl):
     """See the module docstring. ``timeout``: seconds of peer silence before its pending
     operations fail; ``op_timeout``: default per-operation deadline (None = no deadline);
     ``bandwidth``: per-endpoint pacing for all peers (``connect(bandwidth=)`` adds per-peer);
@@ -437,68 +438,6 @@ class Endpoint:
             channel.close()
         if passive is not None:
             passive.close()
-
-    # ------------------------------------------------------------------ rdma control plane
-    def _rdma_control(self, peer_name: str, method: str, payload: memoryview) -> bytes:
-        import json
-        if method == RDMA_REGIONS_METHOD:
-            table = []
-            for rid, keys in list(self._mr.items()):
-                region = self.regions.by_id(rid)
-                if region is not None:
-                    table.append([region.name, rid, region.nbytes, keys.addr, keys.rkey])
-            return json.dumps(table).encode()
-        qp = self.rdma.create_qp()  # RDMA_QP_METHOD: the peer asks for a QP to write through
-        qp.connect(bytes(payload))
-        with self._lock:
-            old = self._rdma_in.pop(peer_name, None)
-            self._rdma_in[peer_name] = qp
-        if old is not None:
-            old.close()
-        return qp.local_info()
-
-    def rdma_channel(self, peer: Peer):
-        """rdma backend: the channel this endpoint writes to ``peer`` through (its QP is set
-        up over ``peer``'s control connection on first use). Used by :class:`Peer`."""
-        from transport.rdma import RdmaChannel
-        with self._lock:
-            channel = self._rdma_out.get(peer.name)
-        if channel is not None:
-            return channel
-        qp = self.rdma.create_qp()
-        try:
-            qp.connect(bytes(peer.call(RDMA_QP_METHOD, qp.local_info())))
-        except Exception:
-            qp.close()
-            raise
-        channel = RdmaChannel(self.rdma, qp, peer.name, self._local_keys)
-        with self._lock:
-            existing = self._rdma_out.setdefault(peer.name, channel)
-        if existing is not channel:
-            channel.close()
-        return existing
-
-    def _local_keys(self, addr: int, nbytes: int):
-        for keys in list(self._mr.values()):
-            if keys.addr <= addr and addr + nbytes <= keys.addr + keys.nbytes:
-                return keys
-        return None
-
-    def _poll_rdma(self) -> None:
-        while not self._closed.is_set():
-            with self._lock:
-                channels = list(self._rdma_out.values())
-            completed = 0
-            now = time.monotonic()
-            for ch in channels:
-                try:
-                    completed += ch.poll()
-                except Exception as e:  # a broken CQ fails that peer's transfers, not the loop
-                    log.warning("polling RDMA completions for %r failed: %s", ch.peer_name, e)
-                    ch.fail(TransportError(f"RDMA completion polling failed: {e}"))
-                ch.expire(now)
-            if not completed:
-                self._closed.wait(0.0002)
 
     def connection_closed(self, conn: Connection) -> None:
         """``conn``'s threads are done and its socket closed: release its shm rings."""
