@@ -84,3 +84,13 @@ def test_a_fixed_pool_too_small_for_the_batch_fails_before_prefill(model):
 def test_prefill_chunk_must_be_positive(model):
     with pytest.raises(ValueError, match="prefill_chunk=0"):
         DenseEngine(model, prefill_chunk=0)
+
+
+def test_llm_passes_page_size_and_prefill_chunk_to_the_engine(model):
+    from jkv import LLM
+
+    prompt = _prompts(model, [19], seed=2)[0]
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    llm = LLM(model, kv_page_size=8, prefill_chunk=8)
+    assert (llm._engine.page_size, llm._engine.prefill_chunk) == (8, 8)
+    assert llm.generate(prompt, sp)[0].token_ids == dense_greedy(model, prompt, 5)
