@@ -271,8 +271,15 @@ def config_from_flags(values: dict) -> ServeConfig:
             value = tuple(value)
         parent, _, leaf = field_path(name).rpartition(".")
         kwargs[parent][leaf] = value
-    transfer = TransferConfig(**kwargs["disagg.transfer"])
-    return ServeConfig(**kwargs[""], disagg=Disaggregation(transfer=transfer, **kwargs["disagg"]))
+    try:
+        disagg = Disaggregation(transfer=TransferConfig(**kwargs["disagg.transfer"]), **kwargs["disagg"])
+    except ValueError as e:  # the nested configs name their fields; say which flag set a renamed one
+        renamed = [f"{leaf} is --{name.replace('_', '-')}" for name in values
+                   if (leaf := field_path(name).rpartition(".")[2]) != name and f"{leaf}=" in str(e)]
+        if not renamed:
+            raise
+        raise ValueError(f"{e} ({'; '.join(renamed)})") from None
+    return ServeConfig(**kwargs[""], disagg=disagg)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

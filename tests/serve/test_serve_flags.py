@@ -101,6 +101,18 @@ def test_flags_map_to_distinct_fields_and_no_field_is_repeated_between_levels():
     assert ServeConfig().disagg == Disaggregation()  # the serve defaults are the engine's
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--num-prefill-workers", "0"], r"prefill_workers=0 must be an int >= 1 \(prefill_workers is --num-prefill-w"),
+    (["--disaggregation", "fast"], r"mode='fast' must be one of .*\(mode is --disaggregation\)$"),
+])
+def test_an_error_in_a_nested_field_names_the_flag(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse(argv)
+    with pytest.raises(ValueError, match="strategy='best' must be one of") as e:  # named like its flag
+        parse(["--strategy", "best"])
+    assert " is --" not in str(e.value)
+
+
 @pytest.mark.parametrize("key", ["timeout_s", "disagg", "transfer", "mode", "addresses"])
 def test_field_names_are_not_config_file_keys(tmp_path, key):
     f = tmp_path / "serve.yaml"
