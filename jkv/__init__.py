@@ -3,5 +3,6 @@ from .api import LLM
 from .disagg.config import Disaggregation
 from .outputs import RequestMetrics, RequestOutput
 from .sampling import SamplingParams
+from .transfer.plan import TransferConfig
 
-__all__ = ["Disaggregation", "LLM", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = ["Disaggregation", "LLM", "RequestMetrics", "RequestOutput", "SamplingParams", "TransferConfig"]

@@ -7,7 +7,8 @@
 
 Disaggregated (prefill and decode in separate processes, SmartGen selective KV transfer):
 
-    llm = LLM("smollm2-135m-instruct", disaggregation=Disaggregation(mode="smartgen", prefill_workers=2))
+    llm = LLM("smollm2-135m-instruct", disaggregation=Disaggregation(transfer=TransferConfig(mode="smartgen"),
+                                                                    prefill_workers=2))
     ...; llm.close()   # stops the prefill worker processes (also on `with LLM(...) as llm:`)
 
 A prompt is a string, a list of token ids, or a chat conversation (a list of

@@ -137,14 +137,13 @@ class DisaggregatedEngine:
         self.selector = (selector or build_selector(model, config.selector, **config.selector_options)
                          ).with_min_budget(config.min_budget)
         profile = ImportanceProfile.load(config.profile) if config.profile else None
-        transfer = config.transfer_config()
         if profile is not None and profile.selector != self.selector.name:
             log.warning("profile %s was made for selector %r, serving uses %r", config.profile, profile.selector,
                         self.selector.name)
         secret = config.secret or secrets.token_hex(16)
         self._tmp = tempfile.TemporaryDirectory(prefix="jkv-disagg-")
         self.workers = None
-        self.decode = DecodeWorker(model, self.selector, transfer, secret=secret, backend=config.transport,
+        self.decode = DecodeWorker(model, self.selector, config.transfer, secret=secret, backend=config.transport,
                                    profile=profile, oracle_profile=oracle_profile, on_failure=config.on_failure,
                                    timeout=config.timeout_s, compression=config.compression_policy(), name=name)
         try:
@@ -155,7 +154,7 @@ class DisaggregatedEngine:
                 self.workers = LocalPrefillWorkers(config.prefill_workers, spec, path, secret=secret,
                                                    transport=config.transport, bandwidth=config.bandwidth,
                                                    lease_s=config.lease_s, timeout_s=config.timeout_s,
-                                                   dtype=model.cfg.dtype, max_blocks=config.max_blocks)
+                                                   dtype=model.cfg.dtype, max_blocks=config.transfer.max_blocks)
                 addresses = self.workers.addresses
             self.decode.connect(addresses)
         except BaseException:

@@ -12,32 +12,28 @@ ON_FAILURE = ("fail", "recompute")
 
 @dataclasses.dataclass(frozen=True)
 class Disaggregation:
-    """mode: full | partial | +profile | +parallel | smartgen; selector: a jkv.selection name;
-    transport: tcp | shm; bandwidth: paced link of each prefill worker ("1gbit", None = unpaced);
-    prefill_workers: local prefill processes to start (ignored when `addresses` lists running
-    ones); strategy: proactive choice (profile, sequential, random, streaming, oracle);
-    profile: path of a `jkv profile` file (needed by strategy profile unless kr_fraction is set);
-    kr_fraction: force Kr as a fraction of all blocks (else Eq. 2 from profile Tp and bandwidth);
+    """transfer: the block-transfer policy (mode full | partial | +profile | +parallel | smartgen,
+    strategy, spec_ratio, max_blocks, kr_fraction, lookahead, ...; jkv.transfer.plan.TransferConfig);
+    its bandwidth_bps is filled from `bandwidth` here, so leave it None;
+    selector: a jkv.selection name; transport: tcp | shm | rdma; bandwidth: paced link of each prefill
+    worker ("1gbit", None = unpaced) and the link estimate of Eq. 2; prefill_workers: local prefill
+    processes to start (ignored when `addresses` lists running ones);
+    profile: path of a `jkv profile` file (needed by strategy profile unless transfer.kr_fraction is set);
     on_failure: "fail" the requests of a dead prefill worker, or "recompute" their KV locally;
     lease_s: a prefill worker frees a request's KV after this long without decode activity;
     model_spec: how workers load the model when LLM was given a Model object;
     compression: "off" | "auto" | a pipeline id (KVServe, jkv.compression.policy), with
-    compression_options {"profiles": [files], "workload", "q_min", "t_slo_s"}; lookahead: layer
-    lookahead of on-demand fetches (None: on in smartgen mode; jkv/disagg/lookahead.py);
+    compression_options {"profiles": [files], "workload", "q_min", "t_slo_s"};
     min_budget: the selection budget's floor in tokens, k = min(N, max(ceil(max_ratio*N), min_budget)),
     so requests of up to min_budget cached tokens decode densely (SelectorConfig.min_budget; 0: the
     bare ratio)."""
 
-    mode: str = "smartgen"
+    transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     selector: str = "infinigen"
     transport: str = "tcp"
     bandwidth: str | float | None = "1gbit"
     prefill_workers: int = 1
-    strategy: str = "profile"
-    spec_ratio: float = 0.10
-    max_blocks: int = 1024
     profile: str | None = None
-    kr_fraction: float | None = None
     on_failure: str = "fail"
     lease_s: float = 300.0
     timeout_s: float = 5.0
@@ -47,7 +43,6 @@ class Disaggregation:
     secret: str | None = None
     compression: str = "off"
     compression_options: dict = dataclasses.field(default_factory=dict)
-    lookahead: bool | None = None
     min_budget: int = DEFAULT_MIN_BUDGET
 
     def __post_init__(self):
@@ -66,7 +61,16 @@ class Disaggregation:
             raise ValueError(f"selector_options min_budget={self.selector_options['min_budget']!r}: set "
                              "Disaggregation(min_budget=...) instead (it applies to every selector)")
         self.compression_config()  # validates compression and its options
-        self.transfer_config()  # validates mode, strategy, spec_ratio, max_blocks, kr_fraction
+        if not isinstance(self.transfer, TransferConfig):
+            raise TypeError(f"transfer={self.transfer!r} must be a jkv.transfer.plan.TransferConfig, e.g. "
+                            "Disaggregation(transfer=TransferConfig(mode='smartgen', strategy='random'))")
+        # One source for the link: `bandwidth` paces the local prefill workers and is the Tt of Eq. 2.
+        if self.transfer.bandwidth_bps not in (None, self.bandwidth_bps):
+            raise ValueError(f"transfer.bandwidth_bps={self.transfer.bandwidth_bps!r} disagrees with "
+                             f"bandwidth={self.bandwidth!r}: set the link once, as Disaggregation(bandwidth=...), and "
+                             "leave transfer.bandwidth_bps None (after dataclasses.replace(dis, bandwidth=...) pass "
+                             "transfer=dataclasses.replace(dis.transfer, bandwidth_bps=None) too)")
+        object.__setattr__(self, "transfer", dataclasses.replace(self.transfer, bandwidth_bps=self.bandwidth_bps))
 
     @property
     def bandwidth_bps(self) -> float | None:
@@ -82,9 +86,3 @@ class Disaggregation:
             return None
         from jkv.compression.policy import CompressionPolicy
         return CompressionPolicy(self.compression_config(), bandwidth_bps=self.bandwidth_bps)
-
-    def transfer_config(self, **overrides) -> TransferConfig:
-        kw = dict(mode=self.mode, strategy=self.strategy, spec_ratio=self.spec_ratio, max_blocks=self.max_blocks,
-                  kr_fraction=self.kr_fraction, bandwidth_bps=self.bandwidth_bps, lookahead=self.lookahead)
-        kw.update(overrides)
-        return TransferConfig(**kw)

@@ -1,4 +1,9 @@
-"""`jkv serve` configuration: one frozen dataclass, CLI flags, and the same keys from YAML/TOML.
+"""`jkv serve` configuration: frozen dataclasses, CLI flags, and the same keys from YAML/TOML.
+
+`ServeConfig` holds the server's own options and, in `disagg`, the `Disaggregation` of the
+SmartGen roles (which holds the `TransferConfig`): each option lives in exactly one dataclass.
+Flags and file keys stay flat (`--strategy`, `strategy:`); `FLAGS` maps each to its field
+(`disagg.transfer.strategy`).
 
 Precedence: built-in defaults < `--config FILE` < flags given on the command line. File keys
 are the flag names with '_' or '-' (`max_slots` or `max-slots`); an unknown key is an error
@@ -8,10 +13,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 from pathlib import Path
+from typing import NamedTuple
 
-from jkv.selection.base import DEFAULT_MIN_BUDGET
+from jkv.disagg.config import Disaggregation
+from jkv.transfer.plan import TransferConfig
 from models import DEFAULT_MODEL
 
 ROLES = ("all", "prefill", "decode", "router")
@@ -37,32 +45,23 @@ class ServeConfig:
     upstream_timeout: float = 600.0
     graceful_timeout: float = 30.0
     log_level: str = "info"
-    # disaggregated prefill/decode (SmartGen); field meanings as in jkv.disagg.Disaggregation
-    disaggregation: str | None = None
-    num_prefill_workers: int = 1
+    # role all: run the disaggregated engine instead of the dense batcher (`--disaggregation MODE`,
+    # which also sets disagg.transfer.mode; role decode always is)
+    disaggregated: bool = False
     prefill_restarts: int = 5
-    prefill_worker: tuple[str, ...] = ()
-    selector: str = "infinigen"
     selector_file: str | None = None
-    transport: str = "tcp"
-    bandwidth: str | None = "1gbit"
-    strategy: str = "profile"
-    spec_ratio: float = 0.10
-    max_blocks: int = 1024
-    profile: str | None = None
-    kr_fraction: float | None = None
-    on_failure: str = "fail"
-    lease_s: float = 300.0
-    transfer_timeout: float = 5.0
-    min_budget: int = DEFAULT_MIN_BUDGET
     transport_listen: str | None = None
     transport_advertise: str | None = None
     worker_name: str | None = None
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
+    # the SmartGen roles' settings: the decode engine's (role decode, role all disaggregated) and
+    # the prefill worker's (selector, transport, bandwidth, lease_s, timeout_s); the model comes
+    # from `model`, the prefill worker addresses are disagg.addresses
+    disagg: Disaggregation = dataclasses.field(default_factory=Disaggregation)
 
     def __post_init__(self):
-        for name in LIST_OPTIONS:
+        for name in ("upstream", "prefill", "decode"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.role not in ROLES:
             raise ValueError(f"role={self.role!r} must be one of {ROLES}")
@@ -80,12 +79,12 @@ class ServeConfig:
         for u in self.upstream + self.prefill + self.decode:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"upstream {u!r} must be an http:// or https:// URL")
-        if self.uses_disaggregation:
-            self.disaggregation_config()  # validates mode, selector transport, bandwidth, ... naming the value
-            if self.mode != "full" and self.strategy in ("profile", "oracle") and self.profile is None:
-                raise ValueError(f"--strategy {self.strategy} (mode {self.mode}) needs an importance profile: pass "
-                                 "--profile FILE from `jkv profile`, or use --strategy sequential / streaming / "
-                                 "random")
+        dis = self.disagg
+        if self.uses_disaggregation and dis.transfer.mode != "full" and dis.transfer.strategy in ("profile", "oracle") \
+                and dis.profile is None:
+            raise ValueError(f"--strategy {dis.transfer.strategy} (mode {dis.transfer.mode}) needs an importance "
+                             "profile: pass --profile FILE from `jkv profile`, or use --strategy sequential / "
+                             "streaming / random")
         if self.log_level.lower() not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level={self.log_level!r} must be debug, info, warning or error")
 
@@ -100,25 +99,22 @@ class ServeConfig:
                                  "or --prefill and --decode URLs (a disaggregated pool)")
         elif router_only:
             raise ValueError(f"--{router_only[0]} is only for --role router, not role={self.role!r}")
-        if self.role == "decode" and not self.prefill_worker:
+        if self.role == "decode" and not self.disagg.addresses:
             raise ValueError("role=decode needs at least one --prefill-worker ADDRESS (the transport address a "
                              "`jkv serve --role prefill` logs and reports on /health)")
-        if self.role != "decode" and self.prefill_worker:
+        if self.role != "decode" and self.disagg.addresses:
             raise ValueError(f"--prefill-worker is only for --role decode, not role={self.role!r}")
         if self.transport_advertise is not None and self.role != "prefill":
             raise ValueError(f"--transport-advertise is only for --role prefill, not role={self.role!r}")
         if self.transport_advertise is not None and "|" not in self.transport_advertise:
             raise ValueError(f"--transport-advertise {self.transport_advertise!r} must be a main|bulk pair, e.g. "
                              "jkv-prefill-a:7100|jkv-prefill-a:7101")
-        if self.disaggregation is not None and self.role not in ("all", "decode"):
+        if self.disaggregated and self.role not in ("all", "decode"):
             raise ValueError(f"--disaggregation is for --role all or decode, not role={self.role!r}")
-        if self.num_prefill_workers < 1:
-            raise ValueError(f"num_prefill_workers={self.num_prefill_workers} must be >= 1")
         if self.prefill_restarts < 0:
             raise ValueError(f"prefill_restarts={self.prefill_restarts} must be >= 0 (0: never restart)")
-        for name in ("lease_s", "transfer_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
+        if self.disagg.timeout_s <= 0:
+            raise ValueError(f"transfer_timeout={self.disagg.timeout_s} must be > 0 seconds")
 
     @property
     def model_name(self) -> str:
@@ -126,28 +122,22 @@ class ServeConfig:
 
     @property
     def uses_disaggregation(self) -> bool:
-        return self.role == "decode" or (self.role == "all" and self.disaggregation is not None)
-
-    @property
-    def mode(self) -> str:
-        return self.disaggregation or "smartgen"
-
-    def disaggregation_config(self, **overrides):
-        """The `Disaggregation` of a decode (or --role all --disaggregation) server."""
-        from jkv.disagg.config import Disaggregation
-
-        kw = dict(mode=self.mode, selector=self.selector, transport=self.transport, bandwidth=self.bandwidth,
-                  prefill_workers=self.num_prefill_workers, strategy=self.strategy, spec_ratio=self.spec_ratio,
-                  max_blocks=self.max_blocks, profile=self.profile, kr_fraction=self.kr_fraction,
-                  on_failure=self.on_failure, lease_s=self.lease_s, timeout_s=self.transfer_timeout,
-                  model_spec=self.model, addresses=self.prefill_worker, min_budget=self.min_budget)
-        kw.update(overrides)
-        return Disaggregation(**kw)
+        return self.role == "decode" or (self.role == "all" and self.disaggregated)
 
 
-# flag -> (type, help). Defaults come from ServeConfig; argparse defaults are SUPPRESSed so we
-# can tell which flags the user actually gave (they override the config file).
-_HELP = {
+class Flag(NamedTuple):
+    """One `jkv serve` flag / config file key: its value's type, its help, and the ServeConfig field
+    it sets (a dotted path; None: the field named like the flag). `switch`: a bool field the flag
+    also turns on when given a value (--disaggregation MODE both sets the mode and enables it)."""
+    type: type
+    help: str
+    field: str | None = None
+    switch: str | None = None
+
+
+# flag -> (type, help[, field path[, switch]]), see `Flag`. Defaults come from ServeConfig; argparse
+# defaults are SUPPRESSed so we can tell which flags the user actually gave (they override the file).
+_TABLE = {
     "role": (str, "all: one process with the continuous-batching engine and the HTTP API (with "
                   "--disaggregation: a SmartGen decode worker fed by local prefill worker processes); "
                   "prefill: a SmartGen prefill worker (transport endpoint) with /health and /metrics; "
@@ -172,32 +162,37 @@ _HELP = {
     "disaggregation": (str, "role all/decode: SmartGen transfer mode full, partial, +profile, +parallel or "
                             "smartgen (role decode default: smartgen). The disaggregated engine batches "
                             "continuously: a request joins the running decode batch once its prefill hand-off "
-                            "arrives"),
-    "num_prefill_workers": (int, "role all --disaggregation: local prefill worker processes to start"),
+                            "arrives", "disagg.transfer.mode", "disaggregated"),
+    "num_prefill_workers": (int, "role all --disaggregation: local prefill worker processes to start",
+                            "disagg.prefill_workers"),
     "prefill_restarts": (int, "role all --disaggregation: a local prefill worker that dies is restarted with "
                               "backoff; give up after this many quick failures in a row (each within 60 s of its "
                               "start); 0: never restart"),
     "prefill_worker": (str, "role decode: transport address (main|bulk) of a prefill worker, as a "
-                            "`--role prefill` server logs it and reports on /health (repeatable)"),
+                            "`--role prefill` server logs it and reports on /health (repeatable)", "disagg.addresses"),
     "selector": (str, "sparse-attention selector shared by prefill and decode (infinigen, quest, oracle, "
-                      "streamingllm, ...); every role of one deployment must use the same one"),
+                      "streamingllm, ...); every role of one deployment must use the same one", "disagg.selector"),
     "selector_file": (str, "load the selector from this file (jkv.disagg.selectors.save_selector) instead "
                            "of building it from --selector"),
-    "transport": (str, "KV transport between prefill and decode: tcp, shm or rdma"),
+    "transport": (str, "KV transport between prefill and decode: tcp, shm or rdma", "disagg.transport"),
     "bandwidth": (str, "prefill: pace this worker's link (e.g. 1gbit); all/decode: the link estimate of "
-                       "Eq. 2 and the pace of local prefill workers"),
-    "strategy": (str, "proactive choice: profile, sequential, random, streaming or oracle"),
-    "spec_ratio": (float, "speculative transfer cap: fraction of a request's blocks per decode step"),
-    "max_blocks": (int, "M, KV blocks per layer"),
-    "profile": (str, "`jkv profile` file (needed by strategy profile unless --kr-fraction is set)"),
-    "kr_fraction": (float, "force Kr (proactive blocks) to this fraction of all blocks instead of Eq. 2"),
-    "on_failure": (str, "when a prefill worker dies: fail its requests (error event) or recompute their KV"),
-    "lease_s": (float, "a prefill worker frees a request's KV after this long without decode activity"),
-    "transfer_timeout": (float, "seconds before a silent transport peer counts as dead"),
+                       "Eq. 2 and the pace of local prefill workers", "disagg.bandwidth"),
+    "strategy": (str, "proactive choice: profile, sequential, random, streaming or oracle", "disagg.transfer.strategy"),
+    "spec_ratio": (float, "speculative transfer cap: fraction of a request's blocks per decode step",
+                   "disagg.transfer.spec_ratio"),
+    "max_blocks": (int, "M, KV blocks per layer", "disagg.transfer.max_blocks"),
+    "profile": (str, "`jkv profile` file (needed by strategy profile unless --kr-fraction is set)", "disagg.profile"),
+    "kr_fraction": (float, "force Kr (proactive blocks) to this fraction of all blocks instead of Eq. 2",
+                    "disagg.transfer.kr_fraction"),
+    "on_failure": (str, "when a prefill worker dies: fail its requests (error event) or recompute their KV",
+                   "disagg.on_failure"),
+    "lease_s": (float, "a prefill worker frees a request's KV after this long without decode activity",
+                "disagg.lease_s"),
+    "transfer_timeout": (float, "seconds before a silent transport peer counts as dead", "disagg.timeout_s"),
     "min_budget": (int, "sparse selection keeps at least this many tokens per request, "
                         "k = min(N, max(ceil(0.2 N), min_budget)), and requests of up to min_budget tokens "
                         "(prompt + generated) decode densely, exactly like the single-process server; "
-                        "0 keeps the bare 20%% ratio"),
+                        "0 keeps the bare 20%% ratio", "disagg.min_budget"),
     "transport_listen": (str, "role prefill: host:port of the transport endpoint (default loopback, free port), or "
                               "main|bulk host:port pair (fixed ports, e.g. in a container)"),
     "transport_advertise": (str, "role prefill: the main|bulk address decode servers and the router reach this "
@@ -210,14 +205,26 @@ _HELP = {
 }
 
 
+FLAGS = {name: Flag(*row) for name, row in _TABLE.items()}
+
+
+def field_path(flag: str) -> str:
+    """The dotted ServeConfig field a flag (underscore spelling) sets, e.g. "disagg.transfer.strategy"."""
+    return FLAGS[flag].field or flag
+
+
+def field_value(cfg: ServeConfig, path: str):
+    return functools.reduce(getattr, path.split("."), cfg)
+
+
 def add_serve_arguments(p: argparse.ArgumentParser):
     p.add_argument("--config", help="YAML (.yaml/.yml) or TOML (.toml) file with the options below "
                                     "(flags given on the command line win)")
-    defaults = ServeConfig.__dataclass_fields__
-    for name, (typ, help_) in _HELP.items():
-        default = defaults[name].default
+    defaults = ServeConfig()
+    for name, flag in FLAGS.items():
+        default = None if flag.switch else field_value(defaults, field_path(name))
         shown = "" if default in (None, ()) else f" (default: {default})"
-        kw = dict(type=typ, default=argparse.SUPPRESS, help=help_ + shown)
+        kw = dict(type=flag.type, default=argparse.SUPPRESS, help=flag.help + shown)
         if name in LIST_OPTIONS:
             kw["action"] = "append"
         if name == "role":
@@ -251,14 +258,14 @@ def read_config_file(path: str | Path) -> dict:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
-        if name not in _HELP:
-            raise ValueError(f"config file {path}: unknown option {key!r}; known: {', '.join(sorted(_HELP))}")
+        if name not in FLAGS:
+            raise ValueError(f"config file {path}: unknown option {key!r}; known: {', '.join(sorted(FLAGS))}")
         if name in LIST_OPTIONS:
             value = [value] if isinstance(value, str) else list(value)
         elif value is None:
             pass  # an explicit null keeps the option unset
         else:
-            typ = _HELP[name][0]
+            typ = FLAGS[name].type
             try:
                 value = typ(value)
             except (TypeError, ValueError):
@@ -267,10 +274,34 @@ def read_config_file(path: str | Path) -> dict:
     return out
 
 
+def config_from_flags(values: dict) -> ServeConfig:
+    """ServeConfig from flag name (underscore spelling) -> value, each value put at its flag's field."""
+    kwargs = {"": {}, "disagg": {}, "disagg.transfer": {}}  # keyword arguments of each nested dataclass
+    for name, value in values.items():
+        flag = FLAGS[name]
+        if flag.switch:
+            if value is None:  # an explicit null leaves the switch off and the field at its default
+                continue
+            kwargs[""][flag.switch] = True
+        if name in LIST_OPTIONS:
+            value = tuple(value)
+        parent, _, leaf = field_path(name).rpartition(".")
+        kwargs[parent][leaf] = value
+    try:
+        disagg = Disaggregation(transfer=TransferConfig(**kwargs["disagg.transfer"]), **kwargs["disagg"])
+    except ValueError as e:  # the nested configs name their fields; say which flag set a renamed one
+        renamed = [f"{leaf} is --{name.replace('_', '-')}" for name in values
+                   if (leaf := field_path(name).rpartition(".")[2]) != name and f"{leaf}=" in str(e)]
+        if not renamed:
+            raise
+        raise ValueError(f"{e} ({'; '.join(renamed)})") from None
+    return ServeConfig(**kwargs[""], disagg=disagg)
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     merged = read_config_file(args.config) if getattr(args, "config", None) else {}
-    merged.update({k: v for k, v in vars(args).items() if k in _HELP})
-    return ServeConfig(**merged)
+    merged.update({k: v for k, v in vars(args).items() if k in FLAGS})
+    return config_from_flags(merged)
 
 
 def describe(cfg: ServeConfig) -> str:

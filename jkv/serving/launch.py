@@ -16,6 +16,7 @@ variable (never a flag or a config file); `--role all --disaggregation` makes a 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -114,7 +115,7 @@ def _load(cfg: ServeConfig):
 def _selector(cfg: ServeConfig, model):
     from jkv.disagg.selectors import build_selector, load_selector
 
-    return load_selector(cfg.selector_file) if cfg.selector_file else build_selector(model, cfg.selector)
+    return load_selector(cfg.selector_file) if cfg.selector_file else build_selector(model, cfg.disagg.selector)
 
 
 def build_disaggregated(cfg: ServeConfig):
@@ -129,7 +130,7 @@ def build_disaggregated(cfg: ServeConfig):
     model, max_len = _load(cfg)
     selector = _selector(cfg, model)
     remote = cfg.role == "decode"
-    dis = cfg.disaggregation_config(secret=_secret() if remote else None)
+    dis = dataclasses.replace(cfg.disagg, secret=_secret()) if remote else cfg.disagg
     # --role decode: several decode servers may share prefill workers, which key peers by name
     name = f"decode-{socket.gethostname()}-{os.getpid()}"[-200:] if remote else "decode-0"
     cluster = DisaggregatedEngine(model, dis, model_spec=cfg.model, selector=selector, name=name)
@@ -137,7 +138,7 @@ def build_disaggregated(cfg: ServeConfig):
     if not remote:
         for i, a in enumerate(addresses):
             log.info("prefill-worker: local process prefill-%d (pid %d) on transport %s %s, link %s", i,
-                     cluster.workers.procs[i].pid, cfg.transport, a, cfg.bandwidth or "unpaced")
+                     cluster.workers.procs[i].pid, dis.transport, a, dis.bandwidth or "unpaced")
     metrics = ServerMetrics(cfg.role, kv_transfer=True)
     engine = DisaggBatcher(model, cluster.decode, BatcherConfig(cfg.max_slots, max_len), metrics,
                            addresses=addresses, owners=list(cluster.decode.owners))
@@ -149,8 +150,8 @@ def build_disaggregated(cfg: ServeConfig):
     engine.start()
     log.info("engine: %r, mode disaggregated %s (selector %s, strategy %s, transport %s, link estimate %s), "
              "continuous batching of up to %d requests, prefill workers %s",
-             model, cfg.mode, selector.name, cfg.strategy, cfg.transport, cfg.bandwidth or "unpaced", cfg.max_slots,
-             dict(zip(cluster.decode.owners, addresses)))
+             model, dis.transfer.mode, selector.name, dis.transfer.strategy, dis.transport, dis.bandwidth or "unpaced",
+             cfg.max_slots, dict(zip(cluster.decode.owners, addresses)))
 
     supervisor = None if remote else _supervise(cluster.workers, engine, metrics, cfg.prefill_restarts)
 
@@ -197,18 +198,19 @@ def build_prefill(cfg: ServeConfig):
     selector = _selector(cfg, model)
     metrics = PrefillMetrics()
     name = cfg.worker_name or f"prefill-{os.getpid()}"
-    worker = ServingPrefillWorker(model, selector, name, secret=secret, backend=cfg.transport,
-                                  bandwidth=cfg.bandwidth, lease_s=cfg.lease_s, timeout=cfg.transfer_timeout,
+    dis = cfg.disagg
+    worker = ServingPrefillWorker(model, selector, name, secret=secret, backend=dis.transport,
+                                  bandwidth=dis.bandwidth, lease_s=dis.lease_s, timeout=dis.timeout_s,
                                   metrics=metrics)
     bound = worker.listen(cfg.transport_listen)
     address = cfg.transport_advertise or bound  # what decode servers and the router are told
     runner = threading.Thread(target=worker.run, name="jkv-prefill-main", daemon=True)
     runner.start()
     log.info("prefill-worker: %s, %r, selector %s, transport %s listening on %s%s, link %s, lease %.0fs",
-             name, model, selector.name, cfg.transport, bound, f" (advertised as {address})" if address != bound else "",
-             cfg.bandwidth or "unpaced", cfg.lease_s)
-    info = {"transport_address": address, "transport": cfg.transport, "selector": selector.name,
-            "model": cfg.model_name, "bandwidth": cfg.bandwidth}
+             name, model, selector.name, dis.transport, bound, f" (advertised as {address})" if address != bound else "",
+             dis.bandwidth or "unpaced", dis.lease_s)
+    info = {"transport_address": address, "transport": dis.transport, "selector": selector.name,
+            "model": cfg.model_name, "bandwidth": dis.bandwidth}
 
     def shutdown():
         worker.close()
@@ -250,7 +252,7 @@ def run_serve(args) -> int:
     _setup_logging(cfg.log_level)
     if cfg.uses_disaggregation:
         app, _ = build_disaggregated(cfg)
-        what = f"OpenAI API for model {cfg.model_name!r}, disaggregated {cfg.mode}"
+        what = f"OpenAI API for model {cfg.model_name!r}, disaggregated {cfg.disagg.transfer.mode}"
     elif cfg.role == "all":
         app, _ = build_all(cfg)
         what = f"OpenAI API for model {cfg.model_name!r}"

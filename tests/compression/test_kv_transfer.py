@@ -85,9 +85,9 @@ def test_config_validates_the_choice():
     from jkv.disagg.config import Disaggregation
 
     with pytest.raises(ValueError, match="profile files"):
-        Disaggregation(mode="full", compression="auto")
-    assert Disaggregation(mode="full").compression_policy() is None  # the default is off
-    policy = Disaggregation(mode="full", compression=SPEC, bandwidth="1gbit").compression_policy()
+        Disaggregation(TransferConfig(mode="full"), compression="auto")
+    assert Disaggregation(TransferConfig(mode="full")).compression_policy() is None  # the default is off
+    policy = Disaggregation(TransferConfig(mode="full"), compression=SPEC, bandwidth="1gbit").compression_policy()
     assert policy.choose(10**6).spec_id == SPEC and policy.estimator.estimate() == 1e9 / 8
     assert CompressionPolicy(CompressionConfig("off")).choose(10**6) is None
     assert CompressionPolicy(CompressionConfig(SPEC)).choose(10**6).spec_id == SPEC

@@ -10,7 +10,7 @@ from jkv.disagg.config import Disaggregation
 from jkv.selection import get_selector, selection_budget
 from jkv.selection.base import DEFAULT_MIN_BUDGET, SelectorConfig
 from jkv.selection.sparse_decode import decode, prefill_to_host
-from jkv.serving.config import ServeConfig, read_config_file
+from jkv.serving.config import ServeConfig, config_from_flags, read_config_file
 from tests.selection.test_sparse_decode import (MAX_TOKENS, all_selectors, calibration, dense_reference,  # noqa: F401
                                                 model, prompts)
 
@@ -81,9 +81,9 @@ def test_with_min_budget_keeps_fitted_state_and_leaves_the_original(model, calib
 
 def test_engines_default_to_the_floor_and_plumb_it(tmp_path):
     assert Disaggregation().min_budget == DEFAULT_MIN_BUDGET == 256
-    assert ServeConfig().min_budget == DEFAULT_MIN_BUDGET
-    assert ServeConfig(disaggregation="smartgen", strategy="sequential", min_budget=32
-                       ).disaggregation_config().min_budget == 32
+    assert ServeConfig().disagg.min_budget == DEFAULT_MIN_BUDGET
+    assert config_from_flags(dict(disaggregation="smartgen", strategy="sequential", min_budget=32)
+                             ).disagg.min_budget == 32
     path = tmp_path / "serve.yaml"
     path.write_text("min-budget: 0\n")
     assert read_config_file(path) == {"min_budget": 0}

@@ -299,27 +299,28 @@ def test_disaggregated_flags_and_config_file(tmp_path):
     y.write_text("role: decode\nprefill-worker: ['127.0.0.1:1|127.0.0.1:2']\ndisaggregation: +parallel\n"
                  "strategy: sequential\nkr_fraction: 0.25\nbandwidth: 2gbit\nspec-ratio: 0.2\n")
     cfg = parse(["--config", str(y), "--kr-fraction", "0.5"])
-    dis = cfg.disaggregation_config()
-    assert (dis.mode, dis.kr_fraction, dis.bandwidth, dis.spec_ratio, dis.addresses) == (
+    dis = cfg.disagg
+    assert (dis.transfer.mode, dis.transfer.kr_fraction, dis.bandwidth, dis.transfer.spec_ratio, dis.addresses) == (
         "+parallel", 0.5, "2gbit", 0.2, ("127.0.0.1:1|127.0.0.1:2",))
+    assert dis.transfer.bandwidth_bps == 2e9 and cfg.uses_disaggregation
     t = tmp_path / "router.toml"
     t.write_text('role = "router"\nprefill = ["http://p:1", "http://p:2"]\ndecode = "http://d:1"\n')
     assert parse(["--config", str(t)]).prefill == ("http://p:1", "http://p:2")
     assert ServeConfig(role="prefill", transport_listen="127.0.0.1:0").transport_listen == "127.0.0.1:0"
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(role="decode"), "needs at least one --prefill-worker"),
-    (dict(role="router", prefill=("http://p:1",)), "needs both --prefill URLs"),
-    (dict(role="all", prefill_worker=("a:1",)), "--prefill-worker is only for --role decode"),
-    (dict(role="prefill", disaggregation="smartgen"), "--disaggregation is for --role all or decode"),
-    (dict(role="all", disaggregation="smartgen"), "needs an importance profile"),
-    (dict(role="all", disaggregation="fast", strategy="sequential"), "fast"),
-    (dict(role="all", disaggregation="full", bandwidth="lots"), "lots"),
+@pytest.mark.parametrize("argv,match", [
+    (["--role", "decode"], "needs at least one --prefill-worker"),
+    (["--role", "router", "--prefill", "http://p:1"], "needs both --prefill URLs"),
+    (["--role", "all", "--prefill-worker", "a:1"], "--prefill-worker is only for --role decode"),
+    (["--role", "prefill", "--disaggregation", "smartgen"], "--disaggregation is for --role all or decode"),
+    (["--role", "all", "--disaggregation", "smartgen"], "needs an importance profile"),
+    (["--role", "all", "--disaggregation", "fast", "--strategy", "sequential"], "fast"),
+    (["--role", "all", "--disaggregation", "full", "--bandwidth", "lots"], "lots"),
 ])
-def test_bad_disaggregated_options_name_the_value(kw, match):
+def test_bad_disaggregated_options_name_the_value(argv, match):
     with pytest.raises(ValueError, match=match):
-        ServeConfig(**kw)
+        parse(argv)
 
 
 # ----------------------------------------------------------------------------- hardening (issue 23)

@@ -15,7 +15,7 @@ from jkv.disagg.config import Disaggregation
 from jkv.disagg.selectors import build_selector
 from jkv.selection.registry import SELECTORS
 from jkv.selection.sparse_decode import generate_sparse
-from jkv.transfer.plan import MODES
+from jkv.transfer.plan import MODES, TransferConfig
 from tests.smartgen.smartgen_cases import SECRET, InProcessWorkers, make_requests
 
 FLOOR = 64
@@ -38,8 +38,9 @@ def test_every_selector_in_every_mode_generates_the_same_tokens(model, prompts, 
     tokens, on_demand = {}, {}
     try:
         for mode in MODES:
-            dis = Disaggregation(mode=mode, selector=name, strategy="random", kr_fraction=0.3, max_blocks=16,
-                                 bandwidth=None, addresses=tuple(workers.addresses), secret=SECRET, min_budget=FLOOR)
+            dis = Disaggregation(TransferConfig(mode=mode, strategy="random", kr_fraction=0.3, max_blocks=16),
+                                 selector=name, bandwidth=None, addresses=tuple(workers.addresses), secret=SECRET,
+                                 min_budget=FLOOR)
             engine = DisaggregatedEngine(model, dis, selector=selector)
             try:
                 assert engine.selector is selector  # the floor it was built with is the engine's

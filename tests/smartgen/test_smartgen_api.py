@@ -2,16 +2,18 @@
 SmartGen metrics; Disaggregation validates its options."""
 import pytest
 
-from jkv import LLM, SamplingParams
+import dataclasses
+
+from jkv import LLM, SamplingParams, TransferConfig
 from jkv.api import Disaggregation
 from jkv.selection.sparse_decode import generate_sparse
 from tests.smartgen.smartgen_cases import MODEL_SPEC
 
 
 def test_llm_disaggregated_smartgen_matches_colocated_sparse_decode(model, selectors, prompts):
-    dis = Disaggregation(mode="smartgen", selector="oracle", transport="tcp", bandwidth="50mbit", prefill_workers=1,
-                         strategy="sequential", kr_fraction=0.3, max_blocks=16, model_spec=MODEL_SPEC,
-                         min_budget=0)  # the bare 20% budget: these short prompts must decode sparsely
+    dis = Disaggregation(TransferConfig(mode="smartgen", strategy="sequential", kr_fraction=0.3, max_blocks=16),
+                         selector="oracle", transport="tcp", bandwidth="50mbit", prefill_workers=1,
+                         model_spec=MODEL_SPEC, min_budget=0)  # the bare 20% budget: short prompts decode sparsely
     with LLM(model, disaggregation=dis) as llm:
         procs = list(llm._engine.workers.procs)
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
@@ -27,18 +29,33 @@ def test_llm_disaggregated_smartgen_matches_colocated_sparse_decode(model, selec
 
 
 @pytest.mark.parametrize("bad, match", [
-    (dict(mode="fastest"), "mode"), (dict(prefill_workers=0), "prefill_workers"),
+    (dict(transfer=dict(mode="fastest")), "mode"), (dict(prefill_workers=0), "prefill_workers"),
     (dict(on_failure="retry"), "on_failure"), (dict(bandwidth="fast"), "bandwidth"),
-    (dict(transport="udp"), "transport"), (dict(spec_ratio=2.0), "spec_ratio"),
+    (dict(transport="udp"), "transport"), (dict(transfer=dict(spec_ratio=2.0)), "spec_ratio"),
 ])
 def test_disaggregation_validates(bad, match):
     with pytest.raises(ValueError, match=match):
-        Disaggregation(**bad)
+        Disaggregation(**{k: TransferConfig(**v) if k == "transfer" else v for k, v in bad.items()})
+
+
+def test_disaggregation_bandwidth_is_the_one_link_setting():
+    """`bandwidth` fills the nested transfer's Eq. 2 link estimate; a second, different value is an error."""
+    assert Disaggregation().transfer == TransferConfig(bandwidth_bps=1e9)  # "1gbit" by default
+    assert Disaggregation(bandwidth="50mbit").transfer.bandwidth_bps == 5e7
+    assert Disaggregation(bandwidth=None).transfer.bandwidth_bps is None
+    dis = Disaggregation(TransferConfig(mode="partial", bandwidth_bps=5e7), bandwidth="50mbit")  # agreeing: fine
+    assert dataclasses.replace(dis, selector="quest").transfer == dis.transfer
+    with pytest.raises(ValueError, match=r"transfer.bandwidth_bps=1000.0 disagrees with bandwidth='1gbit'"):
+        Disaggregation(TransferConfig(bandwidth_bps=1e3))
+    with pytest.raises(ValueError, match="disagrees"):
+        dataclasses.replace(dis, bandwidth="1gbit")
+    with pytest.raises(TypeError, match="must be a jkv.transfer.plan.TransferConfig"):
+        Disaggregation(transfer={"mode": "full"})
 
 
 def test_llm_needs_a_loadable_model_for_local_workers(model):
     with pytest.raises(ValueError, match="model_spec"):
-        LLM(model, disaggregation=Disaggregation(selector="oracle", kr_fraction=0.3))
+        LLM(model, disaggregation=Disaggregation(TransferConfig(kr_fraction=0.3), selector="oracle"))
 
 
 def test_prefill_worker_cli_needs_the_shared_secret(monkeypatch, capsys):
@@ -53,8 +70,8 @@ def test_llm_disaggregated_passes_the_compression_choice_to_its_workers(model, p
     """Disaggregation(compression=<pipeline>) reaches the decode worker and the worker process:
     each request reports the pipeline and the proactive bytes shrink below the float32 rows."""
     spec = "hadamard+kivi4g32+none"
-    dis = Disaggregation(mode="full", selector="oracle", transport="tcp", prefill_workers=1, max_blocks=16,
-                         model_spec=MODEL_SPEC, compression=spec)
+    dis = Disaggregation(TransferConfig(mode="full", max_blocks=16), selector="oracle", transport="tcp",
+                         prefill_workers=1, model_spec=MODEL_SPEC, compression=spec)
     with LLM(model, disaggregation=dis) as llm:
         outs = llm.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))
     cfg = model.cfg

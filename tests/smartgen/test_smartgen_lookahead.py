@@ -46,8 +46,8 @@ def test_config_flag_defaults_on_in_smartgen_only():
     with pytest.raises(ValueError, match="lookahead='yes'"):
         TransferConfig(lookahead="yes")
     from jkv.api import Disaggregation
-    assert Disaggregation(bandwidth=None).transfer_config().layer_lookahead  # smartgen by default
-    assert not Disaggregation(bandwidth=None, lookahead=False).transfer_config().layer_lookahead
+    assert Disaggregation(bandwidth=None).transfer.layer_lookahead  # smartgen by default
+    assert not Disaggregation(TransferConfig(lookahead=False), bandwidth=None).transfer.layer_lookahead
 
 
 @pytest.mark.parametrize("selector_name", ["infinigen", "oracle"])

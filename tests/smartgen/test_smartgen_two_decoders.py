@@ -5,12 +5,13 @@ import time
 
 from jkv.disagg.cluster import DisaggregatedEngine
 from jkv.disagg.config import Disaggregation
+from jkv.transfer.plan import TransferConfig
 from tests.smartgen.smartgen_cases import SECRET, InProcessWorkers, make_requests
 
 
 def _engine(model, selector, address, name):
-    dis = Disaggregation(mode="partial", selector="oracle", strategy="sequential", kr_fraction=0.3, max_blocks=16,
-                         addresses=(address,), secret=SECRET, bandwidth=None)
+    dis = Disaggregation(transfer=TransferConfig(mode="partial", strategy="sequential", kr_fraction=0.3, max_blocks=16),
+                         selector="oracle", addresses=(address,), secret=SECRET, bandwidth=None)
     return DisaggregatedEngine(model, dis, selector=selector, name=name)
 
 
