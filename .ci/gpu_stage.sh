@@ -7,6 +7,8 @@
 #   3. experiments/compile_sm90.py: deviceless compilation of every kernel configuration and the
 #      jitted decode programs to sm_90a cubins with the machine's ptxas, plus a negative control
 #      that must be refused; results in experiments/results/gpu_compile.csv.
+# `gpu_stage.sh --install-only` does step 1 and stops: .ci/run starts it in the background while
+# `make test` runs, so the venv's download overlaps the main stage instead of following it.
 # Needs: Python 3.12 (JKV_PYTHON312, else pyenv's 3.12.1, else python3.12 on PATH) and CUDA
 # >= 12.8's ptxas on PATH for step 3. Where either is missing the stage says so loudly and skips
 # what it cannot run (exit 0); set JKV_GPU_STAGE_REQUIRED=1 to make that a failure instead.
@@ -45,6 +47,10 @@ if [ ! -f "$stamp" ]; then
     "$VENV/bin/python" -c 'import jax, jax_plugins.xla_cuda13, flax, pytest' || { echo "gpu stage: install failed" >&2; exit 1; }
     touch "$stamp"
     install_s=$(( $(date +%s) - t0 ))
+fi
+if [ "${1:-}" = "--install-only" ]; then
+    echo "# gpu stage: $VENV ready (install ${install_s}s)"
+    exit 0
 fi
 echo "# gpu stage: $("$VENV/bin/python" -c 'import sys, jax; print(f"Python {sys.version.split()[0]}, jax {jax.__version__}")'), install ${install_s}s"
 
