@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import paged
 from . import transformer as tfm
 from .config import ModelConfig
 from .tokenizer import Tokenizer
@@ -39,6 +40,11 @@ class Model:
         # updates in place, so attention reads it in one program and a second writes it in place.
         self._decode_compute = jax.jit(p(tfm.decode_step_compute, cfg))
         self._write_kv = jax.jit(tfm.write_decode_kv, donate_argnums=(0,))
+        # The paged cache follows the same split (models/paged.py).
+        self._paged_decode_compute = jax.jit(p(paged.paged_decode_step_compute, cfg))
+        self._prefill_chunk_compute = jax.jit(p(paged.prefill_chunk_compute, cfg))
+        self._paged_write = jax.jit(paged.paged_write, donate_argnums=(0,))
+        self._paged_write_prefill = jax.jit(paged.paged_write_prefill, donate_argnums=(0,))
 
     def __repr__(self):
         c = self.cfg
@@ -118,6 +124,53 @@ class Model:
         positions = jnp.asarray(positions, jnp.int32)
         logits, new_k, new_v = self._decode_compute(self.params, cache, jnp.asarray(tokens, jnp.int32), positions)
         return logits, self._write_kv(cache, new_k, new_v, positions)
+
+
+    # ------------------------------------------------------- paged decode path
+    def init_paged_kv(self, num_pages: int, page_size: int, dtype=None):
+        """Zeroed paged cache: tuple over layers of (K, V), each [num_pages, H_kv, P, D] in dtype
+        (default: the model's). `jkv.kvcache.PagedKVCache` pairs it with page tables."""
+        return paged.init_pages(self.cfg, num_pages, page_size, dtype)
+
+    def write_prefill_pages(self, kv_pages, page_table, prefill_kv, lengths, start=None):
+        """Scatter prefill KV (`prefill`'s kv: per layer (K, V) [B, H_kv, T, D]) into pages.
+
+        Token j of row b goes to position start[b] + j (start defaults to 0) for j < lengths[b].
+        The cache passed in is donated; use the returned one.
+        """
+        lengths = jnp.asarray(lengths, jnp.int32)
+        start = jnp.zeros_like(lengths) if start is None else jnp.asarray(start, jnp.int32)
+        new_k = [K for K, _ in prefill_kv]
+        new_v = [V for _, V in prefill_kv]
+        return self._paged_write_prefill(kv_pages, jnp.asarray(page_table, jnp.int32), new_k, new_v, start, lengths)
+
+    def paged_decode_step(self, kv_pages, page_table, tokens, positions):
+        """Decode one token per row over the paged cache. Returns (logits f32[B, V], new cache).
+
+        page_table: i32[B, max_pages] (must address position positions[b], where the new token's
+        K/V is written); tokens, positions: i32[B], positions[b] = tokens row b has cached.
+        The cache passed in is donated; use the returned one.
+        """
+        table = jnp.asarray(page_table, jnp.int32)
+        positions = jnp.asarray(positions, jnp.int32)
+        logits, new_k, new_v = self._paged_decode_compute(
+            self.params, kv_pages, table, jnp.asarray(tokens, jnp.int32), positions)
+        return logits, self._paged_write(kv_pages, table, positions, new_k, new_v)
+
+    def prefill_chunk(self, kv_pages, page_table, tokens, start, lengths):
+        """Prefill a chunk tokens: i32[B, C] at positions start[b] + j, attending causally to the
+        row's earlier tokens in pages and to the chunk; its K/V is written into pages.
+
+        lengths: i32[B] valid tokens of each row's chunk (0 for a row with nothing to prefill).
+        Returns (logits f32[B, V] at each row's last valid chunk token, new cache); the cache passed
+        in is donated.
+        """
+        table = jnp.asarray(page_table, jnp.int32)
+        start = jnp.asarray(start, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        logits, new_k, new_v = self._prefill_chunk_compute(
+            self.params, kv_pages, table, jnp.asarray(tokens, jnp.int32), start, lengths)
+        return logits, self._paged_write_prefill(kv_pages, table, new_k, new_v, start, lengths)
 
 
 def tiny_config(family: str = "llama", **overrides) -> ModelConfig:

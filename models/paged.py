@@ -1,0 +1,178 @@
+"""Pure functions over a paged KV cache: page writes, paged decode and chunked prefill.
+
+Cache: a tuple over layers of (K, V), each [num_pages, H_kv, P, D] (P tokens a page). A request's
+pages are listed in its row of a page table `i32[B, max_pages]`: token t of row b lives in page
+`page_table[b, t // P]`, slot `t % P`. Table entries past a request's pages hold the null page 0
+(`jkv.kvcache.pages.NULL_PAGE`); a token whose page index falls outside the table is written to
+the null page too, so a write never lands in another request's page. Nothing here allocates
+pages: `jkv.kvcache.PagedKVCache` owns the table and the host bookkeeping.
+
+Each step is two programs, as for the dense cache (`Model.decode_step`): a compute program that
+reads the pages and returns the new tokens' K/V, and a write program that scatters them into the
+donated cache. XLA CPU copies a donated buffer that one program both reads and updates in place,
+so attention never reads the cache the same program writes; the new tokens' own keys enter the
+attention from registers (decode: `merge_partials` of the new token's lane; prefill chunk: the
+chunk's keys are concatenated after the gathered context).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels import dispatch
+
+from . import transformer as tfm
+from .config import ModelConfig
+
+NULL_PAGE = 0  # jkv.kvcache.pages.NULL_PAGE (models does not import jkv)
+
+
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
+    """Zeroed paged cache: tuple over layers of (K, V), each [num_pages, H_kv, P, D]."""
+    shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    dt = jnp.dtype(dtype if dtype is not None else cfg.dtype)
+    return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers))
+
+
+def token_slots(page_table, positions, page_size: int):
+    """(page, slot) of each token. page_table: i32[B, max_pages]; positions: i32[B, T] -> two
+    i32[B, T]. A position outside the table (negative or past max_pages pages) maps to the null page."""
+    max_pages = page_table.shape[1]
+    index = positions // page_size
+    inside = (positions >= 0) & (index < max_pages)
+    page = jnp.take_along_axis(page_table, jnp.clip(index, 0, max_pages - 1), axis=1)
+    return jnp.where(inside, page, NULL_PAGE), positions % page_size
+
+
+def paged_write(cache, page_table, positions, new_k, new_v):
+    """Write one token per row: new_k, new_v [L, B, H_kv, D] at positions: i32[B].
+
+    Returns the new cache (in place when the cache is donated). Rows of an idle batch slot
+    should carry an all-null table row; their writes land in the null page.
+    """
+    page, slot = token_slots(page_table, positions[:, None], cache[0][0].shape[2])
+    page, slot = page[:, 0], slot[:, 0]
+
+    def put(pages, new):  # pages: [num_pages, H_kv, P, D]; new: [B, H_kv, D]
+        return pages.at[page, :, slot, :].set(new.astype(pages.dtype))
+
+    return tuple((put(K, new_k[l]), put(V, new_v[l])) for l, (K, V) in enumerate(cache))
+
+
+def paged_write_prefill(cache, page_table, new_k, new_v, start, lengths):
+    """Scatter a prefill (or prefill chunk) into pages.
+
+    new_k, new_v: [L, B, H_kv, T, D] (an array or a sequence over layers of [B, H_kv, T, D]);
+    token j of row b goes to position start[b] + j when j < lengths[b] (start, lengths: i32[B]);
+    tokens past lengths[b] (padding) go to the null page.
+    """
+    T = new_k[0].shape[2]
+    j = jnp.arange(T, dtype=jnp.int32)
+    page, slot = token_slots(page_table, start[:, None] + j[None, :], cache[0][0].shape[2])
+    page = jnp.where(j[None, :] < lengths[:, None], page, NULL_PAGE)
+
+    def put(pages, new):  # new: [B, H_kv, T, D] -> indexed as [B, T, H_kv, D]
+        return pages.at[page, :, slot, :].set(new.transpose(0, 2, 1, 3).astype(pages.dtype))
+
+    return tuple((put(K, new_k[l]), put(V, new_v[l])) for l, (K, V) in enumerate(cache))
+
+
+def paged_decode_attention(q, K_pages, V_pages, page_table, positions, k_new, v_new):
+    """Attention of one new token over its request's first positions[b] cached tokens plus itself.
+
+    q: [B, H, D]; K_pages, V_pages: [num_pages, H_kv, P, D]; page_table: i32[B, max_pages];
+    positions: i32[B]; k_new, v_new: [B, H_kv, D] -> [B, H, D] (q's dtype). The cached part goes
+    through `dispatch.paged_decode_attention_partials` (Mosaic kernel on Hopper, XLA elsewhere);
+    the new token is one more softmax lane merged exactly with `merge_partials`.
+    """
+    B, H, D = q.shape
+    H_kv = k_new.shape[1]
+    cached = dispatch.paged_decode_attention_partials(q, K_pages, V_pages, page_table, positions)
+    qg = q.reshape(B, H_kv, H // H_kv, D).astype(jnp.float32)
+    s_new = jnp.einsum("bkgd,bkd->bkg", qg, k_new.astype(jnp.float32),
+                       precision=lax.Precision.HIGHEST) * (D ** -0.5)
+    o_new = jnp.broadcast_to(v_new.astype(jnp.float32)[:, :, None, :], qg.shape)
+    out, _ = dispatch.merge_partials(cached, (o_new.reshape(B, H, D), s_new.reshape(B, H)))
+    return out.astype(q.dtype)
+
+
+def paged_decode_step_compute(cfg: ModelConfig, params, cache, page_table, tokens, positions):
+    """The read-only half of a paged decode step (one token per row).
+
+    cache: tuple over layers of (K, V) [num_pages, H_kv, P, D]; page_table: i32[B, max_pages];
+    tokens, positions: i32[B] (positions[b] = tokens already cached for row b). Returns
+    (logits f32[B, V], new_k [L, B, H_kv, D], new_v [L, B, H_kv, D]) for `paged_write`.
+    """
+    x = tfm.embed(params, tokens)
+    layer = tfm.DecoderLayer(cfg)
+    new_k, new_v = [], []
+    for layer_params, (K, V) in zip(params["layers"], cache):
+        q, k, v = tfm.layer_qkv(cfg, layer_params, x, positions)
+        attn = paged_decode_attention(q, K, V, page_table, positions, k, v).reshape(x.shape[0], 1, -1)
+        x = layer.apply({"params": layer_params}, x[:, None], attn,
+                        method=tfm.DecoderLayer.attn_out_and_mlp)[:, 0]
+        new_k.append(k)
+        new_v.append(v)
+    return tfm.final_logits(cfg, params, x), jnp.stack(new_k), jnp.stack(new_v)
+
+
+def gather_context(pages, page_table):
+    """A request's pages as one sequence: [num_pages, H_kv, P, D] -> [B, H_kv, max_pages*P, D]
+    (one XLA gather)."""
+    B, max_pages = page_table.shape
+    _, H_kv, P, D = pages.shape
+    return pages[page_table].transpose(0, 2, 1, 3, 4).reshape(B, H_kv, max_pages * P, D)
+
+
+def chunk_attention(q, k, v, K_pages, V_pages, page_table, start, lengths):
+    """Causal attention of a prefill chunk over the request's earlier tokens plus the chunk.
+
+    q: [B, C, H, D]; k, v: [B, C, H_kv, D] (the chunk, RoPE applied); K_pages, V_pages:
+    [num_pages, H_kv, P, D]; page_table: i32[B, max_pages] covering positions < start[b];
+    start, lengths: i32[B] (chunk token j of row b is at position start[b] + j, valid when
+    j < lengths[b]). Returns [B, C, H*D]. Queries are processed PREFILL_QUERY_CHUNK at a time
+    for long chunks, as in whole-prompt prefill.
+    """
+    B, C = q.shape[:2]
+    K = jnp.concatenate([gather_context(K_pages, page_table), k.transpose(0, 2, 1, 3).astype(K_pages.dtype)], 2)
+    V = jnp.concatenate([gather_context(V_pages, page_table), v.transpose(0, 2, 1, 3).astype(V_pages.dtype)], 2)
+    n_ctx = K.shape[2] - C
+    context_ok = jnp.arange(n_ctx)[None, :] < start[:, None]  # [B, n_ctx]
+    key_j = jnp.arange(C)
+    chunk_key_ok = key_j[None, :] < lengths[:, None]  # [B, C]
+
+    def attend(q_c, query_j):  # q_c: [B, c, H, D]; query_j: i32[c] (chunk offsets of the queries)
+        causal = key_j[None, :] <= query_j[:, None]  # [c, C]
+        mask = jnp.concatenate([jnp.broadcast_to(context_ok[:, None, :], (B, len(query_j), n_ctx)),
+                                causal[None] & chunk_key_ok[:, None, :]], axis=2)  # [B, c, n_ctx + C]
+        return tfm.attention(q_c, K, V, mask[:, None])
+
+    step = tfm.PREFILL_QUERY_CHUNK
+    if C <= step or C % step:
+        return attend(q, key_j)
+    q_chunks = q.reshape(B, C // step, step, *q.shape[2:]).swapaxes(0, 1)
+    out = lax.map(lambda a: attend(*a), (q_chunks, key_j.reshape(C // step, step)))  # [n, B, step, H*D]
+    return out.swapaxes(0, 1).reshape(B, C, -1)
+
+
+def prefill_chunk_compute(cfg: ModelConfig, params, cache, page_table, tokens, start, lengths):
+    """The read-only half of a chunked-prefill step.
+
+    tokens: i32[B, C] at positions start[b] + j (start, lengths: i32[B]; lengths[b] <= C valid
+    tokens, right-padded). Returns (logits f32[B, V] at each row's last valid chunk token,
+    new_k [L, B, H_kv, C, D], new_v [L, B, H_kv, C, D]) for `paged_write_prefill`.
+    """
+    B, C = tokens.shape
+    positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+    x = tfm.embed(params, tokens)
+    layer = tfm.DecoderLayer(cfg)
+    new_k, new_v = [], []
+    for layer_params, (K, V) in zip(params["layers"], cache):
+        q, k, v = layer.apply({"params": layer_params}, x, positions, method=tfm.DecoderLayer.qkv)
+        attn = chunk_attention(q, k, v, K, V, page_table, start, lengths)
+        x = layer.apply({"params": layer_params}, x, attn, method=tfm.DecoderLayer.attn_out_and_mlp)
+        new_k.append(k.transpose(0, 2, 1, 3))
+        new_v.append(v.transpose(0, 2, 1, 3))
+    last = x[jnp.arange(B), jnp.clip(lengths - 1, 0, C - 1)]
+    return tfm.final_logits(cfg, params, last), jnp.stack(new_k), jnp.stack(new_v)

@@ -1,0 +1,165 @@
+"""`PagedKVCache` bookkeeping and the page programs of models/paged.py against the dense cache:
+page writes read back equal to dense KV, a paged decode step gives the dense `decode_step`'s
+logits for a mixed-length batch (llama, qwen2, qwen3, bf16), and chunked prefill equals whole
+prefill (logits and KV)."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jkv.kvcache import NULL_PAGE, OutOfPages, PageConfig, PagedKVCache, bucket_pages, kv_bytes_per_token
+from models import paged, tiny_config, tiny_model
+
+
+# ------------------------------------------------------------------ bookkeeping
+def test_reserve_grows_idempotently_and_free_is_safe_twice():
+    cache = PagedKVCache(tiny_config(), PageConfig(page_size=4, num_pages=8))
+    assert cache.reserve("a", 5) == [1, 2]
+    assert cache.reserve("a", 3) == [] and cache.reserve("a", 8) == []  # no shrink, still 2 pages
+    assert cache.reserve("a", 9) == [3] and cache.length("a") == 9
+    cache.reserve("b", 1)
+    assert cache.pages_of("a") == [1, 2, 3] and cache.pages_of("b") == [4]
+    assert cache.free("a") == 3
+    assert cache.free("a") == 0 and cache.free("never") == 0
+    assert "a" not in cache and cache.pages_in_use == 1
+
+
+def test_out_of_pages_leaves_the_request_as_it_was():
+    cache = PagedKVCache(tiny_config(), PageConfig(page_size=4, num_pages=4))
+    cache.reserve("a", 4)
+    with pytest.raises(OutOfPages, match="needs 3 free pages but only 2"):
+        cache.reserve("a", 16)
+    assert cache.pages_of("a") == [1] and cache.length("a") == 4 and cache.pages_free == 2
+
+
+def test_table_pads_with_the_null_page_and_buckets_its_width():
+    cache = PagedKVCache(tiny_config(), PageConfig(page_size=2, num_pages=32))
+    cache.reserve("a", 3)
+    cache.reserve("b", 11)
+    table = cache.table(["a", None, "b"])
+    assert table.dtype == np.int32 and table.shape == (3, bucket_pages(6)) == (3, 8)
+    assert table[0].tolist() == [1, 2] + [NULL_PAGE] * 6
+    assert table[1].tolist() == [NULL_PAGE] * 8
+    assert table[2, :6].tolist() == cache.pages_of("b")
+    assert cache.table(["b"], max_pages=2).tolist() == [cache.pages_of("b")[:2]]
+    assert [bucket_pages(n) for n in (0, 4, 5, 300, 513, 700)] == [4, 4, 8, 512, 768, 768]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pool_dtype_is_the_model_dtype_and_stats_count_bytes(dtype):
+    cfg = tiny_config(dtype=dtype)
+    cache = PagedKVCache(cfg, PageConfig(page_size=4, num_pages=6))
+    assert len(cache.kv) == cfg.num_layers
+    assert all(a.shape == (6, cfg.num_kv_heads, 4, cfg.head_dim) and a.dtype == jnp.dtype(dtype)
+               for layer in cache.kv for a in layer)
+    cache.reserve("a", 5)
+    per_token = kv_bytes_per_token(cfg)
+    assert per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    assert cache.stats() == {"kv_pages_in_use": 2, "kv_pages_free": 3, "kv_bytes_in_use": 2 * 4 * per_token,
+                             "kv_bytes_total": 6 * 4 * per_token, "kv_requests": 1}
+
+
+# ------------------------------------------------------------------ page writes
+def _interleaved(cache, lengths):
+    """Reserve one page at a time, round robin, so every request's pages are scattered."""
+    for n in range(1, max(lengths) + 1):
+        for b, length in enumerate(lengths):
+            if n <= length:
+                cache.reserve(b, n)
+
+
+def test_prefill_and_decode_writes_read_back_as_the_dense_kv():
+    cfg = tiny_config(num_layers=2)
+    rng = np.random.default_rng(0)
+    lengths = [5, 0, 13]
+    cache = PagedKVCache(cfg, PageConfig(page_size=4, num_pages=12))
+    _interleaved(cache, [n + 1 for n in lengths])
+    B, T = 3, 16
+    kv = [tuple(jnp.asarray(rng.standard_normal((B, cfg.num_kv_heads, T, cfg.head_dim)), jnp.float32)
+                for _ in "kv") for _ in range(cfg.num_layers)]
+    table = cache.table([0, 1, 2])
+    kv_pages = paged.paged_write_prefill(cache.kv, table, [k for k, _ in kv], [v for _, v in kv],
+                                         jnp.zeros(3, jnp.int32), jnp.asarray(lengths, jnp.int32))
+    new = jnp.asarray(rng.standard_normal((cfg.num_layers, B, cfg.num_kv_heads, cfg.head_dim)), jnp.float32)
+    kv_pages = paged.paged_write(kv_pages, table, jnp.asarray(lengths, jnp.int32), new, -new)
+    for l in range(cfg.num_layers):
+        got_k = np.asarray(paged.gather_context(kv_pages[l][0], table))
+        got_v = np.asarray(paged.gather_context(kv_pages[l][1], table))
+        for b, n in enumerate(lengths):
+            np.testing.assert_array_equal(got_k[b, :, :n], np.asarray(kv[l][0])[b, :, :n])
+            np.testing.assert_array_equal(got_v[b, :, :n], np.asarray(kv[l][1])[b, :, :n])
+            np.testing.assert_array_equal(got_k[b, :, n], np.asarray(new[l, b]))
+            np.testing.assert_array_equal(got_v[b, :, n], -np.asarray(new[l, b]))
+            np.testing.assert_array_equal(got_k[b, :, n + 1:cache.page_size * len(cache.pages_of(b))], 0)
+
+
+def test_idle_rows_and_positions_past_the_table_write_only_the_null_page():
+    cfg = tiny_config(num_layers=1)
+    cache = PagedKVCache(cfg, PageConfig(page_size=4, num_pages=4))
+    cache.reserve("a", 4)
+    table = np.stack([cache.table(["a"], 1)[0], [NULL_PAGE]])  # row 1: idle
+    new = jnp.ones((1, 2, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    kv_pages = paged.paged_write(cache.kv, table, jnp.asarray([4, 2], jnp.int32), new, new)  # 4: past 1 page
+    K = np.asarray(kv_pages[0][0])
+    assert (K[NULL_PAGE] != 0).any() and (K[1:] == 0).all()
+
+
+# ------------------------------------------------------- paged decode == dense
+def _mixed_batch(model, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    T = max(lengths)
+    tokens = rng.integers(3, model.cfg.vocab_size, (len(lengths), T)).astype(np.int32)
+    return tokens, np.asarray(lengths, np.int32)
+
+
+@pytest.mark.parametrize("family,dtype,tol", [("llama", "float32", 1e-4), ("qwen2", "float32", 1e-4),
+                                              ("qwen3", "float32", 1e-4), ("llama", "bfloat16", 0.15)])
+def test_paged_decode_steps_match_the_dense_decode_step(family, dtype, tol):
+    model = tiny_model(family, dtype=dtype)
+    tokens, lengths = _mixed_batch(model, [1, 9, 4, 21])
+    _, kv = model.prefill(tokens, lengths)
+    dense = model.cache_from_prefill(kv, 32)
+    cache = PagedKVCache(model.cfg, PageConfig(page_size=4, num_pages=24))
+    assert cache.dtype == jnp.dtype(dtype)
+    rows = list(range(len(lengths)))
+    _interleaved(cache, lengths.tolist())
+    cache.kv = model.write_prefill_pages(cache.kv, cache.table(rows), kv, lengths)
+    positions, tok = lengths.copy(), np.array([5, 6, 7, 8], np.int32)
+    for _ in range(6):  # crosses page boundaries of every row
+        for b in rows:
+            cache.reserve(b, int(positions[b]) + 1)
+        got, cache.kv = model.paged_decode_step(cache.kv, cache.table(rows), tok, positions)
+        want, dense = model.decode_step(dense, tok, positions)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol)
+        tok = np.asarray(jnp.argmax(want, -1), np.int32)
+        positions = positions + 1
+
+
+# ------------------------------------------------------ chunked == whole prefill
+@pytest.mark.parametrize("family,chunk,lengths", [("llama", 8, [3, 19, 30]), ("qwen3", 16, [16, 1, 33]),
+                                                  ("qwen2", 1024, [1100])])
+def test_chunked_prefill_equals_whole_prefill(family, chunk, lengths):
+    """Chunk 1024 > PREFILL_QUERY_CHUNK runs the chunk's queries in sub-chunks (lax.map)."""
+    model = tiny_model(family)
+    tokens, lengths = _mixed_batch(model, lengths, seed=1)
+    want_logits, want_kv = model.prefill(tokens, lengths)
+    cache = PagedKVCache(model.cfg, PageConfig(page_size=4, num_pages=4 + sum(-(-n // 4) for n in lengths)))
+    rows = list(range(len(lengths)))
+    _interleaved(cache, lengths.tolist())
+    n_chunks = -(-int(lengths.max()) // chunk)
+    padded = np.zeros((len(rows), n_chunks * chunk), np.int32)
+    padded[:, :tokens.shape[1]] = tokens
+    got_logits = np.zeros_like(np.asarray(want_logits))
+    for i in range(n_chunks):
+        s = i * chunk
+        table = cache.table(rows, max_pages=-(-(s + chunk) // 4))
+        chunk_len = np.clip(lengths - s, 0, chunk)
+        logits, cache.kv = model.prefill_chunk(cache.kv, table, padded[:, s:s + chunk], np.full(len(rows), s), chunk_len)
+        ends = (lengths - 1) // chunk == i
+        got_logits[ends] = np.asarray(logits)[ends]
+    np.testing.assert_allclose(got_logits, np.asarray(want_logits), rtol=1e-4, atol=1e-4)
+    table = cache.table(rows)
+    for (K, V), (Kp, Vp) in zip(want_kv, cache.kv):
+        for want, pages in ((K, Kp), (V, Vp)):
+            got = np.asarray(paged.gather_context(pages, table))
+            for b, n in enumerate(lengths):
+                np.testing.assert_allclose(got[b, :, :n], np.asarray(want)[b, :, :n], rtol=1e-4, atol=1e-4)
