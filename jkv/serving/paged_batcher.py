@@ -28,9 +28,10 @@ iterations) → one decode step for every request whose prompt is complete. So a
 admitted while others stream delays each of their tokens by one chunk, not by its whole prefill.
 A request's first token is sampled from the logits at the last prompt token of its last chunk.
 
-Log-probabilities: generated-token logprobs as in `ContinuousBatcher`; prompt_logprobs from the
-all-position logits of each chunk (token i is scored by the logits at position i - 1, which may
-lie in the previous chunk: each chunk keeps its last row for the next one).
+Log-probabilities: generated-token logprobs as in `ContinuousBatcher`. A prompt_logprobs request
+(echo / lm-eval scoring) is prefilled whole by `Model.prefill(all_logits=True)`, as the slot engine
+does, and its KV scattered into its pages (`Model.write_prefill_pages`): a chunk step returns only
+the logits at the chunk's last token.
 """
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ import numpy as np
 from models import Model
 
 from ..engine import bucket_prompt_len
-from ..kvcache.pages import OutOfPages, PageConfig
+from ..kvcache import OutOfPages, PageConfig, PagedKVCache, bucket_pages
 from ..sampling import sample_tokens
 from .batcher import (BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent, _Running,
-                      logprob_rows)
+                      logprob_rows, prompt_logprob_list)
 from .text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,6 @@ class _PagedRun(_Running):
         super().__init__(req, stream, seed)
         self.key = key
         self.prefilled = 0  # prompt tokens already written to pages
-        self.scored: list = []  # prompt logprobs so far (prompt_logprobs requests)
-        self.carry = None  # f32[1, V] logits at the last token of the previous chunk (prompt_logprobs)
 
     @property
     def decoding(self) -> bool:
@@ -92,7 +91,7 @@ class PagedBatcher(ContinuousBatcher):
     def __init__(self, model: Model, config: BatcherConfig = BatcherConfig(), metrics=None):
         super().__init__(model, config, metrics)
         self.page_cfg = page_config(config)
-        self.kv = None  # PagedKVCache, created by start() (the engine thread owns it afterwards)
+        self.kv: PagedKVCache | None = None  # created by start(); the engine thread owns it afterwards
         self._prefilling: collections.deque[int] = collections.deque()  # seats still prefilling, oldest first
         self._next_key = 0
         self._blocked: str | None = None  # request id last logged as waiting for pages
@@ -135,19 +134,17 @@ class PagedBatcher(ContinuousBatcher):
         """Compile the shortest prefill chunk, a one-row decode step and the sampler."""
         kv = self._new_cache()
         kv.reserve("warmup", 2)
-        T = min(bucket_prompt_len(1), self.config.prefill_chunk)
         table = kv.table(["warmup"])
-        logits, kv = self.model.prefill_chunk(kv, table, np.zeros((1, T), np.int32), np.zeros(1, np.int32),
-                                              np.ones(1, np.int32))
+        T = min(bucket_prompt_len(1), self.config.prefill_chunk)
         one = np.ones(1, np.int32)
-        logits, kv = self.model.paged_decode_step(kv, kv.table(["warmup"]), one, one)
+        logits, kv.kv = self.model.prefill_chunk(kv.kv, table, np.zeros((1, T), np.int32), np.zeros(1, np.int32), one)
+        logits, kv.kv = self.model.paged_decode_step(kv.kv, table, one, one)
         z = np.zeros(1, np.int32)
         sample_tokens(logits, np.ones(1, np.float32), z, np.ones(1, np.float32), z.astype(np.uint32), z)
         jax.block_until_ready(logits)
-        kv.free("warmup")
 
-    def _new_cache(self):
-        return self.model.init_paged_cache(self.page_cfg)
+    def _new_cache(self) -> PagedKVCache:
+        return PagedKVCache(self.model.cfg, self.page_cfg)
 
     # ------------------------------------------------------- engine thread
     def _step(self):
@@ -188,8 +185,13 @@ class PagedBatcher(ContinuousBatcher):
             slot = self._prefilling[0]
             run = self._slots[slot]
             n_chunk = min(len(run.req.prompt_token_ids) - run.prefilled, budget)
+            if run.req.prompt_logprobs is not None:
+                n_chunk = len(run.req.prompt_token_ids)  # scored whole: all-position logits (see _prefill_scored)
             try:
-                self._prefill_chunk(slot, run, n_chunk)
+                if run.req.prompt_logprobs is not None:
+                    self._prefill_scored(slot, run)
+                else:
+                    self._prefill_chunk(slot, run, n_chunk)
             except Exception as e:
                 log.exception("prefill of %s failed", run.req.request_id)
                 self._free(slot, "error", error=f"prefill failed: {e}")
@@ -202,34 +204,31 @@ class PagedBatcher(ContinuousBatcher):
         T = min(bucket_prompt_len(n_chunk), self.config.prefill_chunk)  # n_chunk <= prefill_chunk
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n_chunk] = ids[start:start + n_chunk]
-        scored = run.req.prompt_logprobs is not None
-        table = self.kv.table([run.key])
-        logits, self.kv = self.model.prefill_chunk(self.kv, table, tokens, np.array([start], np.int32),
-                                                   np.array([n_chunk], np.int32), all_logits=scored)
-        if scored:
-            logits = self._score_chunk(run, logits[0], start, n_chunk)
+        # The table covers the pages up to the chunk's end (context before it + its own writes), so
+        # an early chunk of a long prompt does not gather the pages reserved for later tokens.
+        table = self.kv.table([run.key], max_pages=bucket_pages(self.page_cfg.pages_for(start + n_chunk)))
+        logits, self.kv.kv = self.model.prefill_chunk(self.kv.kv, table, tokens, np.array([start], np.int32),
+                                                      np.array([n_chunk], np.int32))
         run.prefilled += n_chunk
         if run.decoding:
             self._prefilling.popleft()
             self._prefill_done(slot, run, logits)
 
-    @staticmethod
-    def _score_chunk(run: _PagedRun, logits, start: int, n_chunk: int):
-        """Prompt logprobs of the tokens this chunk's logits f32[T, V] (and the previous chunk's
-        last row) score; returns f32[1, V] at the chunk's last token."""
+    def _prefill_scored(self, slot: int, run: _PagedRun):
+        """A prompt_logprobs request is prefilled whole, as ContinuousBatcher does: its scores need
+        the logits of every prompt position, which a chunk step does not return. Its KV is then
+        scattered into its pages. (Scoring requests are short, lm-eval style; they do stall the
+        running streams for one prefill.)"""
         ids = run.req.prompt_token_ids
-        top = run.req.prompt_logprobs
-        if start == 0:
-            run.scored.append(None)  # the first prompt token has no context
-        else:
-            run.scored.extend(logprob_rows(run.carry, np.array([ids[start]], np.int32), [top]))
-        inside = n_chunk - 1  # tokens start+1 .. start+n_chunk-1, scored by rows 0 .. n_chunk-2
-        if inside > 0:
-            chosen = np.zeros(logits.shape[0], np.int32)  # the whole bucketed row set: few compiled shapes
-            chosen[:inside] = ids[start + 1:start + n_chunk]
-            run.scored.extend(logprob_rows(logits, chosen, [top] * inside))
-        run.carry = logits[n_chunk - 1][None]
-        return run.carry
+        n = len(ids)
+        tokens = np.zeros((1, bucket_prompt_len(n)), np.int32)
+        tokens[0, :n] = ids
+        logits, kv = self.model.prefill(tokens, np.array([n], np.int32), all_logits=True)
+        self.kv.kv = self.model.write_prefill_pages(self.kv.kv, self.kv.table([run.key]), kv, np.array([n], np.int32))
+        run.prompt_logprobs = prompt_logprob_list(logits[0], ids, run.req.prompt_logprobs)
+        run.prefilled = n
+        self._prefilling.remove(slot)
+        self._prefill_done(slot, run, logits[:, n - 1])
 
     def _prefill_done(self, slot: int, run: _PagedRun, logits):
         """The whole prompt is in pages: sample the first token (or finish an echo-scoring request)."""
@@ -237,8 +236,6 @@ class PagedBatcher(ContinuousBatcher):
         n = len(req.prompt_token_ids)
         if self.metrics is not None:
             self.metrics.observe_prefill(n)
-        if req.prompt_logprobs is not None:
-            run.prompt_logprobs = run.scored
         if req.prompt_only:  # scored, nothing to generate: the same single event as ContinuousBatcher's
             self._release(slot)
             if self.metrics is not None:
@@ -260,13 +257,13 @@ class PagedBatcher(ContinuousBatcher):
         rows = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
         B = _bucket_rows(len(rows), self.config.max_slots)
         pad = B - len(rows)
-        keys = [self._slots[s].key for s in rows]
-        width = self.page_cfg.pages_for(int(self._positions[rows].max()) + 1)  # pages the live tokens span
-        table = np.asarray(self.kv.table(keys, max_pages=width))
-        table = np.pad(table, ((0, pad), (0, 0)))  # idle rows read and write the null page 0
+        # Width: the pages the live tokens span (this step writes at positions[b]), bucketed; the
+        # pages reserved for tokens not generated yet are not read. Idle rows (None) get the null page.
+        width = bucket_pages(self.page_cfg.pages_for(int(self._positions[rows].max()) + 1))
+        table = self.kv.table([self._slots[s].key for s in rows] + [None] * pad, max_pages=width)
         tokens = np.pad(self._tokens[rows], (0, pad))
         positions = np.pad(self._positions[rows], (0, pad))
-        logits, self.kv = self.model.paged_decode_step(self.kv, table, tokens, positions)
+        logits, self.kv.kv = self.model.paged_decode_step(self.kv.kv, table, tokens, positions)
         self._steps[rows] += 1
         runs = [self._slots[s] for s in rows] + [None] * pad
         params = [r.req.params if r is not None else None for r in runs]
