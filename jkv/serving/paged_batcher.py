@@ -16,9 +16,9 @@ Page lifecycle (all on the engine thread):
              (HTTP 400) naming the page counts and --num-pages.
     prefill: the prompt is written into its pages in chunks (`Model.prefill_chunk`).
     decode:  one token per step per decoding request (`Model.paged_decode_step`), written at its
-             position in its own pages; attention reads only the table columns that cover the
-             longest live request of the step (the table width follows live lengths), so a step
-             costs what the running requests hold, not max_slots x N_max.
+             position in its own pages; the batch is cut to the next power of two of the decoding
+             requests and the page table to the largest reservation among them (bucketed), so a
+             step costs what the running requests need, not max_slots x N_max.
     free:    on finish, cancel, error and stop (`_free`, `_fail_all`), before the request's last
              event is emitted, so a client that sees the end sees its pages back in the pool.
 
@@ -68,8 +68,10 @@ def page_config(config: BatcherConfig) -> PageConfig:
 
 
 def _bucket_rows(n: int, limit: int) -> int:
-    """Decode batch rows: the next power of two >= n, at most `limit` (few compiled programs)."""
-    return min(1 << max(n - 1, 0).bit_length(), max(limit, n))
+    """Decode batch rows: 1 for a lone request (its step reads only its own pages), else `limit`
+    (max_slots). Two batch shapes keep the programs few enough to compile them all at warm-up: a
+    shape first met while serving compiles for seconds and stalls every stream."""
+    return 1 if n <= 1 else limit
 
 
 class _PagedRun(_Running):
@@ -131,16 +133,24 @@ class PagedBatcher(ContinuousBatcher):
         self._thread.start()
 
     def warmup(self):
-        """Compile the shortest prefill chunk, a one-row decode step and the sampler."""
+        """Compile the decode steps (1 and max_slots rows) and the shortest prefill chunk at the
+        narrowest page table (short requests) and the widest (a request of max_model_len tokens),
+        and the sampler. Other widths and chunk lengths compile when first met, at the admission of
+        a request of that size (a one-off stall of the running streams; compiling every width here
+        would take minutes on a small CPU)."""
         kv = self._new_cache()
-        kv.reserve("warmup", 2)
-        table = kv.table(["warmup"])
         T = min(bucket_prompt_len(1), self.config.prefill_chunk)
         one = np.ones(1, np.int32)
-        logits, kv.kv = self.model.prefill_chunk(kv.kv, table, np.zeros((1, T), np.int32), np.zeros(1, np.int32), one)
-        logits, kv.kv = self.model.paged_decode_step(kv.kv, table, one, one)
-        z = np.zeros(1, np.int32)
-        sample_tokens(logits, np.ones(1, np.float32), z, np.ones(1, np.float32), z.astype(np.uint32), z)
+        for width in sorted({bucket_pages(1), bucket_pages(self.page_cfg.pages_for(self.config.max_model_len))}):
+            for B in sorted({1, self.config.max_slots}):
+                table = np.zeros((B, width), np.int32)  # the null page: scratch, as for an idle row
+                z = np.zeros(B, np.int32)
+                logits, kv.kv = self.model.paged_decode_step(kv.kv, table, z, z)
+            logits, kv.kv = self.model.prefill_chunk(kv.kv, table[:1], np.zeros((1, T), np.int32), z[:1], one)
+        for B in sorted({1, self.config.max_slots}):
+            z = np.zeros(B, np.int32)
+            sample_tokens(np.zeros((B, self.model.cfg.vocab_size), np.float32), np.ones(B, np.float32), z,
+                          np.ones(B, np.float32), z.astype(np.uint32), z)
         jax.block_until_ready(logits)
 
     def _new_cache(self) -> PagedKVCache:
@@ -204,9 +214,10 @@ class PagedBatcher(ContinuousBatcher):
         T = min(bucket_prompt_len(n_chunk), self.config.prefill_chunk)  # n_chunk <= prefill_chunk
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n_chunk] = ids[start:start + n_chunk]
-        # The table covers the pages up to the chunk's end (context before it + its own writes), so
-        # an early chunk of a long prompt does not gather the pages reserved for later tokens.
-        table = self.kv.table([run.key], max_pages=bucket_pages(self.page_cfg.pages_for(start + n_chunk)))
+        # The whole reserved table (bucketed): every chunk of a prompt then runs one compiled program
+        # instead of one per context-width bucket it passes through (an XLA compile mid-serving
+        # stalls every stream for seconds); the pages past the chunk are masked.
+        table = self.kv.table([run.key])
         logits, self.kv.kv = self.model.prefill_chunk(self.kv.kv, table, tokens, np.array([start], np.int32),
                                                       np.array([n_chunk], np.int32))
         run.prefilled += n_chunk
@@ -257,10 +268,11 @@ class PagedBatcher(ContinuousBatcher):
         rows = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
         B = _bucket_rows(len(rows), self.config.max_slots)
         pad = B - len(rows)
-        # Width: the pages the live tokens span (this step writes at positions[b]), bucketed; the
-        # pages reserved for tokens not generated yet are not read. Idle rows (None) get the null page.
-        width = bucket_pages(self.page_cfg.pages_for(int(self._positions[rows].max()) + 1))
-        table = self.kv.table([self._slots[s].key for s in rows] + [None] * pad, max_pages=width)
+        # Width: bucket_pages of the largest reservation (prompt + max_tokens) in the batch, so the cost
+        # follows the running requests' own lengths, and a request's width is fixed for its life: a
+        # width that followed the live position would cross a bucket (and compile a new program, a
+        # seconds-long stall of every stream) every doubling. Idle rows (None) use the null page.
+        table = self.kv.table([self._slots[s].key for s in rows] + [None] * pad)
         tokens = np.pad(self._tokens[rows], (0, pad))
         positions = np.pad(self._positions[rows], (0, pad))
         logits, self.kv.kv = self.model.paged_decode_step(self.kv.kv, table, tokens, positions)
