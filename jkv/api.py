@@ -26,7 +26,7 @@ from tqdm import tqdm
 from models import DEFAULT_MODEL, Model, load_model
 
 from .disagg.config import Disaggregation
-from .engine import DenseEngine, Request
+from .engine import DEFAULT_PREFILL_CHUNK, DenseEngine, Request
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -46,10 +46,15 @@ def _is_token_ids(p) -> bool:
 
 
 class LLM:
-    """A model plus an engine. `model` is a registered name, a HF directory, a .gguf file or a `Model`."""
+    """A model plus an engine. `model` is a registered name, a HF directory, a .gguf file or a `Model`.
+
+    The colocated engine keeps KV in a paged cache (`jkv.kvcache`): kv_page_size tokens a page;
+    prompts longer than prefill_chunk tokens are prefilled in chunks of that many tokens.
+    """
 
     def __init__(self, model: str | os.PathLike | Model = DEFAULT_MODEL, *, dtype: str = "float32",
-                 max_batch_size: int = 16, disaggregation: Disaggregation | None = None):
+                 max_batch_size: int = 16, disaggregation: Disaggregation | None = None,
+                 kv_page_size: int = 16, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if max_batch_size < 1:
             raise ValueError(f"{max_batch_size=} must be >= 1")
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
@@ -60,7 +65,7 @@ class LLM:
             self._engine = DisaggregatedEngine(self.model, disaggregation,
                                                model_spec=None if isinstance(model, Model) else str(model))
         else:
-            self._engine = DenseEngine(self.model)
+            self._engine = DenseEngine(self.model, page_size=kv_page_size, prefill_chunk=prefill_chunk)
 
     def close(self) -> None:
         """Stop worker processes (disaggregated mode); a no-op for the colocated engine."""

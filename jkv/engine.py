@@ -1,10 +1,14 @@
-"""Colocated dense engine: batched prefill, then jitted dense decode steps with an on-device cache.
+"""Colocated dense engine: batched prefill into the paged KV cache, then jitted paged decode steps.
 
 This is the single-process baseline (and the reference the disaggregated engines are checked
 against). One thread; `generate()` blocks until every request in the batch has finished.
 
-Shapes are bucketed (prompt length to a power of two / multiple of 512, cache length to a
-multiple of 64) so a handful of compiled programs serve all requests.
+KV lives in one `jkv.kvcache.PagedKVCache` per engine: a prompt is prefilled whole (or in
+chunks of `prefill_chunk` tokens when it is longer) into its pages, each decode step attends over
+a page table as wide as the batch's longest live request (bucketed), and a request's pages go
+back to the pool as soon as it finishes. Shapes are bucketed (prompt length to a power of two /
+multiple of 512, table width by `kvcache.bucket_pages`) so a handful of compiled programs serve
+all requests.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import numpy as np
 
 from models import Model
 
+from .kvcache import OutOfPages, PageConfig, PagedKVCache
 from .outputs import RequestMetrics, RequestOutput
 from .sampling import SamplingParams, sample_or_argmax
 
@@ -83,11 +88,36 @@ class StopChecker:
         return self.tok.decode(ids) if self.tok is not None else ""
 
 
-class DenseEngine:
-    """Static-batch dense generation on one device."""
+DEFAULT_PREFILL_CHUNK = 4096
 
-    def __init__(self, model: Model):
+
+class DenseEngine:
+    """Static-batch dense generation on one device, over a paged KV cache.
+
+    page_size: tokens per KV page. num_pages: a fixed pool size (including the null page);
+    None sizes the pool to the largest batch seen (grown, never shrunk). prefill_chunk: prompts
+    longer than this many tokens are prefilled in chunks of it (bounds prefill memory).
+    """
+
+    def __init__(self, model: Model, *, page_size: int = 16, num_pages: int | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+        if prefill_chunk < 1:
+            raise ValueError(f"{prefill_chunk=} must be >= 1 (tokens per prefill chunk)")
         self.model = model
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.prefill_chunk = prefill_chunk
+        self.kv_cache: PagedKVCache | None = None
+        if num_pages is not None:
+            self.kv_cache = PagedKVCache(model.cfg, PageConfig(page_size, num_pages))
+
+    def _cache_for(self, pages_needed: int) -> PagedKVCache:
+        if self.num_pages is None and (self.kv_cache is None or self.kv_cache.allocator.capacity < pages_needed):
+            num_pages = 1 << pages_needed.bit_length()  # >= pages_needed + 1 (the null page)
+            self.kv_cache = PagedKVCache(self.model.cfg, PageConfig(self.page_size, num_pages))
+        if pages_needed > self.kv_cache.pages_free:  # fail before prefill, not mid-decode
+            raise OutOfPages(pages_needed, self.kv_cache.pages_free, self.kv_cache.allocator.capacity)
+        return self.kv_cache
 
     def generate(self, requests: Sequence[Request], t0: float | None = None) -> list[RequestOutput]:
         m = self.model
@@ -96,12 +126,50 @@ class DenseEngine:
             check_context(m, r)
         B = len(requests)
         lengths = np.array([len(r.prompt_token_ids) for r in requests], np.int32)
-        T = bucket_prompt_len(int(lengths.max()))
-        tokens = np.zeros((B, T), np.int32)
+        page_cfg = PageConfig(self.page_size, 2)
+        cache = self._cache_for(sum(page_cfg.pages_for(int(lengths[b]) + r.params.max_tokens)
+                                    for b, r in enumerate(requests)))
+        rows = list(range(B))  # cache keys: batch rows (request ids need not be unique)
+        try:
+            for b in rows:
+                cache.reserve(b, int(lengths[b]))
+            logits = self._prefill(cache, requests, lengths)
+            return self._decode(cache, requests, lengths, logits, t0)
+        finally:
+            for b in rows:
+                cache.free(b)
+
+    def _prefill(self, cache: PagedKVCache, requests: Sequence[Request], lengths: np.ndarray):
+        """Prompts into pages; returns logits f32[B, V] at each prompt's last token."""
+        m, B, C = self.model, len(requests), self.prefill_chunk
+        rows = list(range(B))
+        if int(lengths.max()) <= C:
+            T = bucket_prompt_len(int(lengths.max()))
+            tokens = np.zeros((B, T), np.int32)
+            for b, r in enumerate(requests):
+                tokens[b, :lengths[b]] = r.prompt_token_ids
+            logits, kv = m.prefill(tokens, lengths)
+            cache.kv = m.write_prefill_pages(cache.kv, cache.table(rows), kv, lengths)
+            return logits
+        n_chunks = -(-int(lengths.max()) // C)
+        tokens = np.zeros((B, n_chunks * C), np.int32)
         for b, r in enumerate(requests):
             tokens[b, :lengths[b]] = r.prompt_token_ids
-        n_max = max(T, bucket_cache_len(int(max(lengths[b] + r.params.max_tokens for b, r in enumerate(requests)))))
+        last = None
+        for i in range(n_chunks):
+            s = i * C
+            # The chunk reads the pages before it and writes its own: the table spans both.
+            table = cache.table(rows, max_pages=-(-(s + C) // cache.page_size))
+            chunk_len = np.clip(lengths - s, 0, C).astype(np.int32)
+            logits, cache.kv = m.prefill_chunk(cache.kv, table, tokens[:, s:s + C],
+                                               np.full(B, s, np.int32), chunk_len)
+            ends_here = ((lengths - 1) // C == i)[:, None]
+            last = np.where(ends_here, np.asarray(logits), 0.0 if last is None else last)
+        return last
 
+    def _decode(self, cache: PagedKVCache, requests: Sequence[Request], lengths: np.ndarray, logits,
+                t0: float) -> list[RequestOutput]:
+        m, B = self.model, len(requests)
         temperature = np.array([r.params.temperature for r in requests], np.float32)
         top_k = np.array([r.params.top_k for r in requests], np.int32)
         top_p = np.array([r.params.top_p for r in requests], np.float32)
@@ -111,40 +179,38 @@ class DenseEngine:
         def pick(logits, steps):
             return sample_or_argmax(logits, temperature, top_k, top_p, seeds, steps)
 
-        logits, kv = m.prefill(tokens, lengths)
-        cache = m.cache_from_prefill(kv, n_max)
-        del kv
         steps = np.zeros(B, np.int32)
         next_tok = pick(logits, steps)
         now = time.perf_counter() - t0
         gen = [[int(t)] for t in next_tok]
         times = [[now] for _ in range(B)]
         checkers = [StopChecker(m.tokenizer, r.params, m.cfg.eos_token_ids) for r in requests]
-        done: list[tuple | None] = [None] * B
-        for b in range(B):
-            reason, ids, text = checkers[b].finish(gen[b])
-            if reason:
-                done[b] = (reason, ids, text)
+        done: list[tuple | None] = [checkers[b].finish(gen[b]) for b in range(B)]
+        done = [d if d[0] else None for d in done]
         positions = lengths.copy()
         while not all(done):
-            logits, cache = m.decode_step(cache, next_tok, positions)
+            for b in range(B):
+                if done[b]:
+                    cache.free(b)  # pages back to the pool as soon as a request finishes
+                    positions[b] = 0  # an idle row: all-null table row, attends to nothing cached
+                else:
+                    cache.reserve(b, int(positions[b]) + 1)
+            table = cache.table([None if done[b] else b for b in range(B)])
+            logits, cache.kv = m.paged_decode_step(cache.kv, table, next_tok, positions)
             steps = steps + 1
             next_tok = pick(logits, steps)
             now = time.perf_counter() - t0
-            positions = np.minimum(positions + 1, n_max - 1)  # finished rows idle at the end
             for b in range(B):
                 if done[b]:
                     continue
+                positions[b] += 1
                 gen[b].append(int(next_tok[b]))
                 times[b].append(now)
                 reason, ids, text = checkers[b].finish(gen[b])
                 if reason:
                     done[b] = (reason, ids, text)
-        outs = []
-        for b, r in enumerate(requests):
-            reason, ids, text = done[b]
-            outs.append(RequestOutput(
-                request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids), text=text,
-                token_ids=ids, finish_reason=reason,
-                metrics=RequestMetrics.from_token_times(int(lengths[b]), times[b])))
-        return outs
+        return [RequestOutput(
+            request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
+            text=done[b][2], token_ids=done[b][1], finish_reason=done[b][0],
+            metrics=RequestMetrics.from_token_times(int(lengths[b]), times[b]))
+            for b, r in enumerate(requests)]
