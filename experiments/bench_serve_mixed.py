@@ -228,6 +228,8 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true",
                     help="smoke run: 4 prompts of 32-256 tokens, 12 output tokens, chunks of 64, 1 repeat")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one pass may take")
+    ap.add_argument("--start-timeout", type=float, default=1200,
+                    help="seconds a server may take to load and compile (jkv warms up its programs)")
     add_out_arg(ap, RESULTS)
     ap.add_argument("--csv", default="bench_serve_mixed.csv", help="CSV name under --out")
     args = ap.parse_args(argv)
@@ -244,11 +246,11 @@ def start_targets(args, out: Path) -> dict:
     targets = {}
     try:
         targets["paged"] = Server([*common, "--kv-layout", "paged", "--prefill-chunk", str(args.prefill_chunk),
-                                   "--page-size", str(args.page_size)])
-        targets["slots"] = Server([*common, "--kv-layout", "slots"])
+                                   "--page-size", str(args.page_size)], timeout=args.start_timeout)
+        targets["slots"] = Server([*common, "--kv-layout", "slots"], timeout=args.start_timeout)
         if args.transformers:
             model_dir = export_for_transformers(args.model, Path(tempfile.mkdtemp(prefix="jkv-hf-export-")))
-            targets["transformers"] = TransformersServer(model_dir)
+            targets["transformers"] = TransformersServer(model_dir, timeout=args.start_timeout)
     except BaseException:
         for s in targets.values():
             s.stop()

@@ -171,6 +171,7 @@ class PagedBatcher(ContinuousBatcher):
             try:
                 self.kv.reserve(key, n if req.prompt_only else n + req.params.max_tokens)
             except OutOfPages as e:
+                self.kv.free(key)  # drop the empty entry the failed reserve left
                 if self._blocked != req.request_id:  # once per request, not once per step
                     self._blocked = req.request_id
                     log.info("request %s waits for KV pages: needs %d, %d free (%d in use)", req.request_id,

@@ -42,7 +42,7 @@ def paged(model):
     yield b
     b.stop()
     assert b.num_running == 0 and b.num_waiting == 0, "a seat or queued request leaked"
-    assert b.pages_in_use == 0, "KV pages leaked"
+    assert b.pages_in_use == 0 and b.kv.requests == [], "KV pages leaked"
 
 
 def _submit(b, rid, ids, sp, **kw):
@@ -224,27 +224,34 @@ def test_stop_fails_prefilling_and_decoding_requests_and_frees_every_page(model)
 
 # ---------------------------------------------------------------- page budget
 def test_a_request_waits_for_pages_then_runs_and_one_that_never_fits_is_rejected(model, llm):
-    per = -(-(10 + 40) // PAGE)  # pages of one request below: 10 prompt + 40 max_tokens
+    big, small = -(-(10 + 200) // PAGE), -(-(10 + 40) // PAGE)  # pages of the requests below
     metrics = ServerMetrics()
-    b = _paged(model, metrics, num_pages=1 + per + per // 2)  # room for one request, not two
+    b = _paged(model, metrics, num_pages=1 + big + small - 2)  # "first" leaves too few pages for another
+    usable = big + small - 2
     try:
-        with pytest.raises(KVCapacityError, match=rf"needs {per * 2} KV pages.*holds only {per + per // 2} pages.*"
+        with pytest.raises(KVCapacityError, match=rf"needs {-(-260 // PAGE)} KV pages.*holds only {usable} pages.*"
                                                   r"--num-pages"):
-            b.submit(EngineRequest("huge", [3] * 60, _greedy(2 * per * PAGE - 60), lambda ev: None))
+            b.submit(EngineRequest("huge", [3] * 60, _greedy(200), lambda ev: None))
         rng = np.random.default_rng(4)
         p1, p2 = _prompt(rng, 10), _prompt(rng, 10)
-        q1 = _submit(b, "first", p1, _greedy(40))
+        q1 = _submit(b, "first", p1, _greedy(200))
         q1.get(timeout=60)
         q2 = _submit(b, "second", p2, _greedy(40))
-        time.sleep(0.3)
-        assert b.num_waiting == 1 and b.num_running == 1  # queued, not failed
-        assert _metric(metrics, "jkv_kv_pages_in_use") == per
-        assert _metric(metrics, "jkv_kv_pages_free") == per // 2
+        q3 = _submit(b, "third", p2, _greedy(40))
+        for _ in range(3):  # three more decode iterations of "first": admission has tried (and failed) each time
+            q1.get(timeout=60)
+        assert b.num_waiting == 2 and b.num_running == 1  # queued, not failed
+        assert _metric(metrics, "jkv_kv_pages_in_use") == big
+        assert _metric(metrics, "jkv_kv_pages_free") == small - 2
         assert _metric(metrics, "jkv_kv_device_bytes_in_use") > 0
-        assert _ids(_collect(q2)) == llm.generate(p2, _greedy(40))[0].token_ids
-        _collect(q1)
+        b.cancel("second")  # the head of the queue, which has tried and failed to reserve its pages
+        assert _collect(q2)[-1].finish_reason == "cancelled"
+        b.cancel("first")
+        assert _collect(q1)[-1].finish_reason == "cancelled"
+        assert _ids(_collect(q3)) == llm.generate(p2, _greedy(40))[0].token_ids  # admitted once pages came back
     finally:
         b.stop()
+    assert b.kv.requests == [], "a failed reservation left an entry in the cache"
     assert b.pages_in_use == 0 and _metric(metrics, "jkv_kv_pages_in_use") == 0
     assert _metric(metrics, "jkv_kv_device_bytes_in_use") == 0
 
