@@ -22,9 +22,9 @@ Page lifecycle (all on the engine thread):
     free:    on finish, cancel, error and stop (`_free`, `_fail_all`), before the request's last
              event is emitted, so a client that sees the end sees its pages back in the pool.
 
-Schedule, per engine iteration: drain inbox → admit (reserve pages, take a seat) → prefill up to
-`prefill_chunk` prompt tokens, oldest admitted request first (a long prompt takes several
-iterations) → one decode step for every request whose prompt is complete. So a 4K-token prompt
+Schedule, per engine iteration: drain inbox → admit (reserve pages, take a seat) → prefill chunks of
+up to `prefill_chunk` tokens, oldest admitted request first, until `prefill_chunk` prompt tokens are
+done (a long prompt takes several iterations; several short ones share one) → one decode step for every request whose prompt is complete. So a 4K-token prompt
 admitted while others stream delays each of their tokens by one chunk, not by its whole prefill.
 A request's first token is sampled from the logits at the last prompt token of its last chunk.
 
@@ -191,11 +191,16 @@ class PagedBatcher(ContinuousBatcher):
             self._set_gauges()
 
     def _prefill_some(self, budget: int):
-        """Prefill up to `budget` prompt tokens, oldest admitted request first."""
+        """Prefill chunks, oldest admitted request first, while `budget` prompt tokens last.
+
+        A chunk is min(rest of the prompt, prefill_chunk) tokens, never a leftover of the budget:
+        then a prompt's chunk shapes do not depend on what else arrived with it, and the shapes the
+        warm-up traffic compiled are the ones served (a new shape compiles mid-serving, for seconds).
+        """
         while budget > 0 and self._prefilling:
             slot = self._prefilling[0]
             run = self._slots[slot]
-            n_chunk = min(len(run.req.prompt_token_ids) - run.prefilled, budget)
+            n_chunk = min(len(run.req.prompt_token_ids) - run.prefilled, self.config.prefill_chunk)
             if run.req.prompt_logprobs is not None:
                 n_chunk = len(run.req.prompt_token_ids)  # scored whole: all-position logits (see _prefill_scored)
             try:
@@ -212,7 +217,7 @@ class PagedBatcher(ContinuousBatcher):
         """Write prompt tokens [prefilled, prefilled + n_chunk) into the request's pages."""
         ids = run.req.prompt_token_ids
         start = run.prefilled
-        T = min(bucket_prompt_len(n_chunk), self.config.prefill_chunk)  # n_chunk <= prefill_chunk
+        T = min(bucket_prompt_len(n_chunk), self.config.prefill_chunk)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n_chunk] = ids[start:start + n_chunk]
         # The whole reserved table (bucketed): every chunk of a prompt then runs one compiled program
