@@ -133,20 +133,21 @@ class PagedBatcher(ContinuousBatcher):
         self._thread.start()
 
     def warmup(self):
-        """Compile the decode steps (1 and max_slots rows) and the shortest prefill chunk at the
-        narrowest page table (short requests) and the widest (a request of max_model_len tokens),
-        and the sampler. Other widths and chunk lengths compile when first met, at the admission of
-        a request of that size (a one-off stall of the running streams; compiling every width here
-        would take minutes on a small CPU)."""
+        """Compile every decode step the engine can run (1 or max_slots rows x each page-table width
+        up to max_model_len's: which requests decode together is a matter of timing, so any of them
+        may come up), the shortest prefill chunk and the sampler. Longer chunks compile when a
+        prompt of that size is first admitted (their shapes depend only on the prompt)."""
         kv = self._new_cache()
         T = min(bucket_prompt_len(1), self.config.prefill_chunk)
         one = np.ones(1, np.int32)
-        for width in sorted({bucket_pages(1), bucket_pages(self.page_cfg.pages_for(self.config.max_model_len))}):
+        widest = bucket_pages(self.page_cfg.pages_for(self.config.max_model_len))
+        widths = sorted({bucket_pages(n) for n in range(1, widest + 1)})
+        for width in widths:
             for B in sorted({1, self.config.max_slots}):
                 table = np.zeros((B, width), np.int32)  # the null page: scratch, as for an idle row
                 z = np.zeros(B, np.int32)
                 logits, kv.kv = self.model.paged_decode_step(kv.kv, table, z, z)
-            logits, kv.kv = self.model.prefill_chunk(kv.kv, table[:1], np.zeros((1, T), np.int32), z[:1], one)
+        logits, kv.kv = self.model.prefill_chunk(kv.kv, table[:1, :widths[0]], np.zeros((1, T), np.int32), z[:1], one)
         for B in sorted({1, self.config.max_slots}):
             z = np.zeros(B, np.int32)
             sample_tokens(np.zeros((B, self.model.cfg.vocab_size), np.float32), np.ones(B, np.float32), z,
