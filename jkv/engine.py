@@ -126,8 +126,8 @@ class DenseEngine:
             check_context(m, r)
         B = len(requests)
         lengths = np.array([len(r.prompt_token_ids) for r in requests], np.int32)
-        page_cfg = PageConfig(self.page_size, 2)
-        cache = self._cache_for(sum(page_cfg.pages_for(int(lengths[b]) + r.params.max_tokens)
+        # Room for prompt + max_tokens per request, whole pages each: decode never runs out.
+        cache = self._cache_for(sum(-(-(int(lengths[b]) + r.params.max_tokens) // self.page_size)
                                     for b, r in enumerate(requests)))
         rows = list(range(B))  # cache keys: batch rows (request ids need not be unique)
         try:

@@ -163,3 +163,26 @@ def test_chunked_prefill_equals_whole_prefill(family, chunk, lengths):
             got = np.asarray(paged.gather_context(pages, table))
             for b, n in enumerate(lengths):
                 np.testing.assert_allclose(got[b, :, :n], np.asarray(want)[b, :, :n], rtol=1e-4, atol=1e-4)
+
+
+def test_the_decode_program_does_not_grow_with_the_table_width():
+    """Pages are read by one gather a layer, not a loop over pages: the lowered CPU program has the
+    same gather / slice / loop ops for a 2-page and a 64-page table."""
+    import functools
+    import re
+
+    import jax
+
+    from models.transformer import init_params
+
+    cfg = tiny_config(num_layers=2)
+    params = jax.eval_shape(lambda: init_params(cfg))
+    kv = jax.eval_shape(lambda: paged.init_pages(cfg, 80, 4))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    step = jax.jit(functools.partial(paged.paged_decode_step_compute, cfg))
+
+    def ops(max_pages):
+        text = step.lower(params, kv, i32(3, max_pages), i32(3), i32(3)).as_text()
+        return sorted(re.findall(r"stablehlo\.(gather|dynamic_slice|while)", text))
+
+    assert ops(2) == ops(64) and "gather" in ops(2)
