@@ -73,3 +73,24 @@ def setup_logging(level: int = logging.INFO) -> None:
     logging.basicConfig(level=level, format=LOG_FORMAT)
     for noisy in ("absl", "jax._src.xla_bridge"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def machine_info() -> dict:
+    """CPU model, its vector extensions, cores and the 1-minute load average, for result rows:
+    a ratio measured on one machine says little about another without them."""
+    model, flags = "unknown", set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model == "unknown":
+                model = value.strip()
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:  # not Linux: the platform string is the best we have
+        import platform
+        model = platform.processor() or platform.machine()
+    vector = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                          "amx_tile", "amx_bf16", "asimd", "sve") if f in flags]
+    return {"cpu_model": model, "vector_extensions": " ".join(vector), "cores": os.cpu_count(),
+            "loadavg_1m": round(os.getloadavg()[0], 2)}

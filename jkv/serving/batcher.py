@@ -52,18 +52,38 @@ from .text_stream import TextStream
 log = logging.getLogger(__name__)
 
 
+KV_LAYOUTS = ("paged", "slots")
+
+
 @dataclasses.dataclass(frozen=True)
 class BatcherConfig:
-    """max_slots: decode batch size B_slots; max_model_len: prompt + generated tokens per request."""
+    """max_slots: requests in flight at once (the decode batch size B_slots); max_model_len: prompt +
+    generated tokens per request. kv_layout picks the engine (`create_batcher`): "paged" = the paged
+    KV cache with chunked prefill (`paged_batcher.PagedBatcher`), "slots" = one N_max cache per slot
+    (`ContinuousBatcher`, kept for comparison). Paged only: page_size tokens per page; num_pages in
+    the pool including the null page (None: enough for max_slots requests of max_model_len tokens);
+    prefill_chunk prompt tokens prefilled per engine iteration between decode steps."""
 
     max_slots: int = 8
     max_model_len: int = 1024
+    kv_layout: str = "paged"
+    page_size: int = 16
+    num_pages: int | None = None
+    prefill_chunk: int = 512
 
     def __post_init__(self):
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots} must be >= 1")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout={self.kv_layout!r} must be one of {KV_LAYOUTS}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size={self.page_size} must be >= 1 (tokens per KV page; 16 is usual)")
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages={self.num_pages} must be >= 2 (page 0 is the reserved null page)")
+        if self.prefill_chunk < 16:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 16 prompt tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -288,14 +308,18 @@ class ContinuousBatcher:
             while not self._stop.is_set():
                 idle = self._n_running == 0 and not self._waiting
                 self._drain_inbox(block=idle)
-                self._admit()
-                if self._n_running:
-                    self._decode_one_step()
+                self._step()
         except Exception as e:  # the engine is dead: fail everything loudly rather than hang clients
             log.exception("engine thread crashed")
             self._fail_all(f"engine error: {e}")
             raise
         self._fail_all("the server is shutting down")
+
+    def _step(self):
+        """One engine iteration after the inbox is drained: admit, then one decode step."""
+        self._admit()
+        if self._n_running:
+            self._decode_one_step()
 
     def _drain_inbox(self, block: bool):
         try:
@@ -428,14 +452,14 @@ class ContinuousBatcher:
         except Exception:  # a broken consumer must not take the engine down with it
             log.exception("emit for request %s failed; dropping the event", req.request_id)
 
-    def _free(self, slot: int, reason: str, delta: str = ""):
+    def _free(self, slot: int, reason: str, delta: str = "", error: str | None = None):
         run = self._slots[slot]
         self._slots[slot] = None
         self._tokens[slot] = 0
         self._positions[slot] = 0
         with self._lock:
             self._n_running -= 1
-        self._finish_event(run.req, run, reason, delta=delta)
+        self._finish_event(run.req, run, reason, delta=delta, error=error)
         self._set_gauges()
 
     def _finish_event(self, req: EngineRequest, run: _Running | None, reason: str, delta: str = "",
@@ -474,3 +498,13 @@ class ContinuousBatcher:
                     self._n_running -= 1
                 self._finish_event(run.req, run, "error", error=message)
         self._set_gauges()
+
+
+def create_batcher(model: Model, config: BatcherConfig = BatcherConfig(), metrics=None):
+    """The engine `config.kv_layout` names: `PagedBatcher` ("paged": paged KV cache, chunked
+    prefill) or `ContinuousBatcher` ("slots": one N_max cache per slot)."""
+    if config.kv_layout == "slots":
+        return ContinuousBatcher(model, config, metrics)
+    from .paged_batcher import PagedBatcher
+
+    return PagedBatcher(model, config, metrics)

@@ -37,6 +37,10 @@ class ServeConfig:
     dtype: str = "float32"
     max_slots: int = 8
     max_model_len: int = 1024
+    kv_layout: str = "paged"
+    page_size: int = 16
+    num_pages: int | None = None
+    prefill_chunk: int = 512
     default_max_tokens: int = 256
     max_request_bytes: int = 4 * 1024 * 1024
     upstream: tuple[str, ...] = ()
@@ -76,6 +80,7 @@ class ServeConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
         self._check_roles()
+        self.batcher_config(self.max_model_len)  # validates kv_layout, page_size, num_pages, prefill_chunk
         for u in self.upstream + self.prefill + self.decode:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"upstream {u!r} must be an http:// or https:// URL")
@@ -116,6 +121,13 @@ class ServeConfig:
         if self.disagg.timeout_s <= 0:
             raise ValueError(f"transfer_timeout={self.disagg.timeout_s} must be > 0 seconds")
 
+    def batcher_config(self, max_model_len: int):
+        """The colocated engine's `BatcherConfig` (max_model_len: capped to the model's context)."""
+        from .batcher import BatcherConfig
+
+        return BatcherConfig(self.max_slots, max_model_len, kv_layout=self.kv_layout, page_size=self.page_size,
+                             num_pages=self.num_pages, prefill_chunk=self.prefill_chunk)
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
@@ -150,6 +162,16 @@ _TABLE = {
     "dtype": (str, "weights/activations dtype: float32, bfloat16 or float16"),
     "max_slots": (int, "decode slots = the continuous batch size; more requests queue"),
     "max_model_len": (int, "max prompt + generated tokens per request; sets the per-slot KV length"),
+    "kv_layout": (str, "role all: paged = one paged KV cache shared by all requests (memory and decode "
+                       "cost follow each request's own length) with chunked prefill; slots = one "
+                       "max-model-len KV cache per slot, every decode step attends over all of it "
+                       "(the previous engine, kept for comparison)"),
+    "page_size": (int, "paged: tokens per KV page"),
+    "num_pages": (int, "paged: KV pages in the pool, one of them the reserved null page (default: "
+                       "max-slots x ceil(max-model-len / page-size) + 1, the slot layout's KV memory); a "
+                       "request waits in the queue until its prompt + max_tokens fit the free pages"),
+    "prefill_chunk": (int, "paged: prompt tokens prefilled per engine iteration; a longer prompt is "
+                           "prefilled in chunks between decode steps of the running requests"),
     "default_max_tokens": (int, "max_tokens for chat requests that do not set it (capped by the context)"),
     "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
                                "(all roles, the router included)"),

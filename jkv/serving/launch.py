@@ -224,7 +224,7 @@ def build_all(cfg: ServeConfig):
     """Model + engine + app for --role all. Returns (app, engine)."""
     from models import load_model
 
-    from .batcher import BatcherConfig, ContinuousBatcher
+    from .batcher import create_batcher
     from .metrics import ServerMetrics
     from .server import create_app
 
@@ -235,11 +235,17 @@ def build_all(cfg: ServeConfig):
         log.warning("max_model_len %d exceeds %s's context length %d; using %d", max_len, cfg.model, ctx, ctx)
         max_len = ctx
     metrics = ServerMetrics("all")
-    engine = ContinuousBatcher(model, BatcherConfig(cfg.max_slots, max_len), metrics)
+    engine = create_batcher(model, cfg.batcher_config(max_len), metrics)
     engine.warmup()
     engine.start()
-    log.info("engine: %r, mode colocated continuous batching, %d decode slots x %d tokens of KV (N_max %d), "
-             "one engine thread", model, cfg.max_slots, max_len, engine.n_max)
+    if cfg.kv_layout == "paged":
+        pc = engine.page_cfg
+        log.info("engine: %r, mode colocated continuous batching of up to %d requests, paged KV cache of %d pages x "
+                 "%d tokens (%d usable), prefill in chunks of %d tokens, one engine thread", model, cfg.max_slots,
+                 pc.num_pages, pc.page_size, pc.usable_pages, cfg.prefill_chunk)
+    else:
+        log.info("engine: %r, mode colocated continuous batching, %d decode slots x %d tokens of KV (N_max %d), "
+                 "one engine thread", model, cfg.max_slots, max_len, engine.n_max)
     app = create_app(engine, cfg.model_name, metrics, cfg.default_max_tokens, on_shutdown=engine.stop,
                      max_request_bytes=cfg.max_request_bytes)
     return app, engine

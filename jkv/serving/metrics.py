@@ -1,7 +1,8 @@
 """Prometheus metrics for `jkv serve`, one `CollectorRegistry` per server (never the global one).
 
 Every metric here is updated by the code that owns the event (DESIGN.md "Metrics"): the engine
-thread observes TTFT / TTST / TBT / e2e and sets the queue, running and slot gauges; the HTTP
+thread observes TTFT / TTST / TBT / e2e and sets the queue, running and slot gauges (the paged
+KV cache's page and byte gauges read the cache's counters at scrape time); the HTTP
 layer counts requests per role and endpoint; the router counts proxied requests per upstream
 and sets upstream health / in-flight gauges. prometheus-client metrics are thread-safe, so
 the engine thread and the event loop update them without further locking.
@@ -50,6 +51,19 @@ class ServerMetrics:
         self.running.set(running)
         self.slots_allocated.set(running)
         self.slots_total.set(slots)
+
+    def watch_kv_cache(self, cache):
+        """Page gauges of a paged KV cache, read at scrape time from `cache.pages_in_use`,
+        `.pages_free` and `.bytes_in_use` (the `PagedBatcher`, which follows its current cache);
+        registered only by a paged engine, so a slot-layout server shows no page counts."""
+        r = self.registry
+        gauges = (("jkv_kv_pages_in_use", "KV cache pages held by requests (0 when idle: the leak check)",
+                   lambda: cache.pages_in_use),
+                  ("jkv_kv_pages_free", "KV cache pages free for new requests", lambda: cache.pages_free),
+                  ("jkv_kv_device_bytes_in_use", "bytes of device KV memory in the pages held by requests",
+                   lambda: cache.bytes_in_use))
+        for name, help_, read in gauges:
+            Gauge(name, help_, registry=r).set_function(read)
 
     def observe_token(self, token_times: list[float]):
         """token_times[i]: seconds from arrival to token i; called once per new token."""

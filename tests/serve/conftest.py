@@ -66,10 +66,13 @@ def metric(url: str, name: str, labels: dict | None = None) -> float:
 
 
 def wait_idle(url: str, timeout: float = 10) -> tuple[float, float]:
-    """Wait until no slot is allocated and nothing is queued; returns the last (slots, waiting)."""
+    """Wait until no slot is allocated, nothing is queued and no KV page is held (paged engine);
+    returns the last (slots, waiting), with the pages still held added to slots (a page leak
+    shows as a non-zero first value)."""
     deadline = time.time() + timeout
     while True:
-        state = (metric(url, "jkv_kv_slots_allocated"), metric(url, "jkv_num_requests_waiting"))
+        state = (metric(url, "jkv_kv_slots_allocated") + metric(url, "jkv_kv_pages_in_use"),
+                 metric(url, "jkv_num_requests_waiting"))
         if state == (0, 0) or time.time() > deadline:
             return state
         time.sleep(0.05)
@@ -103,6 +106,7 @@ def server(tiny_dir, cache_env):
 
 @pytest.fixture
 def live(server):
-    """The shared server; after the test, no KV slot may remain allocated and nothing queued."""
+    """The shared server (paged KV cache, the default); after the test, no KV slot or page may remain
+    allocated and nothing queued."""
     yield server
-    assert wait_idle(server.url) == (0, 0), "a KV slot or queued request leaked"
+    assert wait_idle(server.url) == (0, 0), "a KV slot, KV page or queued request leaked"

@@ -35,6 +35,9 @@ def test_defaults_file_and_flag_precedence(tmp_path):
     ("role: router\n", "needs at least one --upstream"),
     ("upstream: [ftp://x]\nrole: router\n", "must be an http"),
     ("- 1\n", "must hold a mapping"),
+    ("kv_layout: rows\n", "kv_layout='rows' must be one of"),
+    ("num_pages: 1\n", "num_pages=1 must be >= 2"),
+    ("prefill_chunk: 4\n", "prefill_chunk=4 must be >= 16"),
 ])
 def test_bad_config_values_name_the_option(tmp_path, text, match):
     f = tmp_path / "bad.yaml"
@@ -50,7 +53,7 @@ def test_serve_help_explains_every_flag(capsys):
         main(["serve", "--help"])
     out = capsys.readouterr().out
     for flag in ("--config", "--role", "--host", "--max-slots", "--max-model-len", "--upstream", "--health-interval",
-                 "--graceful-timeout"):
+                 "--graceful-timeout", "--kv-layout", "--page-size", "--num-pages", "--prefill-chunk"):
         assert flag in out
 
 
@@ -60,7 +63,9 @@ def test_config_file_server_logs_components_and_drains_on_sigterm(tmp_path, tiny
     s = ServerProcess(["--config", str(f), "--max-slots", "3", "--port", "0"], env=cache_env)
     try:
         log = "".join(s.log)
-        assert "engine:" in log and "3 decode slots x 512 tokens" in log and "continuous batching" in log
+        # the default paged cache: room for 3 requests of 512 tokens in 16-token pages, plus the null page
+        assert "engine:" in log and "continuous batching of up to 3 requests" in log
+        assert "paged KV cache of 97 pages x 16 tokens" in log and "prefill in chunks of 512 tokens" in log
         assert f"listening on {s.url}" in log and "127.0.0.1" in s.url
         assert httpx.get(s.url + "/v1/models").json()["data"][0]["id"] == "from-file"
         body = {"model": "from-file", "prompt": "fox", "max_tokens": 300, "temperature": 0, "stream": True,

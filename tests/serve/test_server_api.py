@@ -172,11 +172,15 @@ def test_client_disconnect_mid_stream_cancels_and_frees_the_slot(live):
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         assert metric(live.url, "jkv_kv_slots_allocated") == 1
+        pages = metric(live.url, "jkv_kv_pages_in_use")
+        assert pages > 0 and metric(live.url, "jkv_kv_device_bytes_in_use") > 0
     t0 = time.time()
     while metric(live.url, "jkv_engine_requests_finished_total", {"finish_reason": "cancelled"}) == cancelled:
         assert time.time() - t0 < 10, "the request was not cancelled after the client went away"
         time.sleep(0.05)
     assert metric(live.url, "jkv_kv_slots_allocated") == 0  # freed long before its 1000 tokens
+    assert metric(live.url, "jkv_kv_pages_in_use") == 0 and metric(live.url, "jkv_kv_device_bytes_in_use") == 0
+    assert metric(live.url, "jkv_kv_pages_free") >= pages
 
 
 def test_client_disconnect_non_streaming_cancels(live):

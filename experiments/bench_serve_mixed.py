@@ -1,0 +1,325 @@
+"""Mixed prompt lengths through `jkv serve`: the paged KV cache with chunked prefill vs the per-slot
+batcher (`--kv-layout slots`), optionally vs `transformers serve --continuous-batching`, side by
+side in one run.
+
+Each target is a real HTTP server on loopback (all started first, then measured in turn, the order
+alternating between repeats). One pass sends streaming /v1/completions requests, one per
+`--prompt-lens` entry (default 8 prompts of 64 to 4,096 tokens of real English text): all but the
+longest start together; the longest starts once every other one streams, so its prefill lands in
+the middle of running decodes. Per pass:
+
+  output tok/s       generated tokens / (last token - first request sent)
+  TTFT               mean and p99 over the requests; the longest prompt's own TTFT
+  TBT                p99 of the gaps after each request's second token (DESIGN.md "Metrics")
+  TBT during admit   p99 and max of the other streams' gaps that overlap the window from the long
+                     request's send to its first token (the stall a long prefill causes)
+
+jkv gets token ids (every jkv target sees identical prompts); transformers gets their text (its
+tokenizer built from the GGUF splits digits differently, so its prompt lengths differ a little; its
+`usage` is recorded). Each target runs one untimed warm-up pass first (jkv compiles its shapes).
+Writes experiments/results/bench_serve_mixed.csv (one row per target and repeat, with the CPU
+model, vector extensions and load average) and prints the ratios.
+
+    PYTHONPATH=. python experiments/bench_serve_mixed.py                     # the full run, quiet box
+    PYTHONPATH=. python experiments/bench_serve_mixed.py --transformers      # + transformers serve
+    PYTHONPATH=. python experiments/bench_serve_mixed.py --quick             # smoke run, tiny sizes
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from experiments.common import (RESULTS, add_model_arg, add_out_arg, machine_info, setup_logging,  # noqa: E402
+                                write_csv)
+from experiments.serve_load import Server  # noqa: E402
+
+log = logging.getLogger("bench_serve_mixed")
+FIELDS = ["target", "repeat", "requests", "failed", "output_tokens", "duration_s", "output_tok_s", "mean_ttft_ms",
+          "p99_ttft_ms", "long_ttft_ms", "long_prompt_tokens", "mean_tbt_ms", "p99_tbt_ms", "p99_tbt_admit_ms",
+          "max_tbt_admit_ms", "admit_gaps", "prompt_lens", "max_tokens", "prefill_chunk", "page_size", "model",
+          "cpu_model", "vector_extensions", "cores", "loadavg_1m"]
+
+
+def corpus_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
+    """One prompt of each length, cut from different places of real text on this machine."""
+    texts = [p.read_text(errors="ignore") for p in sorted(Path("/usr/share/common-licenses").glob("*"))[:8]
+             if p.is_file()]
+    ids = tokenizer.encode("\n".join(texts) or "The quick brown fox jumps over the lazy dog. " * 2000)
+    need = sum(lengths)
+    while len(ids) < need:
+        ids = ids + ids
+    out, at = [], 0
+    for n in lengths:
+        out.append([int(t) for t in ids[at:at + n]])
+        at += n
+    return out
+
+
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first) -> dict:
+    """One streaming completion; `times` are absolute perf_counter seconds of each content chunk."""
+    start = time.perf_counter()
+    times, usage, error = [], None, None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                error = f"HTTP {r.status_code}: {(await r.aread())[:300]!r}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    obj = json.loads(line[6:])
+                    if "error" in obj:
+                        error = str(obj["error"])
+                    elif obj.get("usage") and not obj.get("choices"):
+                        usage = obj["usage"]
+                    elif obj.get("choices") and obj["choices"][0].get("text"):
+                        times.append(time.perf_counter())
+                        if len(times) == 1:
+                            on_first()
+                    if obj.get("usage"):
+                        usage = obj["usage"]
+    except httpx.HTTPError as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        on_first()  # a request that fails must not hold the long one back
+    return {"ok": error is None and bool(times), "error": error, "start": start, "times": times,
+            "output_tokens": (usage or {}).get("completion_tokens", len(times)),
+            "prompt_tokens": (usage or {}).get("prompt_tokens")}
+
+
+async def mixed_pass(url: str, bodies: list[dict], timeout: float) -> list[dict]:
+    """All bodies but the last at once; the last once every other one streams. Results in order."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10)) as client:
+        started = [asyncio.Event() for _ in bodies[:-1]]
+        tasks = [asyncio.create_task(stream_one(client, url, b, ev.set)) for b, ev in zip(bodies, started)]
+        await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), timeout)
+        tasks.append(asyncio.create_task(stream_one(client, url, bodies[-1], lambda: None)))
+        return list(await asyncio.gather(*tasks))
+
+
+def summarize(results: list[dict]) -> dict:
+    ok = [r for r in results if r["ok"]]
+    ms = lambda xs: np.asarray(xs, float) * 1e3  # noqa: E731
+    pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else float("nan")  # noqa: E731
+    out = {"requests": len(results), "failed": len(results) - len(ok),
+           "errors": sorted({r["error"] for r in results if not r["ok"]})[:3]}
+    if not ok:
+        return out
+    begin, end = min(r["start"] for r in ok), max(r["times"][-1] for r in ok)
+    out["output_tokens"] = sum(r["output_tokens"] for r in ok)
+    out["duration_s"] = end - begin
+    out["output_tok_s"] = out["output_tokens"] / out["duration_s"]
+    ttft = ms([r["times"][0] - r["start"] for r in ok])
+    tbt = ms([b - a for r in ok for a, b in zip(r["times"][1:], r["times"][2:])])
+    out.update(mean_ttft_ms=float(ttft.mean()), p99_ttft_ms=pct(ttft, 99), mean_tbt_ms=float(tbt.mean()),
+               p99_tbt_ms=pct(tbt, 99))
+    long_ = results[-1]
+    if long_["ok"]:
+        w0, w1 = long_["start"], long_["times"][0]
+        admit = ms([b - a for r in results[:-1] if r["ok"] for a, b in zip(r["times"], r["times"][1:])
+                    if b > w0 and a < w1])
+        out.update(long_ttft_ms=(w1 - w0) * 1e3, long_prompt_tokens=long_["prompt_tokens"],
+                   p99_tbt_admit_ms=pct(admit, 99), max_tbt_admit_ms=float(admit.max()) if len(admit) else float("nan"),
+                   admit_gaps=len(admit))
+    return out
+
+
+class TransformersServer:
+    """`transformers serve --continuous-batching` on a free loopback port, pinned to one model dir."""
+
+    def __init__(self, model_dir: str, timeout: float = 900):
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        exe = Path(sys.executable).with_name("transformers")
+        self.model_id = model_dir
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="transformers-serve-", suffix=".log", delete=False)
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        self.proc = subprocess.Popen([str(exe), "serve", "--continuous-batching", "--host", "127.0.0.1", "--port",
+                                      str(port), "--device", "cpu", "--dtype", "float32", model_dir],
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + timeout
+        while True:
+            if self.proc.poll() is not None or time.time() > deadline:
+                self.stop()
+                raise RuntimeError(f"transformers serve did not start; see {self.log.name}:\n"
+                                   + Path(self.log.name).read_text()[-3000:])
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def export_for_transformers(model_spec: str, out_dir: Path) -> str:
+    """The jkv model's weights as a plain transformers checkpoint `transformers serve` can load.
+
+    A GGUF-loaded model's config lacks `architectures` (transformers serve cannot load the GGUF
+    offline) and `save_pretrained` refuses it, so its dequantized weights are copied into a fresh
+    model of the same class, which saves; logits are identical (issue 18's notes).
+    """
+    from transformers import AutoTokenizer
+
+    from jkv.compare import load_hf_reference
+    from models import resolve_model_path
+
+    hf = load_hf_reference(model_spec)
+    cfg = hf.config
+    cfg.architectures = [type(hf).__name__]
+    plain = type(hf)(cfg)
+    plain.load_state_dict(hf.state_dict())
+    plain.save_pretrained(str(out_dir))
+    src = resolve_model_path(model_spec)
+    tok = AutoTokenizer.from_pretrained(str(src), use_fast=True) if src.is_dir() else \
+        AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
+    tok.save_pretrained(str(out_dir))
+    return str(out_dir)
+
+
+def jkv_body(ids, max_tokens):
+    return {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+
+
+def hf_body(model_id, text, max_tokens):
+    # min_new_tokens stands in for ignore_eos, so both servers generate max_tokens tokens.
+    gen = {"do_sample": False, "max_new_tokens": max_tokens, "min_new_tokens": max_tokens}
+    return {"model": model_id, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "generation_config": json.dumps(gen), "stream_options": {"include_usage": True}}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arg(ap)
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 3072, 4096],
+                    help="one request per length; the longest is sent once the others stream")
+    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--prefill-chunk", type=int, default=512, help="paged target: --prefill-chunk")
+    ap.add_argument("--page-size", type=int, default=16, help="paged target: --page-size")
+    ap.add_argument("--repeats", type=int, default=2, help="timed passes per target (order alternates)")
+    ap.add_argument("--transformers", action="store_true",
+                    help="also drive `transformers serve --continuous-batching` on the same weights")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 4 prompts of 32-256 tokens, 12 output tokens, chunks of 64, 1 repeat")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds one pass may take")
+    ap.add_argument("--start-timeout", type=float, default=1200,
+                    help="seconds a server may take to load and compile (jkv warms up its programs)")
+    add_out_arg(ap, RESULTS)
+    ap.add_argument("--csv", default="bench_serve_mixed.csv", help="CSV name under --out")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompt_lens, args.max_tokens, args.prefill_chunk, args.repeats = [32, 64, 128, 256], 12, 64, 1
+    args.prompt_lens = sorted(args.prompt_lens)
+    return args
+
+
+def start_targets(args, out: Path) -> dict:
+    max_len = max(args.prompt_lens) + args.max_tokens + 16
+    common = ["--model", args.model, "--served-model-name", "m", "--max-slots", str(len(args.prompt_lens)),
+              "--max-model-len", str(max_len)]
+    targets = {}
+    try:
+        targets["paged"] = Server([*common, "--kv-layout", "paged", "--prefill-chunk", str(args.prefill_chunk),
+                                   "--page-size", str(args.page_size)], timeout=args.start_timeout)
+        targets["slots"] = Server([*common, "--kv-layout", "slots"], timeout=args.start_timeout)
+        if args.transformers:
+            model_dir = export_for_transformers(args.model, Path(tempfile.mkdtemp(prefix="jkv-hf-export-")))
+            targets["transformers"] = TransformersServer(model_dir, timeout=args.start_timeout)
+    except BaseException:
+        for s in targets.values():
+            s.stop()
+        raise
+    return targets
+
+
+def print_table(rows: list[dict], targets: list[str]):
+    cols = [("output_tok_s", "output tok/s", "{:.1f}"), ("mean_ttft_ms", "mean TTFT ms", "{:.0f}"),
+            ("p99_ttft_ms", "p99 TTFT ms", "{:.0f}"), ("long_ttft_ms", "longest TTFT ms", "{:.0f}"),
+            ("mean_tbt_ms", "mean TBT ms", "{:.1f}"), ("p99_tbt_ms", "p99 TBT ms", "{:.1f}"),
+            ("p99_tbt_admit_ms", "p99 TBT admit ms", "{:.1f}"), ("max_tbt_admit_ms", "max TBT admit ms", "{:.1f}")]
+    med = {t: {k: float(np.median([r.get(k, np.nan) for r in rows if r["target"] == t])) for k, _, _ in cols}
+           for t in targets}
+    print(f"{'':<20}" + "".join(f"{t:>16}" for t in targets))
+    for key, label, fmt in cols:
+        print(f"{label:<20}" + "".join(f"{fmt.format(med[t][key]):>16}" for t in targets))
+    if "slots" in med:
+        print("ratios (median over repeats):")
+        for t in [t for t in targets if t != "slots"]:
+            print(f"  {t} / slots: output tok/s {med[t]['output_tok_s'] / med['slots']['output_tok_s']:.2f}x, "
+                  f"p99 TBT during the long admission {med[t]['p99_tbt_admit_ms'] / med['slots']['p99_tbt_admit_ms']:.2f}x, "
+                  f"mean TTFT {med[t]['mean_ttft_ms'] / med['slots']['mean_ttft_ms']:.2f}x")
+    if "transformers" in med:
+        p, h = med["paged"], med["transformers"]
+        print(f"  paged / transformers: output tok/s {p['output_tok_s'] / h['output_tok_s']:.2f}x, "
+              f"mean TTFT {p['mean_ttft_ms'] / h['mean_ttft_ms']:.2f}x, p99 TBT {p['p99_tbt_ms'] / h['p99_tbt_ms']:.2f}x")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    setup_logging()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    from models import load_model
+
+    tokenizer = load_model(args.model).tokenizer
+    prompts = corpus_prompts(tokenizer, args.prompt_lens)
+    texts = [tokenizer.decode(p) for p in prompts]
+    t = time.perf_counter()
+    targets = start_targets(args, out)
+    log.info("%s up in %.0fs; machine %s", list(targets), time.perf_counter() - t, machine_info())
+    bodies = {name: ([hf_body(s.model_id, x, args.max_tokens) for x in texts] if name == "transformers"
+                     else [jkv_body(p, args.max_tokens) for p in prompts]) for name, s in targets.items()}
+    rows = []
+    try:
+        for name, s in targets.items():  # warm-up: compiles every shape the timed passes use
+            summary = summarize(asyncio.run(mixed_pass(s.url, bodies[name], args.timeout)))
+            log.info("warm-up %s: %d/%d ok %s", name, summary["requests"] - summary["failed"], summary["requests"],
+                     summary["errors"])
+        for rep in range(args.repeats):
+            order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
+            for name in order:
+                summary = summarize(asyncio.run(mixed_pass(targets[name].url, bodies[name], args.timeout)))
+                row = dict(target=name, repeat=rep, **summary, prompt_lens=" ".join(map(str, args.prompt_lens)),
+                           max_tokens=args.max_tokens, prefill_chunk=args.prefill_chunk if name == "paged" else "",
+                           page_size=args.page_size if name == "paged" else "", model=args.model, **machine_info())
+                rows.append(row)
+                log.info("%s #%d: %.1f output tok/s, p99 TBT during admission %.1f ms, failed %d %s", name, rep,
+                         row.get("output_tok_s", float("nan")), row.get("p99_tbt_admit_ms", float("nan")),
+                         row["failed"], row["errors"])
+    finally:
+        for s in targets.values():
+            s.stop()
+    write_csv(out / args.csv, rows, fields=FIELDS)
+    print_table(rows, list(targets))
+    print(f"wrote {out / args.csv}; load average now {os.getloadavg()}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

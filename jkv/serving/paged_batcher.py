@@ -1,0 +1,327 @@
+"""Continuous batching on the paged KV cache, with chunked prefill (`jkv serve --kv-layout paged`).
+
+`PagedBatcher` keeps `ContinuousBatcher`'s interface and threading (one engine thread owns the
+model and the device; `submit` / `cancel` from any thread go through the inbox queue; results
+leave through each request's `emit`), and replaces its storage and schedule:
+
+Storage. One `PagedKVCache` (jkv/kvcache/paged.py): per layer K/V pages [num_pages, H_kv, P, D]
+on the default device; a request owns the pages its page table lists. A slot here is only a
+seat in the batch (at most max_slots requests in flight); it holds no KV.
+
+Page lifecycle (all on the engine thread):
+    admit:   reserve pages for prompt + max_tokens (prompt only for an echo-scoring request).
+             When the pool has too few free pages the request stays first in the queue (FIFO:
+             a big request is not starved by small ones) and is admitted once pages come back.
+             A request that could not fit even in an empty pool is rejected by `check_request`
+             (HTTP 400) naming the page counts and --num-pages.
+    prefill: the prompt is written into its pages in chunks (`Model.prefill_chunk`).
+    decode:  one token per step per decoding request (`Model.paged_decode_step`), written at its
+             position in its own pages; the batch is cut to the next power of two of the decoding
+             requests and the page table to the largest reservation among them (bucketed), so a
+             step costs what the running requests need, not max_slots x N_max.
+    free:    on finish, cancel, error and stop (`_free`, `_fail_all`), before the request's last
+             event is emitted, so a client that sees the end sees its pages back in the pool.
+
+Schedule, per engine iteration: drain inbox → admit (reserve pages, take a seat) → prefill chunks of
+up to `prefill_chunk` tokens, oldest admitted request first, until `prefill_chunk` prompt tokens are
+done (a long prompt takes several iterations; several short ones share one) → one decode step for every request whose prompt is complete. So a 4K-token prompt
+admitted while others stream delays each of their tokens by one chunk, not by its whole prefill.
+A request's first token is sampled from the logits at the last prompt token of its last chunk.
+
+Log-probabilities: generated-token logprobs as in `ContinuousBatcher`. A prompt_logprobs request
+(echo / lm-eval scoring) is prefilled whole by `Model.prefill(all_logits=True)`, as the slot engine
+does, and its KV scattered into its pages (`Model.write_prefill_pages`): a chunk step returns only
+the logits at the chunk's last token.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+
+import jax
+import numpy as np
+
+from models import Model
+
+from ..engine import bucket_prompt_len
+from ..kvcache import OutOfPages, PageConfig, PagedKVCache, bucket_pages
+from ..sampling import sample_tokens
+from .batcher import (BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent, _Running,
+                      logprob_rows, prompt_logprob_list)
+from .text_stream import TextStream
+
+log = logging.getLogger(__name__)
+
+
+class KVCapacityError(ContextLengthError):
+    """The request needs more KV pages than the whole pool holds."""
+
+
+def page_config(config: BatcherConfig) -> PageConfig:
+    """The pool `config` asks for: num_pages, or by default room for max_slots requests of
+    max_model_len tokens each (the slot layout's KV memory), plus the null page."""
+    if config.num_pages is not None:
+        return PageConfig(page_size=config.page_size, num_pages=config.num_pages)
+    per_request = -(-config.max_model_len // config.page_size)
+    return PageConfig(page_size=config.page_size, num_pages=config.max_slots * per_request + 1)
+
+
+def _bucket_rows(n: int, limit: int) -> int:
+    """Decode batch rows: 1 for a lone request (its step reads only its own pages), else `limit`
+    (max_slots). Two batch shapes keep the programs few enough to compile them all at warm-up: a
+    shape first met while serving compiles for seconds and stalls every stream."""
+    return 1 if n <= 1 else limit
+
+
+class _PagedRun(_Running):
+    """A seated request: its cache key and how much of its prompt is in its pages."""
+
+    def __init__(self, req: EngineRequest, stream: TextStream, seed: int, key: str):
+        super().__init__(req, stream, seed)
+        self.key = key
+        self.prefilled = 0  # prompt tokens already written to pages
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.req.prompt_token_ids)
+
+
+class PagedBatcher(ContinuousBatcher):
+    """ContinuousBatcher's interface over the paged KV cache, with chunked prefill."""
+
+    def __init__(self, model: Model, config: BatcherConfig = BatcherConfig(), metrics=None):
+        super().__init__(model, config, metrics)
+        self.page_cfg = page_config(config)
+        self.kv: PagedKVCache | None = None  # created by start(); the engine thread owns it afterwards
+        self._prefilling: collections.deque[int] = collections.deque()  # seats still prefilling, oldest first
+        self._next_key = 0
+        self._blocked: str | None = None  # request id last logged as waiting for pages
+
+    # ------------------------------------------------------------ any thread
+    def check_request(self, prompt_len: int, max_tokens: int):
+        """ContinuousBatcher's check, plus: the request must fit the page pool when it is empty."""
+        super().check_request(prompt_len, max_tokens)
+        pc = self.page_cfg
+        need = pc.pages_for(prompt_len + max_tokens)
+        if need > pc.usable_pages:
+            raise KVCapacityError(
+                f"the request needs {need} KV pages of {pc.page_size} tokens ({prompt_len} prompt + {max_tokens} "
+                f"max_tokens) but the paged KV cache holds only {pc.usable_pages} pages in all; raise --num-pages "
+                f"to at least {need + 1}, or shorten the prompt or lower max_tokens")
+
+    # Read by /metrics from the HTTP thread: plain attribute reads of the allocator's counters.
+    @property
+    def pages_in_use(self) -> int:
+        return self.kv.pages_in_use if self.kv is not None else 0
+
+    @property
+    def pages_free(self) -> int:
+        return self.kv.pages_free if self.kv is not None else self.page_cfg.usable_pages
+
+    @property
+    def bytes_in_use(self) -> int:
+        return self.kv.bytes_in_use if self.kv is not None else 0
+
+    def start(self):
+        if self._thread is not None:
+            raise RuntimeError("the engine is already started")
+        self.kv = self._new_cache()
+        if self.metrics is not None:
+            self.metrics.watch_kv_cache(self)
+        self._thread = threading.Thread(target=self._loop, name="jkv-engine", daemon=True)
+        self._thread.start()
+
+    def warmup(self):
+        """Compile every decode step the engine can run (1 or max_slots rows x each page-table width
+        up to max_model_len's: which requests decode together is a matter of timing, so any of them
+        may come up), the shortest prefill chunk and the sampler. Longer chunks compile when a
+        prompt of that size is first admitted (their shapes depend only on the prompt)."""
+        kv = self._new_cache()
+        T = min(bucket_prompt_len(1), self.config.prefill_chunk)
+        one = np.ones(1, np.int32)
+        widest = bucket_pages(self.page_cfg.pages_for(self.config.max_model_len))
+        widths = sorted({bucket_pages(n) for n in range(1, widest + 1)})
+        for width in widths:
+            for B in sorted({1, self.config.max_slots}):
+                table = np.zeros((B, width), np.int32)  # the null page: scratch, as for an idle row
+                z = np.zeros(B, np.int32)
+                logits, kv.kv = self.model.paged_decode_step(kv.kv, table, z, z)
+        logits, kv.kv = self.model.prefill_chunk(kv.kv, table[:1, :widths[0]], np.zeros((1, T), np.int32), z[:1], one)
+        for B in sorted({1, self.config.max_slots}):
+            z = np.zeros(B, np.int32)
+            sample_tokens(np.zeros((B, self.model.cfg.vocab_size), np.float32), np.ones(B, np.float32), z,
+                          np.ones(B, np.float32), z.astype(np.uint32), z)
+        jax.block_until_ready(logits)
+
+    def _new_cache(self) -> PagedKVCache:
+        return PagedKVCache(self.model.cfg, self.page_cfg)
+
+    # ------------------------------------------------------- engine thread
+    def _step(self):
+        self._admit()
+        self._prefill_some(self.config.prefill_chunk)
+        if any(r is not None and r.decoding for r in self._slots):
+            self._decode_one_step()
+
+    def _admit(self):
+        while self._waiting and None in self._slots:
+            req = self._waiting[0]
+            n = len(req.prompt_token_ids)
+            key = f"{req.request_id}#{self._next_key}"  # unique even if a client reuses request ids
+            try:
+                self.kv.reserve(key, n if req.prompt_only else n + req.params.max_tokens)
+            except OutOfPages as e:
+                self.kv.free(key)  # drop the empty entry the failed reserve left
+                if self._blocked != req.request_id:  # once per request, not once per step
+                    self._blocked = req.request_id
+                    log.info("request %s waits for KV pages: needs %d, %d free (%d in use)", req.request_id,
+                             e.needed, e.free, self.kv.pages_in_use)
+                return
+            self._next_key += 1
+            self._waiting.popleft()
+            p = req.params
+            seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**31))
+            slot = self._slots.index(None)
+            self._slots[slot] = _PagedRun(req, TextStream(self.model.tokenizer, p, self.eos_ids), seed, key)
+            self._steps[slot] = 0
+            self._prefilling.append(slot)
+            with self._lock:
+                self._n_waiting -= 1
+                self._n_running += 1
+            self._set_gauges()
+
+    def _prefill_some(self, budget: int):
+        """Prefill chunks, oldest admitted request first, while `budget` prompt tokens last.
+
+        A chunk is min(rest of the prompt, prefill_chunk) tokens, never a leftover of the budget:
+        then a prompt's chunk shapes do not depend on what else arrived with it, and the shapes the
+        warm-up traffic compiled are the ones served (a new shape compiles mid-serving, for seconds).
+        """
+        while budget > 0 and self._prefilling:
+            slot = self._prefilling[0]
+            run = self._slots[slot]
+            n_chunk = min(len(run.req.prompt_token_ids) - run.prefilled, self.config.prefill_chunk)
+            if run.req.prompt_logprobs is not None:
+                n_chunk = len(run.req.prompt_token_ids)  # scored whole: all-position logits (see _prefill_scored)
+            try:
+                if run.req.prompt_logprobs is not None:
+                    self._prefill_scored(slot, run)
+                else:
+                    self._prefill_chunk(slot, run, n_chunk)
+            except Exception as e:
+                log.exception("prefill of %s failed", run.req.request_id)
+                self._free(slot, "error", error=f"prefill failed: {e}")
+            budget -= n_chunk
+
+    def _prefill_chunk(self, slot: int, run: _PagedRun, n_chunk: int):
+        """Write prompt tokens [prefilled, prefilled + n_chunk) into the request's pages."""
+        ids = run.req.prompt_token_ids
+        start = run.prefilled
+        T = min(bucket_prompt_len(n_chunk), self.config.prefill_chunk)
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, :n_chunk] = ids[start:start + n_chunk]
+        # The whole reserved table (bucketed): every chunk of a prompt then runs one compiled program
+        # instead of one per context-width bucket it passes through (an XLA compile mid-serving
+        # stalls every stream for seconds); the pages past the chunk are masked.
+        table = self.kv.table([run.key])
+        logits, self.kv.kv = self.model.prefill_chunk(self.kv.kv, table, tokens, np.array([start], np.int32),
+                                                      np.array([n_chunk], np.int32))
+        run.prefilled += n_chunk
+        if run.decoding:
+            self._prefilling.popleft()
+            self._prefill_done(slot, run, logits)
+
+    def _prefill_scored(self, slot: int, run: _PagedRun):
+        """A prompt_logprobs request is prefilled whole, as ContinuousBatcher does: its scores need
+        the logits of every prompt position, which a chunk step does not return. Its KV is then
+        scattered into its pages. (Scoring requests are short, lm-eval style; they do stall the
+        running streams for one prefill.)"""
+        ids = run.req.prompt_token_ids
+        n = len(ids)
+        tokens = np.zeros((1, bucket_prompt_len(n)), np.int32)
+        tokens[0, :n] = ids
+        logits, kv = self.model.prefill(tokens, np.array([n], np.int32), all_logits=True)
+        self.kv.kv = self.model.write_prefill_pages(self.kv.kv, self.kv.table([run.key]), kv, np.array([n], np.int32))
+        run.prompt_logprobs = prompt_logprob_list(logits[0], ids, run.req.prompt_logprobs)
+        run.prefilled = n
+        self._prefilling.remove(slot)
+        self._prefill_done(slot, run, logits[:, n - 1])
+
+    def _prefill_done(self, slot: int, run: _PagedRun, logits):
+        """The whole prompt is in pages: sample the first token (or finish an echo-scoring request)."""
+        req = run.req
+        n = len(req.prompt_token_ids)
+        if self.metrics is not None:
+            self.metrics.observe_prefill(n)
+        if req.prompt_only:  # scored, nothing to generate: the same single event as ContinuousBatcher's
+            self._release(slot)
+            if self.metrics is not None:
+                self.metrics.observe_finished("length", [])
+            self._send(req, StreamEvent(req.request_id, finish_reason="length", prompt_tokens=n, final_text="",
+                                        logprobs=[], prompt_logprobs=run.take_prompt_logprobs()))
+            self._set_gauges()
+            return
+        p = req.params
+        first = self._pick(logits, np.array([p.temperature], np.float32), np.array([p.top_k], np.int32),
+                           np.array([p.top_p], np.float32), np.array([run.seed], np.uint32), np.zeros(1, np.int32))
+        self._tokens[slot] = first[0]
+        self._positions[slot] = n
+        if req.logprobs is not None:
+            run.logprobs.extend(logprob_rows(logits, first, [req.logprobs]))
+        self._emit_token(slot, int(first[0]))
+
+    def _decode_one_step(self):
+        rows = [s for s, r in enumerate(self._slots) if r is not None and r.decoding]
+        B = _bucket_rows(len(rows), self.config.max_slots)
+        pad = B - len(rows)
+        # Width: bucket_pages of the largest reservation (prompt + max_tokens) in the batch, so the cost
+        # follows the running requests' own lengths, and a request's width is fixed for its life: a
+        # width that followed the live position would cross a bucket (and compile a new program, a
+        # seconds-long stall of every stream) every doubling. Idle rows (None) use the null page.
+        table = self.kv.table([self._slots[s].key for s in rows] + [None] * pad)
+        tokens = np.pad(self._tokens[rows], (0, pad))
+        positions = np.pad(self._positions[rows], (0, pad))
+        logits, self.kv.kv = self.model.paged_decode_step(self.kv.kv, table, tokens, positions)
+        self._steps[rows] += 1
+        runs = [self._slots[s] for s in rows] + [None] * pad
+        params = [r.req.params if r is not None else None for r in runs]
+        temperature = np.array([p.temperature if p else 0.0 for p in params], np.float32)
+        top_k = np.array([p.top_k if p else 0 for p in params], np.int32)
+        top_p = np.array([p.top_p if p else 1.0 for p in params], np.float32)
+        seeds = np.array([r.seed if r else 0 for r in runs], np.uint32)
+        steps = np.pad(self._steps[rows], (0, pad))
+        next_tok = self._pick(logits, temperature, top_k, top_p, seeds, steps)
+        wanted = [i for i, r in enumerate(runs) if r is not None and r.req.logprobs is not None]
+        if wanted:
+            lp = logprob_rows(logits, next_tok, [runs[i].req.logprobs if i in wanted else 0 for i in range(B)])
+            for i in wanted:
+                runs[i].logprobs.append(lp[i])
+        for i, s in enumerate(rows):
+            self._positions[s] += 1
+            self._tokens[s] = next_tok[i]
+            self._emit_token(s, int(next_tok[i]))
+
+    def _free(self, slot: int, reason: str, delta: str = "", error: str | None = None):
+        run = self._slots[slot]
+        if slot in self._prefilling:
+            self._prefilling.remove(slot)
+        self.kv.free(run.key)  # before the last event: a client that sees the end sees the pages back
+        super()._free(slot, reason, delta, error)
+
+    def _release(self, slot: int):
+        """Give back a seat and its pages without an event (the caller sends it)."""
+        self.kv.free(self._slots[slot].key)
+        self._slots[slot] = None
+        with self._lock:
+            self._n_running -= 1
+
+    def _fail_all(self, message: str):
+        for slot, run in enumerate(self._slots):
+            if run is not None:
+                self.kv.free(run.key)
+        self._prefilling.clear()
+        super()._fail_all(message)
+
+
+__all__ = ["PagedBatcher", "KVCapacityError", "page_config", "StreamEvent"]
