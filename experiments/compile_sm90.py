@@ -123,6 +123,10 @@ def program_cases() -> list[Case]:
     dense_fn, dense_avals = dp.dense_decode_program(cfg, batch=8, n_max=4096)
     cases = [Case("decode_step[dense xla]", f"{geometry} B=8 N=4096", dense_fn, dense_avals,
                   donate=(1,))]
+    paged_fn, paged_avals = dp.paged_decode_program(cfg, batch=8, num_pages=2049, page_size=16, max_pages=256)
+    # the step DenseEngine and the serve batcher run, with the Mosaic paged kernel a Hopper GPU takes
+    cases.append(Case("decode_step[paged mosaic]", f"{geometry} B=8 P=16 pages=2049 table=256",
+                      paged_fn, paged_avals, backend="mosaic", donate=(1,)))
     sparse_fn, sparse_avals = dp.sparse_decode_layer_program(cfg, batch=8, n_max=4096)
     for backend in ("mosaic", "pallas", "xla"):
         cases.append(Case(f"sparse_decode_layer[{backend}]", f"{geometry} B=8 N=4096 k=20%",

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from models import transformer as tfm
+from models import paged, transformer as tfm
 from models.config import ModelConfig
 from models.model import tiny_config
 from pallas_kernels import dispatch
@@ -58,6 +58,27 @@ def dense_decode_program(cfg: ModelConfig, batch: int = 8, n_max: int = 4096
         return logits, tfm.write_decode_kv(cache, new_k, new_v, positions)
 
     return step, (param_avals(cfg), cache, ids, ids)
+
+
+def paged_decode_program(cfg: ModelConfig, batch: int = 8, num_pages: int = 2049, page_size: int = 16,
+                         max_pages: int = 256) -> tuple[Callable, tuple]:
+    """One dense decode step on the paged KV cache (models/paged.py, what DenseEngine and the
+    serve batcher run): (params, cache, page_table i32[B, max_pages], tokens i32[B], positions
+    i32[B]) -> (logits f32[B, V], cache with the step's k/v written into its page slots).
+    cache: per layer (K, V), each [num_pages, H_kv, P, D]; donated, as Model.paged_decode_step
+    does. Attention goes through dispatch.paged_decode_attention_partials (the Mosaic paged
+    kernel under backend mosaic)."""
+    dtype = jnp.dtype(cfg.dtype)
+    kv = jax.ShapeDtypeStruct((num_pages, cfg.num_kv_heads, page_size, cfg.head_dim), dtype)
+    cache = tuple((kv, kv) for _ in range(cfg.num_layers))
+    ids = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    table = jax.ShapeDtypeStruct((batch, max_pages), jnp.int32)
+
+    def step(params, cache, page_table, tokens, positions):
+        logits, new_k, new_v = paged.paged_decode_step_compute(cfg, params, cache, page_table, tokens, positions)
+        return logits, paged.paged_write(cache, page_table, positions, new_k, new_v)
+
+    return step, (param_avals(cfg), cache, table, ids, ids)
 
 
 def sparse_decode_layer_program(cfg: ModelConfig, batch: int = 8, n_max: int = 4096,
