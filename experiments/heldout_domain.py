@@ -1,20 +1,22 @@
-"""InfiniGen's and HATA's fidelity on a domain kept out of calibration (issue 23, reduced version).
+"""InfiniGen's and HATA's fidelity on a domain kept out of calibration (issue 23).
 
-InfiniGen's skew is fitted twice: (A) the default, one 256+32-token window of the documentation
-corpus' calibration split (jkv.disagg.selectors.build_selector); (B) a broader mix: that window plus
-a 1024+32 corpus window and two windows of Python stdlib code (512+32 and 1024+32 tokens from the
-first half of the stdlib files). Fidelity (teacher-forced top-1 agreement with dense over 31
-positions, jkv.eval.fidelity) is measured at max_ratio 0.2 (no budget floor) on
-  - held-out prose: the licence texts of /usr/share/common-licenses (in neither calibration), and
-  - code: stdlib files of the second half of the list (code is in B's calibration, not A's),
-against Oracle on the same samples (the paired gap). HATA's hashes are trained twice
-(train_projection_windows, --hata-steps steps per window): (A) default: as `jkv train-hata` builds
-them, on 4 calibration windows of the corpus (1024-token prompt + 192 decode queries each); (B) mix:
-on the same four Calibration windows InfiniGen-mix pools (corpus 256+32 and 1024+32, code 512+32 and
-1024+32), in turn. Training time is logged ("hata_* trained in").
+InfiniGen's skew is fitted three ways: (A) default, one 256+32-token window of the documentation
+corpus' calibration split (jkv.disagg.selectors.build_selector); (B) small mix: that window plus a
+1024+32 corpus window and two windows of Python stdlib code (512+32 and 1024+32 tokens, calibration
+half of the stdlib files, jkv.corpus.code_text); (C) broad mix: window (A) plus
+calibration.MIX_WINDOWS (code and corpus prose at 1024 and 2048 tokens, 192 decode queries each:
+768 queries). Queries and keys are pooled per layer. HATA's hashes are trained
+(train_projection_windows, --hata-steps steps per window, windows in turn) twice: default as `jkv
+train-hata` builds them, on 4 corpus windows of 1024 + 192 (768 queries); broad: on MIX_WINDOWS
+(768 queries; `jkv train-hata --calibration mix`). --old-hata-mix adds HATA on the small mix (128
+queries). Fidelity (teacher-forced top-1 agreement with dense over 31 positions,
+jkv.eval.fidelity) is measured at max_ratio 0.2 (no budget floor) on
+  - held-out prose: the licence texts of /usr/share/common-licenses (in no calibration), and
+  - code: the evaluation half of the stdlib files (unseen files; code is in the mixes, not the defaults),
+against Oracle on the same samples (the paired gap). Training time is logged ("trained in").
 
-    nice -n 10 python experiments/heldout_domain.py --lengths 1024,2048 --samples 8 --hata-steps 150 \
-        --hata-cache /tmp/hd/proj --csv experiments/results/heldout_domain_{k}.csv
+    nice -n 10 python experiments/heldout_domain.py --lengths 2048,1024 --samples 16 --hata-steps 150 \
+        --hata-cache /tmp/hd2/proj --csv experiments/results/heldout_domain_{k}.csv
 """
 from __future__ import annotations
 
@@ -31,12 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.common import add_model_arg, setup_logging, write_csv
 
-from jkv.corpus import stdlib_sources
+from jkv.corpus import code_text
 from jkv.eval.fidelity import fidelity_metrics
 from jkv.selection import get_selector
-from jkv.selection.calibration import calibration_tokens, calibration_windows, collect_calibration
+from jkv.selection.calibration import (calibration_tokens, calibration_windows, collect_calibration,
+                                       mixed_calibration_windows)
 from jkv.selection.hata_train import HATATrainConfig, train_projection_windows
-from jkv.selection.infinigen import InfiniGen, InfiniGenConfig, fit_skew
+from jkv.selection.infinigen import InfiniGen, InfiniGenConfig
 from jkv.selection.simple import Dense
 from jkv.selection.sparse_decode import decode, prefill_to_host
 from models import load_model
@@ -50,12 +53,6 @@ def licence_text() -> str:
     if not paths:
         raise FileNotFoundError("no /usr/share/common-licenses texts on this machine (the held-out prose)")
     return "\n\n".join(open(p, encoding="utf-8", errors="replace").read() for p in paths)
-
-
-def code_text(half: int) -> str:
-    files = stdlib_sources()
-    chosen = files[: len(files) // 2] if half == 0 else files[len(files) // 2:]
-    return "\n\n".join(open(p, encoding="utf-8", errors="replace").read() for p in chosen)
 
 
 def windows(ids: list[int], length: int, count: int) -> list[tuple[list[int], np.ndarray]]:
@@ -72,7 +69,7 @@ def mix_calibration(model) -> list:
     """The prose+code calibration mix: the default 256+32 corpus window, a 1024+32 corpus window
     and two stdlib code windows (512+32, 1024+32) from the first half of the files."""
     corpus = calibration_tokens(model, 1056 + 288)
-    code = model.tokenizer.encode(code_text(0))
+    code = model.tokenizer.encode(code_text("calibration"))
     return [collect_calibration(model, corpus[:288], 256, 32),
             collect_calibration(model, corpus[288:288 + 1056], 1024, 32),
             collect_calibration(model, code[:544], 512, 32),
@@ -80,11 +77,8 @@ def mix_calibration(model) -> list:
 
 
 def mixed_skew(model, config: InfiniGenConfig, cals: list | None = None) -> InfiniGen:
-    cals = cals if cals is not None else mix_calibration(model)
-    skew = [fit_skew(np.concatenate([c.queries[layer] for c in cals]),
-                     np.concatenate([c.keys[layer] for c in cals]), config.partial_ratio)
-            for layer in range(model.cfg.num_layers)]
-    return InfiniGen(config, skew)
+    """InfiniGen with its skew fitted on the queries and keys of `cals` pooled per layer."""
+    return InfiniGen.from_calibration(config, cals if cals is not None else mix_calibration(model))
 
 
 def trained_hata(cals, steps: int, label: str, cache: str | None = None):
@@ -113,6 +107,8 @@ def main(argv=None):
                    help="HATA training steps per calibration window (accuracy.py's 150; `jkv train-hata`: 300)")
     p.add_argument("--hata-windows", type=int, default=4, help="corpus windows (1024+192) of the default HATA")
     p.add_argument("--no-hata", action="store_true", help="InfiniGen and Oracle only")
+    p.add_argument("--old-hata-mix", action="store_true",
+                   help="also HATA trained on the small mix (128 queries; the 8-window run's hata_mix)")
     p.add_argument("--hata-cache", default=None,
                    help="path prefix: keep/reuse the trained projections as PREFIX_{default,mix}_STEPS.npy")
     p.add_argument("--csv", default=None, help="output CSV; '{k}' in it is replaced per length (1k, 2k), "
@@ -123,15 +119,20 @@ def main(argv=None):
     from jkv.disagg.selectors import build_selector
 
     domains = {"licence_prose (held out)": model.tokenizer.encode(licence_text()),
-               "stdlib_code (in mix)": model.tokenizer.encode(code_text(1))}
+               "stdlib_code (in mix)": model.tokenizer.encode(code_text("eval"))}
     lengths = [int(x) for x in args.lengths.split(",")]
     for length in lengths:  # fail before the fitting if a domain is too short
         for domain, ids in domains.items():
             windows(ids, length, args.samples)
     mix = mix_calibration(model)
+    start = time.perf_counter()
+    broad = mixed_calibration_windows(model)  # calibration.MIX_WINDOWS: code and prose at 1K and 2K
+    log.info("broad calibration: %d windows in %.1fs", len(broad), time.perf_counter() - start)
+    default_cal = mix[0]  # build_selector's own 256+32 corpus window
     selectors = {"oracle": get_selector("oracle", max_ratio=0.2),
                  "infinigen_default": build_selector(model, "infinigen"),
-                 "infinigen_mix": mixed_skew(model, InfiniGenConfig(), mix)}
+                 "infinigen_mix": mixed_skew(model, InfiniGenConfig(), mix),
+                 "infinigen_broad": mixed_skew(model, InfiniGenConfig(), [default_cal] + broad)}
     if not args.no_hata:
         # build_selector(model, "hata") needs trained weights: train them as `jkv train-hata` does.
         def corpus():
@@ -142,8 +143,11 @@ def main(argv=None):
         cache = args.hata_cache
         selectors["hata_default"] = trained_hata(corpus, args.hata_steps, "hata_default",
                                                  cache and f"{cache}_default_{args.hata_steps}.npy")
-        selectors["hata_mix"] = trained_hata(lambda: mix, args.hata_steps, "hata_mix",
-                                             cache and f"{cache}_mix_{args.hata_steps}.npy")
+        if args.old_hata_mix:
+            selectors["hata_mix"] = trained_hata(lambda: mix, args.hata_steps, "hata_mix",
+                                                 cache and f"{cache}_mix_{args.hata_steps}.npy")
+        selectors["hata_broad"] = trained_hata(lambda: broad, args.hata_steps, "hata_broad",
+                                               cache and f"{cache}_broad_{args.hata_steps}.npy")
     rows = []
     for length in lengths:
         for domain, ids in domains.items():
