@@ -97,6 +97,18 @@ def trained_hata(cals, steps: int, label: str, cache: str | None = None):
     return get_selector("hata", projection=projection)
 
 
+def cached_skew(fit, cache: str | None = None) -> InfiniGen:
+    """InfiniGen from `fit()`, its skew f32[L, H_kv, D, d_p] kept in `cache` (.npy) when given and
+    loaded from it when it exists (the broad calibration then need not be collected again)."""
+    if cache and os.path.exists(cache):
+        log.info("InfiniGen skew loaded from %s", cache)
+        return InfiniGen(InfiniGenConfig(), list(np.load(cache)))
+    selector = fit()
+    if cache:
+        np.save(cache, np.stack([np.asarray(s) for s in selector.skew]))
+    return selector
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(p)
@@ -106,13 +118,13 @@ def main(argv=None):
     p.add_argument("--hata-steps", type=int, default=150,
                    help="HATA training steps per calibration window (accuracy.py's 150; `jkv train-hata`: 300)")
     p.add_argument("--hata-windows", type=int, default=4, help="corpus windows (1024+192) of the default HATA")
-    p.add_argument("--no-hata", action="store_true", help="InfiniGen and Oracle only")
-    p.add_argument("--old-hata-mix", action="store_true",
-                   help="also HATA trained on the small mix (128 queries; the 8-window run's hata_mix)")
+    p.add_argument("--selectors", default="oracle,infinigen_default,infinigen_mix,infinigen_broad,hata_default,"
+                   "hata_broad", help="comma list; also hata_mix (HATA on the small mix, 128 queries)")
     p.add_argument("--hata-cache", default=None,
-                   help="path prefix: keep/reuse the trained projections as PREFIX_{default,mix}_STEPS.npy")
+                   help="path prefix: keep/reuse the trained projections as PREFIX_{default,mix,broad}_STEPS.npy "
+                   "and InfiniGen-broad's skew as PREFIX_infinigen_broad.npy")
     p.add_argument("--csv", default=None, help="output CSV; '{k}' in it is replaced per length (1k, 2k), "
-                   "each file written as soon as its length is done")
+                   "each file rewritten after every batch")
     args = p.parse_args(argv)
     setup_logging()
     model = load_model(args.model)
@@ -124,35 +136,61 @@ def main(argv=None):
     for length in lengths:  # fail before the fitting if a domain is too short
         for domain, ids in domains.items():
             windows(ids, length, args.samples)
-    mix = mix_calibration(model)
-    start = time.perf_counter()
-    broad = mixed_calibration_windows(model)  # calibration.MIX_WINDOWS: code and prose at 1K and 2K
-    log.info("broad calibration: %d windows in %.1fs", len(broad), time.perf_counter() - start)
-    default_cal = mix[0]  # build_selector's own 256+32 corpus window
-    selectors = {"oracle": get_selector("oracle", max_ratio=0.2),
-                 "infinigen_default": build_selector(model, "infinigen"),
-                 "infinigen_mix": mixed_skew(model, InfiniGenConfig(), mix),
-                 "infinigen_broad": mixed_skew(model, InfiniGenConfig(), [default_cal] + broad)}
-    if not args.no_hata:
-        # build_selector(model, "hata") needs trained weights: train them as `jkv train-hata` does.
-        def corpus():
+    memo = {}
+
+    def once(key, build):
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
+
+    def mix():
+        return once("mix", lambda: mix_calibration(model))
+
+    def broad():
+        def build():
             start = time.perf_counter()
-            cals = calibration_windows(model, args.hata_windows, 1024, 192)
-            log.info("HATA default calibration: %d windows in %.1fs", len(cals), time.perf_counter() - start)
+            cals = mixed_calibration_windows(model)  # calibration.MIX_WINDOWS: code and prose at 1K and 2K
+            log.info("broad calibration: %d windows in %.1fs", len(cals), time.perf_counter() - start)
             return cals
-        cache = args.hata_cache
-        selectors["hata_default"] = trained_hata(corpus, args.hata_steps, "hata_default",
-                                                 cache and f"{cache}_default_{args.hata_steps}.npy")
-        if args.old_hata_mix:
-            selectors["hata_mix"] = trained_hata(lambda: mix, args.hata_steps, "hata_mix",
-                                                 cache and f"{cache}_mix_{args.hata_steps}.npy")
-        selectors["hata_broad"] = trained_hata(lambda: broad, args.hata_steps, "hata_broad",
-                                               cache and f"{cache}_broad_{args.hata_steps}.npy")
+        return once("broad", build)
+
+    def corpus():
+        start = time.perf_counter()
+        cals = calibration_windows(model, args.hata_windows, 1024, 192)
+        log.info("HATA default calibration: %d windows in %.1fs", len(cals), time.perf_counter() - start)
+        return cals
+
+    cache = args.hata_cache
+    factories = {
+        "oracle": lambda: get_selector("oracle", max_ratio=0.2),
+        "infinigen_default": lambda: build_selector(model, "infinigen"),
+        "infinigen_mix": lambda: mixed_skew(model, InfiniGenConfig(), mix()),
+        # mix()[0] is build_selector's own 256+32 corpus window
+        "infinigen_broad": lambda: cached_skew(lambda: mixed_skew(model, InfiniGenConfig(), [mix()[0]] + broad()),
+                                               cache and f"{cache}_infinigen_broad.npy"),
+        # build_selector(model, "hata") needs trained weights: train them as `jkv train-hata` does.
+        "hata_default": lambda: trained_hata(corpus, args.hata_steps, "hata_default",
+                                             cache and f"{cache}_default_{args.hata_steps}.npy"),
+        "hata_mix": lambda: trained_hata(mix, args.hata_steps, "hata_mix",
+                                         cache and f"{cache}_mix_{args.hata_steps}.npy"),
+        "hata_broad": lambda: trained_hata(broad, args.hata_steps, "hata_broad",
+                                           cache and f"{cache}_broad_{args.hata_steps}.npy"),
+    }
+    names = args.selectors.split(",")
+    unknown = [n for n in names if n not in factories]
+    if unknown or "oracle" not in names:
+        raise SystemExit(f"--selectors {args.selectors!r}: unknown {unknown} or no 'oracle' (the pairing); "
+                         f"valid: {', '.join(factories)}")
+    selectors = {name: factories[name]() for name in names}
     rows = []
     for length in lengths:
-        for domain, ids in domains.items():
-            samples = windows(ids, length, args.samples)
-            for b0 in range(0, len(samples), args.batch):
+        csv = args.csv and "{k}" in args.csv and args.csv.replace(
+            "{k}", f"{length // 1024}k" if length % 1024 == 0 else str(length))
+        # Domains alternate batch by batch, and the CSV is rewritten after each batch, so a run
+        # stopped early still holds paired rows of both domains.
+        for b0 in range(0, args.samples, args.batch):
+            for domain, ids in domains.items():
+                samples = windows(ids, length, args.samples)
                 batch = samples[b0:b0 + args.batch]
                 prompts = [s[0] for s in batch]
                 forced = np.stack([s[1] for s in batch])
@@ -166,9 +204,8 @@ def main(argv=None):
                         m = fidelity_metrics(dense.logits[i, 1:], out.logits[i, 1:], forced[i, 1:])
                         rows.append(dict(length=length, domain=domain, sample=b0 + i, selector=name, **m))
                 log.info("%s @%d: samples %d-%d done", domain, length, b0, b0 + len(batch) - 1)
-        if args.csv and "{k}" in args.csv:
-            write_csv(args.csv.replace("{k}", f"{length // 1024}k" if length % 1024 == 0 else str(length)),
-                      [r for r in rows if r["length"] == length])
+                if csv:
+                    write_csv(csv, [r for r in rows if r["length"] == length])
     print(f"{'domain':<26}{'len':>6} {'selector':<19}{'top1':>7}{'gap to oracle':>15}{'KL':>9}")
     for length in sorted({r["length"] for r in rows}):
         for domain in domains:
