@@ -1,20 +1,22 @@
-"""InfiniGen's and HATA's fidelity on a domain kept out of calibration (issue 23, reduced version).
+"""InfiniGen's and HATA's fidelity on a domain kept out of calibration (issue 23).
 
-InfiniGen's skew is fitted twice: (A) the default, one 256+32-token window of the documentation
-corpus' calibration split (jkv.disagg.selectors.build_selector); (B) a broader mix: that window plus
-a 1024+32 corpus window and two windows of Python stdlib code (512+32 and 1024+32 tokens from the
-first half of the stdlib files). Fidelity (teacher-forced top-1 agreement with dense over 31
-positions, jkv.eval.fidelity) is measured at max_ratio 0.2 (no budget floor) on
-  - held-out prose: the licence texts of /usr/share/common-licenses (in neither calibration), and
-  - code: stdlib files of the second half of the list (code is in B's calibration, not A's),
-against Oracle on the same samples (the paired gap). HATA's hashes are trained twice
-(train_projection_windows, --hata-steps steps per window): (A) default: as `jkv train-hata` builds
-them, on 4 calibration windows of the corpus (1024-token prompt + 192 decode queries each); (B) mix:
-on the same four Calibration windows InfiniGen-mix pools (corpus 256+32 and 1024+32, code 512+32 and
-1024+32), in turn. Training time is logged ("hata_* trained in").
+InfiniGen's skew is fitted three ways: (A) default, one 256+32-token window of the documentation
+corpus' calibration split (jkv.disagg.selectors.build_selector); (B) small mix: that window plus a
+1024+32 corpus window and two windows of Python stdlib code (512+32 and 1024+32 tokens, calibration
+half of the stdlib files, jkv.corpus.code_text); (C) broad mix: window (A) plus
+calibration.MIX_WINDOWS (code and corpus prose at 1024 and 2048 tokens, 192 decode queries each:
+768 queries). Queries and keys are pooled per layer. HATA's hashes are trained
+(train_projection_windows, --hata-steps steps per window, windows in turn) twice: default as `jkv
+train-hata` builds them, on 4 corpus windows of 1024 + 192 (768 queries); broad: on MIX_WINDOWS
+(768 queries; `jkv train-hata --calibration mix`). --old-hata-mix adds HATA on the small mix (128
+queries). Fidelity (teacher-forced top-1 agreement with dense over 31 positions,
+jkv.eval.fidelity) is measured at max_ratio 0.2 (no budget floor) on
+  - held-out prose: the licence texts of /usr/share/common-licenses (in no calibration), and
+  - code: the evaluation half of the stdlib files (unseen files; code is in the mixes, not the defaults),
+against Oracle on the same samples (the paired gap). Training time is logged ("trained in").
 
-    nice -n 10 python experiments/heldout_domain.py --lengths 1024,2048 --samples 8 --hata-steps 150 \
-        --hata-cache /tmp/hd/proj --csv experiments/results/heldout_domain_{k}.csv
+    nice -n 10 python experiments/heldout_domain.py --lengths 2048,1024 --samples 16 --hata-steps 150 \
+        --hata-cache /tmp/hd2/proj --csv experiments/results/heldout_domain_{k}.csv
 """
 from __future__ import annotations
 
@@ -31,12 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from experiments.common import add_model_arg, setup_logging, write_csv
 
-from jkv.corpus import stdlib_sources
+from jkv.corpus import code_text
 from jkv.eval.fidelity import fidelity_metrics
 from jkv.selection import get_selector
-from jkv.selection.calibration import calibration_tokens, calibration_windows, collect_calibration
+from jkv.selection.calibration import (calibration_tokens, calibration_windows, collect_calibration,
+                                       mixed_calibration_windows)
 from jkv.selection.hata_train import HATATrainConfig, train_projection_windows
-from jkv.selection.infinigen import InfiniGen, InfiniGenConfig, fit_skew
+from jkv.selection.infinigen import InfiniGen, InfiniGenConfig
 from jkv.selection.simple import Dense
 from jkv.selection.sparse_decode import decode, prefill_to_host
 from models import load_model
@@ -50,12 +53,6 @@ def licence_text() -> str:
     if not paths:
         raise FileNotFoundError("no /usr/share/common-licenses texts on this machine (the held-out prose)")
     return "\n\n".join(open(p, encoding="utf-8", errors="replace").read() for p in paths)
-
-
-def code_text(half: int) -> str:
-    files = stdlib_sources()
-    chosen = files[: len(files) // 2] if half == 0 else files[len(files) // 2:]
-    return "\n\n".join(open(p, encoding="utf-8", errors="replace").read() for p in chosen)
 
 
 def windows(ids: list[int], length: int, count: int) -> list[tuple[list[int], np.ndarray]]:
@@ -72,7 +69,7 @@ def mix_calibration(model) -> list:
     """The prose+code calibration mix: the default 256+32 corpus window, a 1024+32 corpus window
     and two stdlib code windows (512+32, 1024+32) from the first half of the files."""
     corpus = calibration_tokens(model, 1056 + 288)
-    code = model.tokenizer.encode(code_text(0))
+    code = model.tokenizer.encode(code_text("calibration"))
     return [collect_calibration(model, corpus[:288], 256, 32),
             collect_calibration(model, corpus[288:288 + 1056], 1024, 32),
             collect_calibration(model, code[:544], 512, 32),
@@ -80,11 +77,8 @@ def mix_calibration(model) -> list:
 
 
 def mixed_skew(model, config: InfiniGenConfig, cals: list | None = None) -> InfiniGen:
-    cals = cals if cals is not None else mix_calibration(model)
-    skew = [fit_skew(np.concatenate([c.queries[layer] for c in cals]),
-                     np.concatenate([c.keys[layer] for c in cals]), config.partial_ratio)
-            for layer in range(model.cfg.num_layers)]
-    return InfiniGen(config, skew)
+    """InfiniGen with its skew fitted on the queries and keys of `cals` pooled per layer."""
+    return InfiniGen.from_calibration(config, cals if cals is not None else mix_calibration(model))
 
 
 def trained_hata(cals, steps: int, label: str, cache: str | None = None):
@@ -103,6 +97,18 @@ def trained_hata(cals, steps: int, label: str, cache: str | None = None):
     return get_selector("hata", projection=projection)
 
 
+def cached_skew(fit, cache: str | None = None) -> InfiniGen:
+    """InfiniGen from `fit()`, its skew f32[L, H_kv, D, d_p] kept in `cache` (.npy) when given and
+    loaded from it when it exists (the broad calibration then need not be collected again)."""
+    if cache and os.path.exists(cache):
+        log.info("InfiniGen skew loaded from %s", cache)
+        return InfiniGen(InfiniGenConfig(), list(np.load(cache)))
+    selector = fit()
+    if cache:
+        np.save(cache, np.stack([np.asarray(s) for s in selector.skew]))
+    return selector
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(p)
@@ -112,43 +118,79 @@ def main(argv=None):
     p.add_argument("--hata-steps", type=int, default=150,
                    help="HATA training steps per calibration window (accuracy.py's 150; `jkv train-hata`: 300)")
     p.add_argument("--hata-windows", type=int, default=4, help="corpus windows (1024+192) of the default HATA")
-    p.add_argument("--no-hata", action="store_true", help="InfiniGen and Oracle only")
+    p.add_argument("--selectors", default="oracle,infinigen_default,infinigen_mix,infinigen_broad,hata_default,"
+                   "hata_broad", help="comma list; also hata_mix (HATA on the small mix, 128 queries)")
     p.add_argument("--hata-cache", default=None,
-                   help="path prefix: keep/reuse the trained projections as PREFIX_{default,mix}_STEPS.npy")
+                   help="path prefix: keep/reuse the trained projections as PREFIX_{default,mix,broad}_STEPS.npy "
+                   "and InfiniGen-broad's skew as PREFIX_infinigen_broad.npy")
     p.add_argument("--csv", default=None, help="output CSV; '{k}' in it is replaced per length (1k, 2k), "
-                   "each file written as soon as its length is done")
+                   "each file rewritten after every batch")
     args = p.parse_args(argv)
     setup_logging()
     model = load_model(args.model)
     from jkv.disagg.selectors import build_selector
 
     domains = {"licence_prose (held out)": model.tokenizer.encode(licence_text()),
-               "stdlib_code (in mix)": model.tokenizer.encode(code_text(1))}
+               "stdlib_code (in mix)": model.tokenizer.encode(code_text("eval"))}
     lengths = [int(x) for x in args.lengths.split(",")]
     for length in lengths:  # fail before the fitting if a domain is too short
         for domain, ids in domains.items():
             windows(ids, length, args.samples)
-    mix = mix_calibration(model)
-    selectors = {"oracle": get_selector("oracle", max_ratio=0.2),
-                 "infinigen_default": build_selector(model, "infinigen"),
-                 "infinigen_mix": mixed_skew(model, InfiniGenConfig(), mix)}
-    if not args.no_hata:
-        # build_selector(model, "hata") needs trained weights: train them as `jkv train-hata` does.
-        def corpus():
+    memo = {}
+
+    def once(key, build):
+        if key not in memo:
+            memo[key] = build()
+        return memo[key]
+
+    def mix():
+        return once("mix", lambda: mix_calibration(model))
+
+    def broad():
+        def build():
             start = time.perf_counter()
-            cals = calibration_windows(model, args.hata_windows, 1024, 192)
-            log.info("HATA default calibration: %d windows in %.1fs", len(cals), time.perf_counter() - start)
+            cals = mixed_calibration_windows(model)  # calibration.MIX_WINDOWS: code and prose at 1K and 2K
+            log.info("broad calibration: %d windows in %.1fs", len(cals), time.perf_counter() - start)
             return cals
-        cache = args.hata_cache
-        selectors["hata_default"] = trained_hata(corpus, args.hata_steps, "hata_default",
-                                                 cache and f"{cache}_default_{args.hata_steps}.npy")
-        selectors["hata_mix"] = trained_hata(lambda: mix, args.hata_steps, "hata_mix",
-                                             cache and f"{cache}_mix_{args.hata_steps}.npy")
+        return once("broad", build)
+
+    def corpus():
+        start = time.perf_counter()
+        cals = calibration_windows(model, args.hata_windows, 1024, 192)
+        log.info("HATA default calibration: %d windows in %.1fs", len(cals), time.perf_counter() - start)
+        return cals
+
+    cache = args.hata_cache
+    factories = {
+        "oracle": lambda: get_selector("oracle", max_ratio=0.2),
+        "infinigen_default": lambda: build_selector(model, "infinigen"),
+        "infinigen_mix": lambda: mixed_skew(model, InfiniGenConfig(), mix()),
+        # mix()[0] is build_selector's own 256+32 corpus window
+        "infinigen_broad": lambda: cached_skew(lambda: mixed_skew(model, InfiniGenConfig(), [mix()[0]] + broad()),
+                                               cache and f"{cache}_infinigen_broad.npy"),
+        # build_selector(model, "hata") needs trained weights: train them as `jkv train-hata` does.
+        "hata_default": lambda: trained_hata(corpus, args.hata_steps, "hata_default",
+                                             cache and f"{cache}_default_{args.hata_steps}.npy"),
+        "hata_mix": lambda: trained_hata(mix, args.hata_steps, "hata_mix",
+                                         cache and f"{cache}_mix_{args.hata_steps}.npy"),
+        "hata_broad": lambda: trained_hata(broad, args.hata_steps, "hata_broad",
+                                           cache and f"{cache}_broad_{args.hata_steps}.npy"),
+    }
+    names = args.selectors.split(",")
+    unknown = [n for n in names if n not in factories]
+    if unknown or "oracle" not in names:
+        raise SystemExit(f"--selectors {args.selectors!r}: unknown {unknown} or no 'oracle' (the pairing); "
+                         f"valid: {', '.join(factories)}")
+    selectors = {name: factories[name]() for name in names}
     rows = []
     for length in lengths:
-        for domain, ids in domains.items():
-            samples = windows(ids, length, args.samples)
-            for b0 in range(0, len(samples), args.batch):
+        csv = args.csv and "{k}" in args.csv and args.csv.replace(
+            "{k}", f"{length // 1024}k" if length % 1024 == 0 else str(length))
+        # Domains alternate batch by batch, and the CSV is rewritten after each batch, so a run
+        # stopped early still holds paired rows of both domains.
+        for b0 in range(0, args.samples, args.batch):
+            for domain, ids in domains.items():
+                samples = windows(ids, length, args.samples)
                 batch = samples[b0:b0 + args.batch]
                 prompts = [s[0] for s in batch]
                 forced = np.stack([s[1] for s in batch])
@@ -162,9 +204,8 @@ def main(argv=None):
                         m = fidelity_metrics(dense.logits[i, 1:], out.logits[i, 1:], forced[i, 1:])
                         rows.append(dict(length=length, domain=domain, sample=b0 + i, selector=name, **m))
                 log.info("%s @%d: samples %d-%d done", domain, length, b0, b0 + len(batch) - 1)
-        if args.csv and "{k}" in args.csv:
-            write_csv(args.csv.replace("{k}", f"{length // 1024}k" if length % 1024 == 0 else str(length)),
-                      [r for r in rows if r["length"] == length])
+                if csv:
+                    write_csv(csv, [r for r in rows if r["length"] == length])
     print(f"{'domain':<26}{'len':>6} {'selector':<19}{'top1':>7}{'gap to oracle':>15}{'KL':>9}")
     for length in sorted({r["length"] for r in rows}):
         for domain in domains:

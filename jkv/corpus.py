@@ -4,7 +4,9 @@ the selectors calibrate on (jkv.selection.calibration) and the evaluation tasks 
 Prose: the Python reference-manual topics in `pydoc_data.topics` (~460K characters of
 English documentation), split by topic name into a calibration half and an evaluation half so
 fitted selectors (InfiniGen skew, HATA hashes) never see the evaluation text.
-Code: the standard library's own `.py` files (`sysconfig.get_paths()["stdlib"]`).
+Code: the standard library's own `.py` files (`sysconfig.get_paths()["stdlib"]`); `code_text`
+splits them by file into a calibration half (the first half of the sorted list) and an
+evaluation half (the second).
 """
 from __future__ import annotations
 
@@ -37,3 +39,21 @@ def stdlib_sources(min_chars: int = 4000, limit: int | None = None) -> list[str]
     if not paths:
         raise FileNotFoundError(f"no stdlib .py sources found under {root}")
     return paths[:limit] if limit else paths
+
+
+def code_text(split: str) -> str:
+    """The concatenated stdlib sources of one half of `stdlib_sources()`: 'calibration' (the first
+    half of the sorted list) or 'eval' (the second). The held-out fidelity run
+    (experiments/heldout_domain.py) calibrates on the first and scores on the second."""
+    files = stdlib_sources()
+    if split == "calibration":
+        chosen = files[:len(files) // 2]
+    elif split == "eval":
+        chosen = files[len(files) // 2:]
+    else:
+        raise ValueError(f"{split=} must be 'calibration' or 'eval'")
+    parts = []
+    for path in chosen:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            parts.append(f.read())
+    return "\n\n".join(parts)

@@ -206,6 +206,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--decode-steps", type=int, default=192, help="teacher-forced decode steps (queries)")
     parser.add_argument("--windows", type=int, default=4,
                         help="disjoint calibration windows of prompt + decode tokens, trained on in turn")
+    parser.add_argument("--calibration", choices=("corpus", "mix"), default="corpus",
+                        help="corpus: --windows windows of the documentation corpus (--prompt-tokens + "
+                             "--decode-steps each); mix: calibration.MIX_WINDOWS, prose and code at 1K and "
+                             "2K with --decode-steps queries each (docs/selection.md, 'Held-out domain')")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--bits", type=int, default=256)
     parser.add_argument("--learning-rate", type=float, default=2e-2)
@@ -219,23 +223,27 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from models import load_model
 
-    from jkv.selection.calibration import calibration_windows
+    from jkv.selection.calibration import MIX_WINDOWS, calibration_windows, mixed_calibration_windows
 
     config = HATATrainConfig(bits=args.bits, train_steps=args.train_steps, learning_rate=args.learning_rate,
                              seed=args.seed, target=args.target)
     model = load_model(args.model)
-    windows = calibration_windows(model, args.windows, args.prompt_tokens, args.decode_steps)
+    if args.calibration == "mix":
+        windows = mixed_calibration_windows(model, MIX_WINDOWS, args.decode_steps)
+    else:
+        windows = calibration_windows(model, args.windows, args.prompt_tokens, args.decode_steps)
     splits = [window.split(0.75) for window in windows]  # each window's last 25% of queries held out
     initial = init_projection(splits[0][0], config.bits, config.seed)
     projection, losses = train_projection_windows([train for train, _ in splits], config, initial)
     sparse = range(2, model.cfg.num_layers)
     before = float(np.mean([recall_at_k(initial, held_out, layers=sparse) for _, held_out in splits]))
     after = float(np.mean([recall_at_k(projection, held_out, layers=sparse) for _, held_out in splits]))
-    save_weights(args.out, projection, {"model": args.model, "bits": config.bits, "windows": args.windows,
+    save_weights(args.out, projection, {"model": args.model, "bits": config.bits, "windows": len(windows),
+                                        "calibration": args.calibration,
                                         "loss_first": losses[0],
                                         "loss_last": losses[-1], "recall_random": before, "recall_trained": after})
     last = losses[-config.train_steps:]  # windows differ in data, so compare within the last one
-    print(f"HATA weights -> {args.out}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {args.windows} window(s) "
+    print(f"HATA weights -> {args.out}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(windows)} window(s) "
           f"(last window {last[0]:.4f} -> {last[-1]:.4f}), "
           f"held-out recall@20% {before:.3f} (random) -> {after:.3f} (trained)")
     return 0

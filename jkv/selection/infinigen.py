@@ -103,8 +103,17 @@ class InfiniGen(Selector):
 
     @classmethod
     def from_calibration(cls, config: InfiniGenConfig, calibration) -> "InfiniGen":
-        """calibration: jkv.selection.calibration.Calibration (queries and keys per layer)."""
-        skew = [fit_skew(q, k, config.partial_ratio) for q, k in zip(calibration.queries, calibration.keys)]
+        """calibration: a jkv.selection.calibration.Calibration (queries and keys per layer), or a
+        list of them whose queries and keys are pooled per layer (a calibration mix)."""
+        windows = list(calibration) if isinstance(calibration, (list, tuple)) else [calibration]
+        if not windows:
+            raise ValueError("calibration is an empty list: pass at least one Calibration window")
+        num_layers = {len(w.queries) for w in windows}
+        if len(num_layers) != 1:
+            raise ValueError(f"calibration windows cover different layer counts {sorted(num_layers)}")
+        skew = [fit_skew(np.concatenate([w.queries[layer] for w in windows]),
+                         np.concatenate([w.keys[layer] for w in windows]), config.partial_ratio)
+                for layer in range(num_layers.pop())]
         return cls(config, skew)
 
     def layer_state(self, layer):

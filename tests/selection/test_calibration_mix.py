@@ -1,0 +1,76 @@
+"""The prose+code calibration mix (issue 23): its token spans, the stdlib code split, InfiniGen's
+skew pooled over several calibration windows, and `jkv train-hata --calibration`."""
+import argparse
+
+import numpy as np
+import pytest
+
+from tests.selection.tiny import shared_tiny_model
+
+from jkv.corpus import code_text, stdlib_sources
+from jkv.selection import get_selector
+from jkv.selection.calibration import MIX_STEPS, MIX_WINDOWS, collect_calibration, mix_spans
+from jkv.selection.hata_train import add_parser
+from jkv.selection.infinigen import InfiniGenConfig, fit_skew
+
+
+def test_mix_spans_are_disjoint_consecutive_per_source_and_in_window_order():
+    sources = {"corpus": list(range(1000)), "code": list(range(5000, 6000))}
+    windows = (("code", 100), ("corpus", 50), ("code", 200), ("corpus", 20))
+    spans = mix_spans(sources, windows, steps=10)
+    assert [len(s) for s in spans] == [110, 60, 210, 30]
+    assert spans[0] == list(range(5000, 5110)) and spans[2] == list(range(5110, 5320))
+    assert spans[1] == list(range(0, 60)) and spans[3] == list(range(60, 90))
+    with pytest.raises(ValueError, match="'code' has 1000 tokens < 1330"):
+        mix_spans(sources, windows + (("code", 1000),), steps=10)
+    with pytest.raises(ValueError, match="'prose' is not one of"):
+        mix_spans(sources, (("prose", 10),), steps=1)
+
+
+def test_default_mix_is_prose_and_code_at_1k_and_2k_with_as_many_queries_as_train_hata():
+    assert {name for name, _ in MIX_WINDOWS} == {"corpus", "code"}
+    assert {n for _, n in MIX_WINDOWS} == {1024, 2048}
+    assert len(MIX_WINDOWS) * MIX_STEPS >= 4 * 192  # `jkv train-hata`'s 4 corpus windows of 192 queries
+    assert MIX_WINDOWS[-1] == ("corpus", 2048)  # trained in turn: ends on prose at the longest length
+
+
+def test_code_text_halves_are_the_two_halves_of_the_stdlib_files():
+    files = stdlib_sources()
+    first, second = code_text("calibration"), code_text("eval")
+    with open(files[0], encoding="utf-8", errors="replace") as f:
+        assert first.startswith(f.read())
+    with open(files[len(files) // 2], encoding="utf-8", errors="replace") as f:
+        assert second.startswith(f.read())
+    with open(files[-1], encoding="utf-8", errors="replace") as f:
+        last = f.read()
+    assert second.endswith(last) and last not in first
+    with pytest.raises(ValueError, match="split='train' must be"):
+        code_text("train")
+
+
+def test_infinigen_pools_a_list_of_calibration_windows_per_layer():
+    model = shared_tiny_model()
+    rng = np.random.default_rng(3)
+    a = collect_calibration(model, list(rng.integers(3, 301, size=40)), 32, 8)
+    b = collect_calibration(model, list(rng.integers(3, 301, size=60)), 48, 12)
+    config = InfiniGenConfig()
+    pooled = get_selector("infinigen", calibration=[a, b])
+    for layer in range(model.cfg.num_layers):
+        expected = fit_skew(np.concatenate([a.queries[layer], b.queries[layer]]),
+                            np.concatenate([a.keys[layer], b.keys[layer]]), config.partial_ratio)
+        np.testing.assert_array_equal(np.asarray(pooled.layer_state(layer)), expected)
+    single = get_selector("infinigen", calibration=a)
+    np.testing.assert_array_equal(np.asarray(get_selector("infinigen", calibration=[a]).layer_state(2)),
+                                  np.asarray(single.layer_state(2)))
+    # Pooling changes the fit: the mix is not just its first window.
+    assert not np.array_equal(np.asarray(pooled.layer_state(2)), np.asarray(single.layer_state(2)))
+    with pytest.raises(ValueError, match="empty list"):
+        get_selector("infinigen", calibration=[])
+
+
+def test_train_hata_calibration_flag():
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert parser.parse_args(["train-hata", "--out", "/tmp/x", "--calibration", "mix"]).calibration == "mix"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train-hata", "--out", "/tmp/x", "--calibration", "licences"])
