@@ -27,6 +27,7 @@ import numpy as np
 from jkv.disagg import protocol as proto
 from jkv.disagg.cluster import LocalPrefillWorkers
 from jkv.disagg.decode_worker import DecodeWorker
+from jkv.disagg.handshake import role_config
 from jkv.disagg.selectors import build_selector, save_selector
 from jkv.engine import Request
 from jkv.sampling import SamplingParams
@@ -59,7 +60,10 @@ class Harness:
         save_selector(self.selector, path)
         self.workers = LocalPrefillWorkers(prefill_workers, model_name, path, secret=self._secret,
                                            transport=transport, bandwidth="100gbit")
-        self._control = Endpoint("control", transport, secret=self._secret)  # same timeout as the workers
+        # the decode process's control connection: declares the decode side's configuration, as its
+        # DecodeWorkers do (a prefill worker refuses a peer that declares none)
+        self._control = Endpoint("control", transport, secret=self._secret,  # same timeout as the workers
+                                 config_check=role_config(self.model, "decode", self.selector, max_blocks=None).check())
         self._control_peers = [self._control.connect(a.partition("|")[0]) for a in self.workers.addresses]
         self.say(f"decode process: {self.model}, selector {selector}; {prefill_workers} prefill worker processes "
                  f"ready in {time.perf_counter() - t:.1f}s")
