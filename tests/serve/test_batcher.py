@@ -1,5 +1,4 @@
 """ContinuousBatcher on a tiny random model: equals LLM.generate, joins mid-flight, cancels, no leaks."""
-import queue
 import time
 
 import numpy as np
@@ -9,6 +8,7 @@ from jkv import LLM, SamplingParams
 from jkv.serving.batcher import BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest
 from jkv.serving.metrics import ServerMetrics
 from models import load_model, tiny_model
+from engine_events import collect, submit as _submit, token_ids as _ids
 
 
 @pytest.fixture(scope="module")
@@ -25,23 +25,8 @@ def batcher(model):
     assert b.num_running == 0 and b.num_waiting == 0, "a slot or queued request leaked"
 
 
-def _submit(b, rid, ids, sp):
-    q = queue.Queue()
-    b.submit(EngineRequest(rid, list(ids), sp, q.put))
-    return q
-
-
 def _collect(q, timeout=60):
-    events = []
-    while True:
-        ev = q.get(timeout=timeout)
-        events.append(ev)
-        if ev.finish_reason is not None:
-            return events
-
-
-def _ids(events):
-    return [t for ev in events for t in ev.token_ids]
+    return collect(q, timeout)
 
 
 def test_greedy_equals_llm_generate_with_staggered_arrivals(model, batcher):

@@ -13,6 +13,7 @@ from jkv.serving.batcher import BatcherConfig, ContinuousBatcher, EngineRequest,
 from jkv.serving.metrics import ServerMetrics
 from jkv.serving.paged_batcher import KVCapacityError, PagedBatcher, page_config
 from models import tiny_model
+from engine_events import collect as _collect, submit as _submit, token_ids as _ids
 
 PAGE = 8
 CHUNK = 32  # prompts longer than this are prefilled in several chunks
@@ -43,25 +44,6 @@ def paged(model):
     b.stop()
     assert b.num_running == 0 and b.num_waiting == 0, "a seat or queued request leaked"
     assert b.pages_in_use == 0 and b.kv.requests == [], "KV pages leaked"
-
-
-def _submit(b, rid, ids, sp, **kw):
-    q = queue.Queue()
-    b.submit(EngineRequest(rid, list(ids), sp, q.put, **kw))
-    return q
-
-
-def _collect(q, timeout=120):
-    events = []
-    while True:
-        ev = q.get(timeout=timeout)
-        events.append(ev)
-        if ev.finish_reason is not None:
-            return events
-
-
-def _ids(events):
-    return [t for ev in events for t in ev.token_ids]
 
 
 def _prompt(rng, n):
