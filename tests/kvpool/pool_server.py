@@ -3,9 +3,10 @@ import json
 import os
 import pathlib
 import signal
-import time
 import subprocess
 import sys
+
+from tests.stop_process import stop_process
 
 SECRET = "kvpool-test-secret"
 REPO_ROOT = str(pathlib.Path(__file__).resolve().parents[2])
@@ -39,15 +40,7 @@ class PoolServerProcess:
         return self
 
     def pause(self) -> None:
-        """SIGSTOP the server and return once it is stopped: kill() returns before the kernel has
-        stopped a process running on another core, which could still answer one more request."""
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            with open(f"/proc/{self.proc.pid}/stat") as f:
-                if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
-                    return
-            time.sleep(0.005)
+        stop_process(self.proc.pid)
 
     def resume(self) -> None:
         os.kill(self.proc.pid, signal.SIGCONT)

@@ -11,6 +11,8 @@ import pytest
 from transport import Mask, PeerDeadError, TransferState, TransportError
 from transport.tool import read_request
 
+from tests.stop_process import stop_process
+
 BACKENDS = ["tcp", "shm"]
 
 
@@ -115,7 +117,7 @@ def test_silent_peer_fails_pending_within_timeout(spawn_peer, make_endpoint):
     ep = make_endpoint("watcher", timeout=1.0)
     peer = ep.connect(child.address)
     assert peer.call("echo", b"a") == b"a"
-    os.kill(child.pid, signal.SIGSTOP)
+    stop_process(child.pid)
     try:
         stopped_at = time.monotonic()
         call = peer.call_async("echo", b"b", timeout=30)
