@@ -222,7 +222,10 @@ def test_controller_skips_compression_on_a_fast_link(model, selector, prompts, f
 
 def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, selector, prompts):
     profile, cr = tiny_profile(model, prompts)
-    policy = CompressionPolicy(CompressionConfig("auto", profiles=("unused",), controller=ControllerConfig(epsilon=0)),
+    # The selector metadata travels compressed too (jkv.compression.paths), so a smartgen batch of
+    # these short prompts moves ~126 KiB: below the default 128 KiB floor of a link sample.
+    policy = CompressionPolicy(CompressionConfig("auto", profiles=("unused",), controller=ControllerConfig(epsilon=0),
+                                                 min_sample_bytes=64 << 10),
                                bandwidth_bps=5e6,
                                profiles=[profile])
     slow = Workers(model, selector, "5mbit")
