@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 
+from jkv.compression import pipeline as pipeline_module
 from jkv.compression.container import ContainerError
 from jkv.compression.kv_transfer import ChunkPlan, KVCodec, RequestCodec
 from jkv.compression.paths import (F16, METADATA_CODEC, PathCosts, choose_paths, decode_rows, encode_rows,
@@ -92,9 +93,14 @@ def test_metadata_round_trips_losslessly_and_smaller():
     assert len(payload) < sum(a.nbytes for a in leaves)
 
 
-def test_a_flipped_bit_in_any_part_is_rejected_not_decoded():
-    """Every byte of a row part and of a metadata container is covered by its checksum."""
+def test_a_flipped_bit_in_any_part_is_rejected_not_decoded(monkeypatch):
+    """Every byte of a row part and of a metadata container is covered by its checksum: the
+    rejection comes before any decode program runs."""
     original, copy, codec = absorbed("identity+tok4g32+zstd3", 4)
+    decodes = []
+    factory = pipeline_module._decode_fn
+    monkeypatch.setattr(pipeline_module, "_decode_fn",
+                        lambda *key: (lambda sections: (decodes.append(key), factory(*key)(sections))[1]))
     pos = np.arange(20)
     parts = [encode_rows(codec.pipeline("identity+tok4g32+none"), "identity+tok4g32+none", original[0, 0, pos],
                          original[1, 0, pos], 2),
@@ -107,6 +113,9 @@ def test_a_flipped_bit_in_any_part_is_rejected_not_decoded():
             bad[at] ^= 1 << int(rng.integers(0, 8))
             with pytest.raises(ContainerError):
                 decode_rows(bytes(bad), 20, D) if i < 2 else unpack_metadata(bytes(bad))
+    assert decodes == []
+    decode_rows(parts[0], 20, D)  # the spy sees a good part decode
+    assert len(decodes) == 1
 
 
 def test_read_reply_fails_only_the_corrupted_item():
