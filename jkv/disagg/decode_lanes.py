@@ -25,8 +25,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.disagg.decode_state import OwnerDown
 from jkv.compression.paths import decode_rows
+from jkv.disagg.decode_state import OwnerDown
 from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, read_reply
 from jkv.kvbuffers.geometry import LOCAL, PAD, REMOTE
 from transport import RemoteError, TransportError

@@ -14,7 +14,9 @@ every earlier write applied before a later notification; SmartGen §4.1):
      are in the request's proactive set (the first `kr` of its plan) as one write_many, each
      run followed by its mask bytes (LOCAL) — SmartGen §4.1 proactive transfer.
   3. after the last layer: "handoff" with the first token.
-  4. decode fetches rows on demand ("fetch" RPC, §4.2) and triggers speculation ("spec", §4.3):
+  4. decode fetches rows on demand ("fetch" RPC, §4.2; a compressed request's rows as one
+     checksummed container in the encoding its on-demand path chose, jkv/compression/paths.py)
+     and triggers speculation ("spec", §4.3):
      the next unsent blocks of the plan, at most `spec_cap` per trigger and one speculative
      write in flight per request (so an on-demand reply never queues behind more than one).
   5. decode calls "free" when it holds everything, finished or cancelled; a lease (renewed by
