@@ -5,6 +5,8 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jkv.compression import pipeline as pipeline_module
 from jkv.compression.container import ContainerError
@@ -157,3 +159,31 @@ def test_a_fixed_pipeline_compresses_every_path():
     choice = CompressionPolicy(CompressionConfig("identity+tok4g32+zstd3")).choose(10**6)
     assert choice.spec_id == "identity+tok4g32+zstd3" and choice.on_demand == "identity+tok4g32+none"
     assert choice.metadata == METADATA_CODEC and choice.paths.labels()["on_demand"] == "identity+tok4g32+none"
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=2, max_size=2), st.booleans()), min_size=1,
+                max_size=4),
+       st.data())
+def test_framed_replies_round_trip_and_reject_exactly_the_corrupted_items(items, data):
+    """Property: any items (per-head row counts, float32 or exact float16), any one byte of any part
+    corrupted -> that item alone is reported and left zero, every other row arrives bit for bit."""
+    rng = np.random.default_rng(len(items))
+    call, parts, expected = FetchCall(1), [], []
+    for i, (counts, f16) in enumerate(items):
+        call.add(f"r{i}", [((i, h), np.arange(c)) for h, c in enumerate(counts)], framed=True)
+        rows = rng.normal(size=(2, sum(counts), D)).astype(np.float16 if f16 else np.float32).astype(np.float32)
+        parts.append(encode_rows(None, F16 if f16 else None, rows[0], rows[1], 1))
+        expected.append(rows)
+    victim = data.draw(st.integers(0, len(parts) - 1))
+    at = data.draw(st.integers(0, len(parts[victim]) - 1))
+    bad = bytearray(parts[victim])
+    bad[at] ^= data.draw(st.integers(1, 255))
+    parts[victim] = bytes(bad)
+    reply, failed = read_reply(pack_framed_reply(parts), call, D, "prop", decode_rows)
+    assert list(failed) == [victim]
+    row = 0
+    for i, rows in enumerate(expected):
+        n = rows.shape[1]
+        np.testing.assert_array_equal(reply[:, row:row + n], 0 if i == victim else rows)
+        row += n
