@@ -4,7 +4,7 @@ One compression choice per request, fixed for all of its KV movement. With a los
 transfer-mode invariant (DESIGN.md "Invariant") still holds because the prefill side replaces its
 own copy of the request's KV by decode(encode(KV)) once, as each layer lands (`absorb`): proactive,
 speculative and on-demand rows then all carry exactly those values, so full / partial / smartgen
-generate identical tokens for the same pipeline.
+generate identical tokens for the same pipeline. (On-demand replies and metadata: `paths.py`.)
 
 Granularity. Transfer blocks are `ceil(N / M)` tokens (1 token for N <= M) and a container header
 is ~300 B, so a layer is encoded once in *chunks*: runs of whole blocks of >= `min_chunk_tokens`

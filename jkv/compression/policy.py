@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from jkv.compression.bandwidth import BandwidthEstimator
 from jkv.compression.controller import BASELINE, Context, Controller, ControllerConfig, Decision, Profile
 from jkv.compression.kv_transfer import WIRE_ITEMSIZE
+from jkv.compression.paths import PathChoice, PathCosts, choose_paths
 from jkv.compression.profiling import ProfileFile, load_profile
 from jkv.compression.spec import PipelineSpec
 
@@ -48,6 +49,7 @@ class CompressionConfig:
     t_slo_s: float = math.inf
     min_sample_bytes: int = 128 << 10
     controller: ControllerConfig = field(default_factory=ControllerConfig)
+    path_costs: PathCosts = field(default_factory=PathCosts)  # (cr, s) of the on-demand / metadata options
 
     def __post_init__(self):
         if self.mode not in ("off", "auto"):
@@ -81,6 +83,15 @@ class Choice:
     decision: Decision | None = None  # the controller's, in "auto"
     t_model_known: bool = False  # T_model was given: an observed JCT is comparable with the prediction
     reason: str = "fixed"  # why: "fixed" (a configured pipeline), "no_estimate", or the controller's reason
+    paths: PathChoice | None = None  # the on-demand and metadata choice that goes with it (`paths.choose_paths`)
+
+    @property
+    def on_demand(self) -> str | None:
+        return self.paths.on_demand if self.paths is not None else None
+
+    @property
+    def metadata(self) -> str | None:
+        return self.paths.metadata if self.paths is not None else None
 
 
 def wire_profiles(profile: ProfileFile) -> list[Profile]:
@@ -158,14 +169,18 @@ class CompressionPolicy:
         if mode == "off":
             return None
         if mode != "auto":
-            return Choice(PipelineSpec.parse(mode).id)
-        if self.estimator.estimate() is None:
+            spec_id = PipelineSpec.parse(mode).id
+            return Choice(spec_id, paths=choose_paths(spec_id, None, self.config.path_costs, fixed=True))
+        bandwidth = self.estimator.estimate()
+        if bandwidth is None:
             log.warning("compression='auto': no bandwidth estimate yet (unpaced link, no transfer observed); "
                         "this request moves uncompressed")
-            return Choice(BASELINE, reason="no_estimate")
+            return Choice(BASELINE, reason="no_estimate", paths=choose_paths(BASELINE, None))
         d = self.controller.decide(Context(self.workload, self.config.t_slo_s, self.config.q_min, int(kv_bytes),
                                            float(t_model_s)))
-        return Choice(d.profile.name, d, t_model_s > 0, d.reason.split(":")[0])  # "fallback: why" -> "fallback"
+        # per path (KVServe §6.1 on each path's own lines): on-demand replies and metadata at the same B
+        paths = choose_paths(d.profile.name, d.bandwidth_Bps, self.config.path_costs)
+        return Choice(d.profile.name, d, t_model_s > 0, d.reason.split(":")[0], paths)  # "fallback: why" -> "fallback"
 
     def observe_link(self, nbytes: int, busy_s: float) -> None:
         """A busy-time goodput sample of the link (bytes the prefill worker sent, seconds busy)."""

@@ -25,8 +25,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.compression.paths import decode_rows
 from jkv.disagg.decode_state import OwnerDown
-from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, reply_rows
+from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, read_reply
 from jkv.kvbuffers.geometry import LOCAL, PAD, REMOTE
 from transport import RemoteError, TransportError
 
@@ -100,7 +101,8 @@ class FetchLanes:
             for b, lv in enumerate(lives):
                 counts = remote_count[b * H:(b + 1) * H]
                 if lv.owner == owner and counts.sum() > 0:
-                    call.add(lv.rid, [(b * H + h, reordered[b * H + h, :counts[h]]) for h in range(H)])
+                    call.add(lv.rid, [(b * H + h, reordered[b * H + h, :counts[h]]) for h in range(H)],
+                             framed=lv.compression is not None and lv.compression.on_demand is not None)
             if call.items:
                 calls.append((owner, call))
         return calls
@@ -109,9 +111,12 @@ class FetchLanes:
         """One owner's reply: its rows into their selection slots and into the pool."""
         self.phases.lap("remote_wait")
         H = self.model.cfg.num_kv_heads
-        reply = reply_rows(data, call.rows, K_sel.shape[-1], f"fetch reply from {owner!r}")
-        for r, positions, k, v in iter_reply(reply, call.segments):
+        reply, failed = read_reply(data, call, K_sel.shape[-1], f"fetch reply from {owner!r}", decode_rows)
+        for item, (r, positions, k, v) in zip(call.segment_items, iter_reply(reply, call.segments)):
             b, h = divmod(r, H)
+            if item in failed:  # a corrupted part is never used: its request fails at the step's end
+                lives[b].error = lives[b].error or f"request {lives[b].req.request_id}: {failed[item]}"
+                continue
             slots = np.nonzero(is_remote[r])[0]
             K_sel[b, h, slots] = k
             V_sel[b, h, slots] = v

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from jkv.compression.kv_transfer import apply_frame
+from jkv.compression.paths import unpack_metadata
 from jkv.disagg import protocol as proto
 from jkv.disagg.decode_state import LiveRequest
 from jkv.engine import Request
@@ -79,9 +80,19 @@ class OwnerSide:
     def _on_meta(self, note):
         header, payload = proto.unpack(note.payload)
         lv = self._get(header["rid"])
-        if lv is not None:
-            lv.meta[int(header["layer"])] = proto.unpack_leaves(header, payload)
-            lv.bytes["metadata"] = lv.bytes.get("metadata", 0) + len(note.payload)
+        if lv is None or lv.error is not None:
+            return
+        if header.get("cmeta"):  # a compressed request's metadata: one checksummed container
+            try:
+                leaves = unpack_metadata(payload)
+            except ValueError as e:
+                lv.error = f"request {lv.req.request_id}: bad compressed metadata from {note.peer!r}: {e}"
+                lv.handoff.set()
+                return
+        else:
+            leaves = proto.unpack_leaves(header, payload)
+        lv.meta[int(header["layer"])] = leaves
+        lv.bytes["metadata"] = lv.bytes.get("metadata", 0) + len(note.payload)
 
     def _on_handoff(self, note):
         header, _ = proto.unpack(note.payload)
@@ -171,6 +182,10 @@ class OwnerSide:
                               seed=p.seed if p.seed is not None else int(np.random.randint(0, 2**31)))))
             if lv.compression is not None:
                 by_owner[lv.owner][-1]["compression"] = lv.compression.spec_id
+                if lv.compression.on_demand is not None:  # jkv.compression.paths: the other paths' choice
+                    by_owner[lv.owner][-1]["on_demand"] = lv.compression.on_demand
+                if lv.compression.metadata is not None:
+                    by_owner[lv.owner][-1]["meta_codec"] = lv.compression.metadata
                 lv.t_hand_in = time.time()
         for owner, batch in by_owner.items():
             try:

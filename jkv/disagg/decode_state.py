@@ -164,7 +164,8 @@ class LiveRequest:
             return error_output(self.req, self.error)
         bytes_ = dict(proactive=0, speculative=0, on_demand=0, metadata=0)
         bytes_.update({k: v for k, v in self.bytes.items() if k in bytes_})
-        bytes_["on_demand"] = max(bytes_["on_demand"], self.fetch_bytes)
+        if self.compression is None or self.compression.on_demand is None:  # else: the owner's wire bytes
+            bytes_["on_demand"] = max(bytes_["on_demand"], self.fetch_bytes)
         m = RequestMetrics.from_token_times(
             self.geometry.num_tokens, self.times,
             on_demand_ratio=self.remote / self.selected if self.selected else 0.0,
@@ -180,4 +181,5 @@ class LiveRequest:
         prefill; decode: this worker's, of every compressed frame)."""
         c = self.compression
         return dict(compression=c.spec_id, compression_reason=c.reason,
+                    compression_paths=c.paths.labels() if c.paths is not None else {},
                     encode_s=float(self.codec_s.get("encode", 0.0)), decode_s=float(self.codec_s.get("decode", 0.0)))

@@ -41,7 +41,8 @@ import time
 
 import numpy as np
 
-from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, reply_rows
+from jkv.compression.paths import decode_rows
+from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, read_reply
 from jkv.kvbuffers.geometry import REMOTE
 from transport import TransportError
 
@@ -132,7 +133,8 @@ class LayerLookahead:
             want = ok & (mask[safe] == REMOTE) & ~np.take_along_axis(fetched, safe, axis=1)
             if want.any():
                 by_owner.setdefault(lv.owner, FetchCall(layer)).add(
-                    lv.rid, [((b, h), idx[h][want[h]].astype(np.int32)) for h in range(H)])
+                    lv.rid, [((b, h), idx[h][want[h]].astype(np.int32)) for h in range(H)],
+                    framed=lv.compression is not None and lv.compression.on_demand is not None)
         asked = 0
         for owner, call in by_owner.items():
             try:
@@ -165,8 +167,11 @@ class LayerLookahead:
                 log.debug("lookahead fetch of layer %d from %r dropped: %s", layer, p.owner, e)
                 clock.count("prefetch_lost_n", 1)
                 continue
-            reply = reply_rows(data, p.call.rows, D, f"lookahead reply from {p.owner!r}")
-            for (b, h), pos, k, v in iter_reply(reply, p.call.segments):
+            reply, failed = read_reply(data, p.call, D, f"lookahead reply from {p.owner!r}", decode_rows)
+            for item, ((b, h), pos, k, v) in zip(p.call.segment_items, iter_reply(reply, p.call.segments)):
+                if item in failed:  # a corrupted part is never used: its request fails
+                    lives[b].error = lives[b].error or f"request {lives[b].req.request_id}: {failed[item]}"
+                    continue
                 keep_rows(lives[b], layer, h, pos, k, v)
                 delivered[b * H + h, pos] = True
             clock.count("od_bytes_n", reply.nbytes)

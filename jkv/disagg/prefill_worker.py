@@ -14,7 +14,9 @@ every earlier write applied before a later notification; SmartGen §4.1):
      are in the request's proactive set (the first `kr` of its plan) as one write_many, each
      run followed by its mask bytes (LOCAL) — SmartGen §4.1 proactive transfer.
   3. after the last layer: "handoff" with the first token.
-  4. decode fetches rows on demand ("fetch" RPC, §4.2) and triggers speculation ("spec", §4.3):
+  4. decode fetches rows on demand ("fetch" RPC, §4.2; a compressed request's rows as one
+     checksummed container in the encoding its on-demand path chose, jkv/compression/paths.py)
+     and triggers speculation ("spec", §4.3):
      the next unsent blocks of the plan, at most `spec_cap` per trigger and one speculative
      write in flight per request (so an on-demand reply never queues behind more than one).
   5. decode calls "free" when it holds everything, finished or cancelled; a lease (renewed by
@@ -40,11 +42,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, KVCodec
+from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, WIRE_DTYPE, KVCodec
+from jkv.compression.paths import F16, encode_rows, pack_framed_reply, pack_metadata
 from jkv.disagg import protocol as proto
+from jkv.disagg.bulk_pacer import YieldToOnDemand as _YieldToOnDemand
 from jkv.disagg.handshake import role_config
 from jkv.disagg.selectors import load_selector, needs_metadata
-from jkv.kvbuffers.fetch import kv_offset, mask_offset, pack_reply, parse_fetch
+from jkv.kvbuffers.fetch import kv_offset, mask_offset, pack_reply, parse_fetch_framed
 from jkv.kvbuffers.geometry import LOCAL, BlockGeometry
 from jkv.kvbuffers.pool import KVBufferPool
 from jkv.sampling import sample_or_argmax
@@ -60,48 +64,6 @@ PREFILL_BUCKET = 64
 
 class DecodePeerGone(RuntimeError):
     """The decode worker that sent a prefill batch is no longer connected (it died or went away)."""
-
-
-class _YieldToOnDemand:
-    """The bulk lane's pacer: the worker's shared token bucket, but bulk chunks wait while an
-    on-demand reply is draining (its bytes at the link rate) and take only banked credit (never
-    debt), so speculative and proactive writes use only the bandwidth on-demand fetches leave idle (SmartGen §4.3: speculation
-    fills idle bandwidth; on-demand rows are on the decode step's critical path)."""
-
-    MAX_YIELD_S = 1.0
-
-    def __init__(self, shared):
-        self.shared = shared
-        self._lock = threading.Lock()
-        self._busy_until = 0.0
-
-    @property
-    def chunk(self) -> int:
-        """A quarter of the link's chunk (>= 4 KiB): a reply that arrives while a bulk chunk holds
-        the credit waits at most this long (a non-preemptible packet on a priority link)."""
-        return max(4096, self.shared.chunk // 4)
-
-    @property
-    def rate_Bps(self) -> float:
-        """The shared link's rate: the transport counts at least nbytes / rate_Bps of busy time per
-        bulk message (link time sent on banked credit), so the link estimate reads the link."""
-        return self.shared.rate_Bps
-
-    def reserve(self, nbytes: int) -> None:
-        with self._lock:
-            start = max(time.monotonic(), self._busy_until)
-            self._busy_until = start + nbytes / self.shared.rate_Bps
-
-    def consume(self, nbytes: int) -> float:
-        slept = 0.0
-        while True:
-            with self._lock:
-                wait = self._busy_until - time.monotonic()
-            if wait <= 0 or slept >= self.MAX_YIELD_S:  # bounded, so the bulk lane never looks dead
-                # credit only: a reply starting meanwhile never waits behind this chunk's debt
-                return slept + self.shared.consume_credit(nbytes)
-            time.sleep(min(wait, 0.05))
-            slept += min(wait, 0.05)
 
 
 @dataclasses.dataclass
@@ -124,6 +86,9 @@ class _Held:
     released: bool = False
     spec_busy: object = None
     codec: object = None  # kv_transfer.RequestCodec: this request's KV moves compressed (KVServe)
+    on_demand: str | None = None  # its on-demand rows' encoding (jkv.compression.paths; None: float32)
+    original: object = None  # f16[2, L, H_kv, N, D]: the rows its chunks were encoded from (row pipelines)
+    meta_codec: str | None = None  # lossless codec of its selector metadata (None: plain leaves)
     bytes: dict = dataclasses.field(default_factory=lambda: dict(proactive=0, speculative=0, on_demand=0, metadata=0))
 
 
@@ -279,6 +244,10 @@ class PrefillWorker:
             held.append(h)
             if "compression" in r:
                 h.codec = self._kv_codec().start(r["compression"], geometry)
+                h.on_demand, h.meta_codec = r.get("on_demand"), r.get("meta_codec")
+                if h.on_demand not in (None, F16):  # a row pipeline encodes the original rows on demand
+                    h.original = np.zeros((2, cfg.num_layers, cfg.num_kv_heads, int(lengths[b]), cfg.head_dim),
+                                          WIRE_DTYPE)
             with self._lock:
                 self._held[h.rid] = h
         link0 = self._link_counters() if any("compression" in r for r in requests) else None
@@ -298,11 +267,14 @@ class PrefillWorker:
                 n = h.geometry.num_tokens
                 h.kv.kv[0, layer] = Kn[b, :, :n]
                 h.kv.kv[1, layer] = Vn[b, :, :n]
+                if h.original is not None:
+                    h.original[:, layer] = h.kv.kv[:, layer]
                 if h.codec is not None:  # every later row read (push, fetch) sees decode(encode(KV))
                     h.codec.absorb(layer, h.kv.kv[:, layer])
                 if leaves is not None:  # selector metadata goes before the layer's blocks
                     mine = [x[b:b + 1] for x in leaves]
-                    payload = proto.pack_leaves(dict(rid=h.rid, layer=layer), mine)
+                    payload = (pack_metadata(dict(rid=h.rid, layer=layer), mine, h.meta_codec) if h.meta_codec
+                               else proto.pack_leaves(dict(rid=h.rid, layer=layer), mine))
                     h.bytes["metadata"] += len(payload)
                     peer.notify("meta", payload)
                 blocks = proactive[b].get(layer)
@@ -470,8 +442,8 @@ class PrefillWorker:
             raise
 
     def _fetch_rows(self, payload):
-        layer, items = parse_fetch(payload)
-        ks, vs = [], []
+        layer, items, framed = parse_fetch_framed(payload)
+        ks, vs, parts = [], [], []
         for rid, heads in items:
             # No lock: a speculative push may hold it, and the on-demand reply is on the decode
             # step's critical path (dict lookups and attribute stores are atomic in CPython; a
@@ -481,19 +453,32 @@ class PrefillWorker:
                 h.lease_until = time.monotonic() + self.lease_s
             if h is None:
                 raise KeyError(f"{self.name} holds no KV for request {rid!r} (freed, expired or never prefilled)")
-            nbytes = 0
+            nbytes, first = 0, len(ks)
+            source = h.kv.kv if h.original is None else h.original
             for head, p in enumerate(heads):
                 if len(p):
                     if p.max() >= h.geometry.num_tokens or p.min() < 0:
                         raise ValueError(f"request {rid}: fetch positions outside [0, {h.geometry.num_tokens})")
-                    ks.append(h.kv.kv[0, layer, head, p])
-                    vs.append(h.kv.kv[1, layer, head, p])
-                    nbytes += 2 * ks[-1].nbytes
+                    ks.append(source[0, layer, head, p])
+                    vs.append(source[1, layer, head, p])
+                    nbytes += 2 * len(p) * h.kv.kv.shape[-1] * 4  # float32 rows
+            if framed:  # one container per item, each as its request's on-demand path chose
+                part = self._encode_rows(h, layer, ks[first:], vs[first:])
+                parts.append(part)
+                nbytes = len(part) if h.on_demand is not None else nbytes
             h.bytes["on_demand"] += nbytes
-        reply = pack_reply(ks, vs)
+        reply = pack_framed_reply(parts) if framed else pack_reply(ks, vs)
         if reply and isinstance(self.bulk.pacer, _YieldToOnDemand):
             self.bulk.pacer.reserve(len(reply))
         return reply
+
+    def _encode_rows(self, h: _Held, layer: int, ks: list, vs: list) -> bytes:
+        """One request's rows of a framed reply (jkv.compression.paths.encode_rows)."""
+        D = h.kv.kv.shape[-1]
+        k = np.concatenate(ks) if ks else np.zeros((0, D), np.float32)
+        v = np.concatenate(vs) if vs else np.zeros((0, D), np.float32)
+        pipeline = None if h.on_demand in (None, F16) else self._kv_codec().pipeline(h.on_demand)
+        return encode_rows(pipeline, h.on_demand, k, v, layer)
 
     def _free_call(self, peer_name, payload):
         header, _ = proto.unpack(payload)

@@ -13,6 +13,10 @@ The on-demand "fetch" RPC (SmartGen §4.2, Algorithm 1), decode -> prefill:
     request  jkv.framing frame {"layer", "items": [[rid, [count per KV head]], ...]}
              + i32 positions: for each item, for each head, its `count` token positions
     reply    K rows f32[sum counts, D] then V rows f32[sum counts, D], in request order
+    framed   (the request's header says "framed": 1; only decode workers with compression on ask)
+             jkv.framing frame {"parts": [bytes per item]} + one checksummed container per item
+             (request) holding its K and V rows, each encoded as that request's on-demand path
+             chose (`jkv.compression.paths`: float32, exact float16, or a row-granular pipeline)
 
 Builders: `FetchCall` (decode worker's synchronous lane and the layer lookahead, one per owner),
 `parse_fetch` + `pack_reply` (prefill worker), `reply_rows` + `keep_rows` (decode side, after the
@@ -49,11 +53,16 @@ class FetchCall:
     layer: int
     items: list = dataclasses.field(default_factory=list)  # [rid, [count per KV head]]
     segments: list = dataclasses.field(default_factory=list)
+    segment_items: list = dataclasses.field(default_factory=list)  # the item index of each segment
+    framed: bool = False  # ask for a framed reply (one container per item)
 
-    def add(self, rid: str, per_head: list) -> None:
-        """per_head: one (key, positions i32[c]) per KV head, head order (c may be 0)."""
+    def add(self, rid: str, per_head: list, framed: bool = False) -> None:
+        """per_head: one (key, positions i32[c]) per KV head, head order (c may be 0). framed: this
+        request's on-demand rows may travel compressed (the whole call then gets a framed reply)."""
         self.items.append([rid, [int(len(p)) for _, p in per_head]])
         self.segments.extend((key, p) for key, p in per_head if len(p))
+        self.segment_items.extend(len(self.items) - 1 for _, p in per_head if len(p))
+        self.framed = self.framed or framed
 
     @property
     def rows(self) -> int:
@@ -62,12 +71,18 @@ class FetchCall:
 
     def payload(self) -> bytes:
         positions = [np.asarray(p, np.int32) for _, p in self.segments]
-        return pack(dict(layer=self.layer, items=self.items),
+        return pack(dict(layer=self.layer, items=self.items, **({"framed": 1} if self.framed else {})),
                     np.concatenate(positions) if positions else np.zeros(0, np.int32))
 
 
 def parse_fetch(payload) -> tuple[int, list[tuple[str, list[np.ndarray]]]]:
     """Prefill side: a "fetch" payload -> (layer, [(rid, [positions i32[c] per KV head])])."""
+    layer, out, _ = parse_fetch_framed(payload)
+    return layer, out
+
+
+def parse_fetch_framed(payload) -> tuple[int, list[tuple[str, list[np.ndarray]]], bool]:
+    """`parse_fetch` plus whether the caller asked for a framed reply."""
     header, raw = unpack(payload)
     positions = np.frombuffer(raw, np.int32)
     out, at = [], 0
@@ -77,7 +92,7 @@ def parse_fetch(payload) -> tuple[int, list[tuple[str, list[np.ndarray]]]]:
             heads.append(positions[at:at + c])
             at += c
         out.append((rid, heads))
-    return int(header["layer"]), out
+    return int(header["layer"]), out, bool(header.get("framed"))
 
 
 def pack_reply(k_rows: list[np.ndarray], v_rows: list[np.ndarray]) -> bytes:
@@ -94,6 +109,34 @@ def reply_rows(data, rows: int, head_dim: int, source: str) -> np.ndarray:
     if reply.size != 2 * rows * head_dim:
         raise RuntimeError(f"{source} has {reply.size} floats, expected {2 * rows * head_dim}")
     return reply.reshape(2, rows, head_dim)
+
+
+def read_reply(data, call: FetchCall, head_dim: int, source: str, decode_part=None) -> tuple[np.ndarray, dict]:
+    """Decode side: a `call`'s reply -> (f32[2, call.rows, D], {item index: why it was rejected}).
+
+    A plain reply is `reply_rows`. A framed one is decoded item by item with
+    `decode_part(part bytes, rows, head_dim) -> f32[2, rows, D]` (`jkv.compression.paths.decode_rows`);
+    an item whose part does not decode (`ValueError`: a checksum mismatch, a wrong shape) leaves its
+    rows zero and is reported, so only its request fails. Raises RuntimeError on a malformed frame."""
+    if not call.framed:
+        return reply_rows(data, call.rows, head_dim, source), {}
+    try:
+        header, body = unpack(data)
+        sizes = [int(n) for n in header["parts"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"{source}: malformed framed reply ({e})") from None
+    if len(sizes) != len(call.items) or sum(sizes) != len(body) or min(sizes, default=0) < 0:
+        raise RuntimeError(f"{source}: framed reply has parts {sizes} ({len(body)} bytes) for {len(call.items)} items")
+    out = np.zeros((2, call.rows, head_dim), np.float32)
+    failed, at, row = {}, 0, 0
+    for i, ((_, counts), size) in enumerate(zip(call.items, sizes)):
+        n = int(sum(counts))
+        try:
+            out[:, row:row + n] = decode_part(bytes(body[at:at + size]), n, head_dim)
+        except ValueError as e:
+            failed[i] = f"{source}: rejected on-demand rows ({e})"
+        at, row = at + size, row + n
+    return out, failed
 
 
 def iter_reply(reply: np.ndarray, segments):

@@ -230,8 +230,9 @@ class TransferHistograms:
     wire time (first byte -> acknowledged, or the reply landed), and for on-demand "fetch" calls the
     round trip (submitted -> reply landed, SmartGen §4.2). Per finished request (decode side): the bytes
     it moved per path and codec, its encode (prefill side) and decode (here) seconds per codec, and the
-    compression choice as a counter labelled by pipeline and reason (KVServe §6: greedy / explore /
-    fallback; "fixed" for a configured pipeline; codec "off" with compression disabled)."""
+    compression choice as counters labelled by pipeline and reason (KVServe §6: greedy / explore /
+    fallback; "fixed" for a configured pipeline; codec "off" with compression disabled) and by path
+    (the codec each of push / on_demand / metadata used, `jkv.compression.paths`)."""
 
     def __init__(self, registry: CollectorRegistry, role: str):
         r, self.role = registry, role
@@ -249,6 +250,9 @@ class TransferHistograms:
                                     registry=r)
         self.choice = Counter("jkv_compression_choice", "compression pipeline chosen per request, by reason",
                               ["codec", "reason"], registry=r)
+        self.path_choice = Counter("jkv_compression_path_choice", "per request and KV path (push / on_demand / "
+                                   "metadata): the codec chosen (jkv.compression.paths)", ["path", "codec"],
+                                   registry=r)
 
     def observe_transfer(self, t) -> None:
         """Endpoint.observe_transfers callback (a transport thread): one finished operation."""
@@ -267,6 +271,8 @@ class TransferHistograms:
                 self.request_bytes.labels(self.role, path, codec).observe(n)
         self.choice.labels(codec, extra.get("compression_reason", "off" if codec == UNCOMPRESSED_CODEC
                                             else "fixed")).inc()
+        for path, label in (extra.get("compression_paths") or {}).items():
+            self.path_choice.labels(path, label).inc()
         for op in ("encode", "decode"):
             if f"{op}_s" in extra:
                 self.codec_time.labels(op, codec).observe(float(extra[f"{op}_s"]))

@@ -209,6 +209,9 @@ def test_controller_skips_compression_on_a_fast_link(model, selector, prompts, f
     waits = fast_link.worker.link_sample_waits
     outs = run(model, selector, fast_link.addresses, "full", prompts, policy)
     assert all(o.metrics.extra["compression"] == BASELINE for o in outs)
+    # per path (jkv.compression.paths): at 10 Gbit/s neither the replies nor the metadata pay off
+    assert all(o.metrics.extra["compression_paths"] == dict(push="none", on_demand="none", metadata="none")
+               for o in outs)
     assert proactive_bytes(outs) == raw_bytes(model, prompts)  # plain float32 rows, nothing else
     # No compression chosen: no hand-off waited for push acknowledgements; the link samples come
     # in "link" notifications once the pushes are acknowledged (possibly after generate returns).
@@ -222,7 +225,10 @@ def test_controller_skips_compression_on_a_fast_link(model, selector, prompts, f
 
 def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, selector, prompts):
     profile, cr = tiny_profile(model, prompts)
-    policy = CompressionPolicy(CompressionConfig("auto", profiles=("unused",), controller=ControllerConfig(epsilon=0)),
+    # The selector metadata travels compressed too (jkv.compression.paths), so a smartgen batch of
+    # these short prompts moves ~126 KiB: below the default 128 KiB floor of a link sample.
+    policy = CompressionPolicy(CompressionConfig("auto", profiles=("unused",), controller=ControllerConfig(epsilon=0),
+                                                 min_sample_bytes=64 << 10),
                                bandwidth_bps=5e6,
                                profiles=[profile])
     slow = Workers(model, selector, "5mbit")
@@ -232,6 +238,10 @@ def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, select
             outs = run(model, selector, slow.addresses, mode, prompts, policy)
             assert all(o.metrics.extra["compression"] == SPEC for o in outs), mode
             assert all(o.metrics.extra["compression_reason"] == "greedy" for o in outs), mode  # epsilon=0
+            # at 5 Mbit/s the other paths compress too: exact float16 rows (KIVI is not row-granular)
+            # and the lossless metadata codec
+            assert all(o.metrics.extra["compression_paths"] == dict(push=SPEC, on_demand="f16", metadata="zstd1")
+                       for o in outs), mode
             tokens[mode] = [o.token_ids for o in outs]
             if mode == "full":
                 wire_cr = raw_bytes(model, prompts) / proactive_bytes(outs)

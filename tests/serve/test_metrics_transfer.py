@@ -62,3 +62,18 @@ def test_codec_seconds_and_choice_reach_the_histograms():
     assert get("jkv_compression_choice_total", dict(codec=codec, reason="greedy")) == 1
     assert get("jkv_compression_choice_total", dict(codec=codec, reason="explore")) == 1
     assert get("jkv_kv_request_path_bytes_sum", dict(role="decode", path="on_demand", codec=codec)) == 1000
+
+
+def test_the_per_path_choice_reaches_its_counter():
+    """jkv.compression.paths: each request counts the codec of every path (push / on_demand / metadata)."""
+    metrics = ServerMetrics("all", kv_transfer=True)
+    paths = dict(push="identity+tok4g32+zstd3", on_demand="identity+tok4g32+none", metadata="zstd1")
+    metrics.transfers.observe_request(dict(compression=paths["push"], compression_reason="fixed",
+                                           compression_paths=paths))
+    metrics.transfers.observe_request(dict(compression=paths["push"], compression_reason="greedy",
+                                           compression_paths=dict(paths, on_demand="none", metadata="none")))
+    get = metrics.registry.get_sample_value
+    assert get("jkv_compression_path_choice_total", dict(path="push", codec=paths["push"])) == 2
+    assert get("jkv_compression_path_choice_total", dict(path="on_demand", codec=paths["on_demand"])) == 1
+    assert get("jkv_compression_path_choice_total", dict(path="on_demand", codec="none")) == 1
+    assert get("jkv_compression_path_choice_total", dict(path="metadata", codec="zstd1")) == 1

@@ -4,6 +4,8 @@ import pytest
 
 import dataclasses
 
+import numpy as np
+
 from jkv import LLM, SamplingParams, TransferConfig
 from jkv.api import Disaggregation
 from jkv.selection.sparse_decode import generate_sparse
@@ -78,3 +80,56 @@ def test_llm_disaggregated_passes_the_compression_choice_to_its_workers(model, p
     raw = sum(2 * cfg.num_layers * cfg.num_kv_heads * len(p) * cfg.head_dim * 4 for p in prompts)
     assert all(o.metrics.extra["compression"] == spec and o.finish_reason == "length" for o in outs)
     assert 0 < sum(o.metrics.extra["bytes"]["proactive"] for o in outs) < raw / 4
+
+
+@pytest.fixture(scope="module")
+def two_workers(model, tmp_path_factory):
+    """Two prefill worker processes on a paced link, shared by the LLMs below (`addresses=`)."""
+    from jkv.disagg.cluster import LocalPrefillWorkers
+    from jkv.disagg.selectors import build_selector, save_selector
+
+    path = str(tmp_path_factory.mktemp("sel") / "selector.pkl")
+    save_selector(build_selector(model, "oracle").with_min_budget(0), path)
+    workers = LocalPrefillWorkers(2, MODEL_SPEC, path, secret=WORKER_SECRET, bandwidth="50mbit", max_blocks=16)
+    yield workers
+    workers.close()
+
+
+WORKER_SECRET = "compose-test-secret"
+
+
+@pytest.mark.parametrize("spec, on_demand", [("identity+tok4g32+zstd3", "identity+tok4g32+none"),
+                                             ("hadamard+kivi2g32+zstd3", "f16")])
+def test_llm_modes_are_token_identical_with_compression_on_every_path(model, two_workers, spec, on_demand):
+    """A fixed pipeline compresses the pushes, the on-demand replies (a row-granular pipeline: the
+    push's own quantizer without its entropy coder, or exact float16 rows) and the metadata; full /
+    partial / smartgen with 1 and 2 prefill workers then generate the same tokens, because the prefill
+    side's copy is decode(encode(KV)) and every path decodes to exactly those values."""
+    rng = np.random.default_rng(23)  # long enough for several 128-token chunks per layer: rows stay remote
+    prompts = [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in (700, 530)]
+    tokens = {}
+    for n_workers in (1, 2):
+        for mode in ("full", "partial", "smartgen"):
+            dis = Disaggregation(TransferConfig(mode=mode, strategy="sequential", kr_fraction=0.1, max_blocks=16),
+                                 selector="oracle", bandwidth="50mbit", min_budget=0, compression=spec,
+                                 addresses=tuple(two_workers.addresses[:n_workers]), secret=WORKER_SECRET)
+            with LLM(model, disaggregation=dis) as llm:
+                outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+            assert all(o.finish_reason == "length" for o in outs), [o.metrics.extra.get("error") for o in outs]
+            for o in outs:
+                extra = o.metrics.extra
+                assert extra["compression_paths"] == dict(push=spec, on_demand=on_demand, metadata="zstd1")
+                assert extra["bytes"]["metadata"] > 0
+                if mode != "full":
+                    assert extra["bytes"]["on_demand"] > 0 or extra["on_demand_ratio"] == 0
+            if mode != "full":
+                assert sum(o.metrics.extra["on_demand_ratio"] for o in outs) > 0  # rows really came on demand
+            tokens[n_workers, mode] = [o.token_ids for o in outs]
+    assert len({str(t) for t in tokens.values()}) == 1, tokens
+    plain = Disaggregation(TransferConfig(mode="full", max_blocks=16), selector="oracle", bandwidth="50mbit",
+                           min_budget=0, addresses=tuple(two_workers.addresses[:1]), secret=WORKER_SECRET)
+    with LLM(model, disaggregation=plain) as llm:
+        off = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    # the compressed metadata is smaller than the plain leaves (lossless: selection is unchanged)
+    assert sum(o.metrics.extra["bytes"]["metadata"] for o in off) > sum(
+        o.metrics.extra["bytes"]["metadata"] for o in outs)
