@@ -47,3 +47,39 @@ def pytest_unconfigure(config):
     # Only the process that made the directory removes it (the xdist controller, after its workers).
     if _OWN_CACHE is not None and os.environ.get("JKV_TEST_XLA_CACHE_OWNER") == str(os.getpid()):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# Test files that take a minute or more of wall time in CI (the --durations of `make test`), longest
+# first. pytest-xdist's loadfile scheduler hands out whole files in collection order and, by
+# default, reorders them by number of tests, which put these one-test files (a real model, a
+# server pair) last: one worker ran them alone at the end while the other sat idle. The Makefile
+# passes --no-loadscope-reorder and this hook puts them first, the rest by number of tests as
+# before. A stale entry costs only balance, never correctness; tests within a file keep their order.
+# test_min_budget_http.py comes third, not second: its single-process server has test_lm_eval.py's
+# flags, so when the first worker reaches it that server's programs are already in the run's XLA
+# cache; starting both at once would compile them twice.
+LONG_FILES = (
+    "tests/serve/test_lm_eval.py",
+    "tests/models/test_smollm2.py",
+    "tests/serve/test_min_budget_http.py",
+    "tests/serve/test_disagg.py",
+    "tests/serve/test_router.py",
+    "tests/kernels/test_gpu_check.py",
+    "tests/serve/test_batcher.py",
+    "tests/serve/test_paged_batcher.py",
+    "tests/smartgen/test_smartgen_api.py",
+    "tests/serve/test_supervision.py",
+    "tests/serve/test_server_api.py",
+    "tests/serve/test_config_shutdown.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def rank(path: str):
+        return (LONG_FILES.index(path), 0) if path in LONG_FILES else (len(LONG_FILES), -len(files[path]))
+
+    items[:] = [item for path in sorted(files, key=rank) for item in files[path]]
