@@ -1,4 +1,5 @@
 """Shared pytest fixtures and hardware-marker handling."""
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -24,7 +25,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JKV_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
+if importlib.util.find_spec("filelock") is not None:  # jax refuses a size limit without it
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
 
 def pytest_configure(config):
@@ -40,7 +42,8 @@ def pytest_configure(config):
                           float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
         jax.config.update("jax_persistent_cache_min_entry_size_bytes",
                           int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
-        jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
+        if "JAX_COMPILATION_CACHE_MAX_SIZE" in os.environ:
+            jax.config.update("jax_compilation_cache_max_size", int(os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"]))
 
 
 def pytest_unconfigure(config):
