@@ -22,9 +22,11 @@ demo: $(STAMP)
 # Two pytest workers (pytest-xdist), each test file whole on one worker so module fixtures (a
 # server process, a loaded model) are built once: the suite is half waiting on servers and
 # subprocesses, so two workers on two cores cut its wall time. TEST_WORKERS=0 runs it serially.
+# --no-loadscope-reorder: files go out in tests/conftest.py's order, the minute-long ones first
+# (xdist would sort them by test count and leave those one-test files to the end).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) --durations=25
+	$(PY) -m pytest -q $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) --durations=25
 
 # Second CI stage: kernels on jax >= 0.11 (Python 3.12 venv .venv312) and a deviceless sm_90a
 # compile of every kernel and decode program (see .ci/gpu_stage.sh, docs/kernels.md).

@@ -20,8 +20,12 @@ REPO = Path(__file__).resolve().parents[2]
 class ServerProcess:
     """`python -m jkv.cli serve ...` on port 0; `url` is read from its startup log line."""
 
-    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120, command: str = "serve"):
+    def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120, command: str = "serve",
+                 wait: bool = True):
+        """wait=False returns once the process is started: do other work (load a reference model,
+        start a second server) while it warms up, then call wait_ready()."""
         self.args = args
+        self.ready_timeout = ready_timeout
         self.log: list[str] = []
         e = dict(os.environ, **(env or {}))
         e.setdefault("PYTHONPATH", str(REPO))
@@ -32,9 +36,15 @@ class ServerProcess:
         self.url = None
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self._ready.wait(ready_timeout) or self.url is None:
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "ServerProcess":
+        """Block until the startup log line gives the URL (ready_timeout seconds from now)."""
+        if not self._ready.wait(self.ready_timeout) or self.url is None:
             self.stop(signal.SIGKILL)
             raise RuntimeError("server did not start:\n" + "".join(self.log[-40:]))
+        return self
 
     def _read(self):
         for line in self.proc.stderr:

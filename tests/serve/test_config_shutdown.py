@@ -59,13 +59,15 @@ def test_serve_help_explains_every_flag(capsys):
 
 def test_config_file_server_logs_components_and_drains_on_sigterm(tmp_path, tiny_dir, cache_env):
     f = tmp_path / "serve.toml"
-    f.write_text(f'model = "{tiny_dir}"\nserved-model-name = "from-file"\nmax_slots = 2\nmax_model_len = 512\n')
-    s = ServerProcess(["--config", str(f), "--max-slots", "3", "--port", "0"], env=cache_env)
+    # The resulting shapes (6 slots, 1024 tokens) are the shared `server`'s: its warm-up programs come
+    # from the run's XLA cache (tests/conftest.py).
+    f.write_text(f'model = "{tiny_dir}"\nserved-model-name = "from-file"\nmax_slots = 2\nmax_model_len = 1024\n')
+    s = ServerProcess(["--config", str(f), "--max-slots", "6", "--port", "0"], env=cache_env)
     try:
         log = "".join(s.log)
-        # the default paged cache: room for 3 requests of 512 tokens in 16-token pages, plus the null page
-        assert "engine:" in log and "continuous batching of up to 3 requests" in log
-        assert "paged KV cache of 97 pages x 16 tokens" in log and "prefill in chunks of 512 tokens" in log
+        # the default paged cache: room for 6 requests of 1024 tokens in 16-token pages, plus the null page
+        assert "engine:" in log and "continuous batching of up to 6 requests" in log
+        assert "paged KV cache of 385 pages x 16 tokens" in log and "prefill in chunks of 512 tokens" in log
         assert f"listening on {s.url}" in log and "127.0.0.1" in s.url
         assert httpx.get(s.url + "/v1/models").json()["data"][0]["id"] == "from-file"
         body = {"model": "from-file", "prompt": "fox", "max_tokens": 300, "temperature": 0, "stream": True,

@@ -12,6 +12,7 @@ import pytest
 
 from conftest import ServerProcess
 from jkv.disagg.reconnect import Backoff, PrefillReconnector
+from tests.stop_process import stop_process
 
 SECRET = {"JKV_SECRET": "serve-reconnect-test-secret"}
 TIMEOUT_S = "1"  # --transfer-timeout: a peer silent this long is declared dead
@@ -120,7 +121,7 @@ def test_decode_worker_reconnects_after_its_link_was_declared_dead(pair):
 
     # The reported case: the decode process stopped past the timeout, then resumed. No request names
     # the worker (no X-JKV-Prefill-Worker header): the decode side must reconnect by itself.
-    decode.proc.send_signal(signal.SIGSTOP)
+    stop_process(decode.proc.pid)  # stopped for the full 3 s, not from whenever SIGSTOP lands
     time.sleep(3)
     decode.proc.send_signal(signal.SIGCONT)
     wait_for(lambda: complete(decode.url).status_code == 200, 20, "the decode worker serving again")
@@ -128,7 +129,7 @@ def test_decode_worker_reconnects_after_its_link_was_declared_dead(pair):
 
     # The prefill process stops: while it is unreachable a request fails fast with 503 naming the
     # cause; once it resumes the reconnect lands and requests succeed again.
-    prefill.proc.send_signal(signal.SIGSTOP)
+    stop_process(prefill.proc.pid)
     try:
         wait_for(lambda: not prefill_alive(decode.url), 10, "the decode side declaring the prefill worker dead")
         t0 = time.time()

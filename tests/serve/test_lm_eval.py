@@ -100,15 +100,18 @@ def hf_token_logprobs(hf, ids: list[int]) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def model_server():
-    s = ServerProcess(["--model", MODEL, "--port", "0", "--max-model-len", "512", "--max-slots", "4"],
-                      ready_timeout=300)
+def starting_server():
+    """The server process, started without waiting: its warm-up (~1 min of XLA compiles) overlaps
+    the transformers load below. Same flags as test_min_budget_http's single-process server (the
+    default --max-slots), so the run's shared XLA cache (tests/conftest.py) serves one's programs
+    to the other."""
+    s = ServerProcess(["--model", MODEL, "--port", "0", "--max-model-len", "512"], ready_timeout=300, wait=False)
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 
 
 @pytest.fixture(scope="module")
-def hf_model_and_tokenizer(tmp_path_factory):
+def hf_model_and_tokenizer(starting_server, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from jkv.compare import load_hf_reference
@@ -118,6 +121,11 @@ def hf_model_and_tokenizer(tmp_path_factory):
     tok_dir = tmp_path_factory.mktemp("hf-tokenizer")
     AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name).save_pretrained(str(tok_dir))
     return load_hf_reference(MODEL), tok_dir
+
+
+@pytest.fixture(scope="module")
+def model_server(starting_server, hf_model_and_tokenizer):
+    return starting_server.wait_ready()
 
 
 def test_lm_eval_local_completions_runs_and_matches_transformers(model_server, hf_model_and_tokenizer, tmp_path,

@@ -38,7 +38,9 @@ def answers(url):
 
 @pytest.fixture(scope="module")
 def single(cache_env):
-    s = ServerProcess(["--model", MODEL, "--port", "0", "--max-model-len", "512"], env=cache_env, ready_timeout=300)
+    # Not waited for here: the test starts the disaggregated server while this one warms up.
+    s = ServerProcess(["--model", MODEL, "--port", "0", "--max-model-len", "512"], env=cache_env, ready_timeout=300,
+                      wait=False)
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 
@@ -56,6 +58,6 @@ def test_disaggregated_greedy_chat_equals_the_single_process_server(single, cach
         got = answers(dis.url)
     finally:
         assert dis.stop() == 0, "".join(dis.log[-30:])
-    want = answers(single.url)
+    want = answers(single.wait_ready().url)
     assert len(set(want)) == len(CHATS) and all(w.strip() for w in want)  # real, distinct answers
     assert got == want

@@ -13,7 +13,8 @@ from jkv import SamplingParams
 
 @pytest.fixture(scope="module")
 def upstream_b(tiny_dir, cache_env):
-    s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0", "--max-slots", "4",
+    # The shared `server`'s flags: its warm-up programs then come from the run's XLA cache (tests/conftest.py).
+    s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0", "--max-slots", "6",
                        "--max-model-len", "1024"], env=cache_env)
     yield s
     s.stop(signal.SIGKILL)
