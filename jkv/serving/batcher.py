@@ -62,7 +62,9 @@ class BatcherConfig:
     KV cache with chunked prefill (`paged_batcher.PagedBatcher`), "slots" = one N_max cache per slot
     (`ContinuousBatcher`, kept for comparison). Paged only: page_size tokens per page; num_pages in
     the pool including the null page (None: enough for max_slots requests of max_model_len tokens);
-    prefill_chunk prompt tokens prefilled per engine iteration between decode steps."""
+    prefill_chunk prompt tokens prefilled per engine iteration between decode steps;
+    enable_prefix_caching: share cached full pages of equal leading tokens between requests and
+    skip their prefill (the slot layout ignores it)."""
 
     max_slots: int = 8
     max_model_len: int = 1024
@@ -70,8 +72,11 @@ class BatcherConfig:
     page_size: int = 16
     num_pages: int | None = None
     prefill_chunk: int = 512
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots} must be >= 1")
         if self.max_model_len < 2:
