@@ -156,11 +156,13 @@ class PagedKVCache:
             pages = self._pages.get(request_id)
             if pages is None:
                 return 0
-            keys = extend_page_keys(self._keys.setdefault(request_id, []), tokens, self.prefix_namespace,
-                                    limit=len(pages))
+            # keys may already reach past `tokens` (reserve_prefix keyed the whole shareable prompt);
+            # only the pages `tokens` fills are written
+            full = min(len(tokens) // self.page_size, len(pages))
+            keys = extend_page_keys(self._keys.setdefault(request_id, []), tokens, self.prefix_namespace, limit=full)
             start = self._committed.get(request_id, 0)
-            cached = sum(self.allocator.cache_page(pages[i], keys[i]) for i in range(start, len(keys)))
-            self._committed[request_id] = max(start, len(keys))
+            cached = sum(self.allocator.cache_page(pages[i], keys[i]) for i in range(start, full))
+            self._committed[request_id] = max(start, full)
             return cached
 
     def free(self, request_id: Hashable) -> int:
