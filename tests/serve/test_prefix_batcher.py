@@ -221,3 +221,34 @@ def test_random_reuse_concurrency_and_cancellation_never_give_wrong_kv_or_leak(s
             continue
         _assert_same(_answer(events), reference(prompt, max_tokens), f"request {i}")
     _idle_and_leak_free(shared)
+
+
+def test_smollm2_multi_turn_chat_with_a_system_prompt_equals_llm_generate():
+    """The real model (SmolLM2-135M, float32): a shared system prompt and a second turn that reuses
+    the first turn's prompt and answer pages give LLM.generate's greedy tokens."""
+    from jkv import LLM
+    from models import load_model
+
+    smol = load_model("smollm2-135m-instruct")
+    llm = LLM(smol)
+    system = {"role": "system", "content": "You are a concise assistant. Answer in one short sentence and "
+                                           "never use lists. Prefer plain words over jargon."}
+    turn1 = [system, {"role": "user", "content": "What is the capital of France?"}]
+    other = [system, {"role": "user", "content": "Name a large ocean."}]
+    metrics = ServerMetrics()
+    b = PagedBatcher(smol, BatcherConfig(max_slots=2, max_model_len=512, page_size=16, prefill_chunk=64), metrics)
+    b.start()
+    try:
+        sp = SamplingParams(max_tokens=16)
+        a1 = token_ids(collect(submit(b, "t1", llm.encode_prompt(turn1), sp)))
+        assert a1 == llm.generate(turn1, sp)[0].token_ids
+        assert token_ids(collect(submit(b, "o", llm.encode_prompt(other), sp))) == llm.generate(other, sp)[0].token_ids
+        text1 = smol.tokenizer.decode(a1)
+        turn2 = turn1 + [{"role": "assistant", "content": text1}, {"role": "user", "content": "And of Italy?"}]
+        before = _metric(metrics, "jkv_prefix_cache_hit_tokens_total", {"tier": "device"})
+        a2 = token_ids(collect(submit(b, "t2", llm.encode_prompt(turn2), sp)))
+        assert a2 == llm.generate(turn2, sp)[0].token_ids
+        assert _metric(metrics, "jkv_prefix_cache_hit_tokens_total", {"tier": "device"}) - before >= 3 * 16
+        _idle_and_leak_free(b)
+    finally:
+        b.stop()
