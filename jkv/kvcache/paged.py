@@ -30,10 +30,12 @@ from typing import Hashable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.kvpool.base import KVPool
 from jkv.kvpool.hashing import ChunkNamespace
 from models.config import ModelConfig
 from models.paged import init_pages
 
+from .host_tier import HostTier
 from .pages import NULL_PAGE, OutOfPages, PageAllocator, PageConfig
 from .prefix import extend_page_keys, shareable_pages
 
@@ -61,9 +63,11 @@ class PagedKVCache:
     """Device pages plus per-request page tables. Request ids are any hashable key."""
 
     def __init__(self, model_cfg: ModelConfig, page_cfg: PageConfig | None = None, dtype=None,
-                 prefix_namespace: ChunkNamespace | None = None):
+                 prefix_namespace: ChunkNamespace | None = None, host_pool: KVPool | None = None):
         """prefix_namespace: turns prefix caching on; pages are keyed in it (`prefix.prefix_namespace`:
-        model, dtype and page size; its chunk_tokens must equal page_cfg.page_size)."""
+        model, dtype and page size; its chunk_tokens must equal page_cfg.page_size). host_pool: the
+        L2 tier (`host_tier.HostTier`): evicted cached pages are written there and loaded back on a
+        hit (needs prefix_namespace)."""
         self.model_cfg = model_cfg
         self.page_cfg = page_cfg if page_cfg is not None else PageConfig()
         self.dtype = jnp.dtype(dtype if dtype is not None else model_cfg.dtype)
@@ -73,12 +77,19 @@ class PagedKVCache:
         self.prefix_namespace = prefix_namespace
         self.kv = init_pages(model_cfg, self.page_cfg.num_pages, self.page_cfg.page_size, self.dtype)
         self.allocator = PageAllocator(self.page_cfg.num_pages)
+        self.host: HostTier | None = None
+        if host_pool is not None:
+            if prefix_namespace is None:
+                raise ValueError("host_pool is the prefix cache's second tier: pass prefix_namespace too")
+            self.host = HostTier(host_pool, prefix_namespace)
+            self.allocator.on_evict = lambda evicted: self.host.spill(self.kv, evicted)
         self._pages: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
         self._keys: dict[Hashable, list[bytes]] = {}  # prefix keys of the request's leading full pages
         self._committed: dict[Hashable, int] = {}  # leading pages already offered to the cache
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (shareable part)
-        self.prefix_hits = 0  # of those, tokens whose KV came from cached pages
+        self.prefix_hits = 0  # of those, tokens whose KV came from cached device pages
+        self.prefix_hits_host = 0  # ... and from the host tier
         self._lock = threading.Lock()
 
     @property
@@ -128,19 +139,29 @@ class PagedKVCache:
         keys = extend_page_keys([], prompt, self.prefix_namespace, limit=shareable_pages(len(prompt), P))
         with self._lock:
             shared = self.allocator.match(keys)
+            in_host = self.host.available(keys[len(shared):]) if self.host is not None else 0
             need = self.page_cfg.pages_for(max(n_tokens, len(prompt))) - len(shared)
             try:
-                new = self.allocator.allocate(max(need, 0))
+                new = self.allocator.allocate(max(need, 0))  # may spill evicted pages to the host tier
             except OutOfPages as e:
                 self.allocator.decref(shared)
                 raise OutOfPages(e.needed + len(shared), e.free + len(shared), e.capacity) from None
+            loaded = 0
+            if in_host:  # the next pages come back from L2 instead of being recomputed
+                cfg = self.model_cfg
+                shape = (cfg.num_layers, 2, cfg.num_kv_heads, P, cfg.head_dim)
+                self.kv, loaded = self.host.load(self.kv, keys[len(shared):len(shared) + in_host], new, shape,
+                                                 self.dtype)
+                for i in range(loaded):
+                    self.allocator.cache_page(new[i], keys[len(shared) + i])
             self._pages[request_id] = shared + new
             self._lengths[request_id] = max(int(n_tokens), len(prompt))
             self._keys[request_id] = keys
-            self._committed[request_id] = len(shared)
+            self._committed[request_id] = len(shared) + loaded
             self.prefix_queries += len(keys) * P
             self.prefix_hits += len(shared) * P
-            return len(shared) * P
+            self.prefix_hits_host += loaded * P
+            return (len(shared) + loaded) * P
 
     def commit_pages(self, request_id: Hashable, tokens) -> int:
         """Offer the request's full pages to the prefix cache: tokens (i32[N]) are the tokens whose
@@ -259,4 +280,9 @@ class PagedKVCache:
             out.update(prefix_cached_pages=self.pages_cached, prefix_evictable_pages=self.allocator.num_evictable,
                        prefix_query_tokens=self.prefix_queries, prefix_hit_tokens=self.prefix_hits,
                        prefix_evictions=self.allocator.evictions)
+        if self.host is not None:
+            pool = self.host.pool.stats()
+            out.update(prefix_hit_tokens_host=self.prefix_hits_host, prefix_host_writes=self.host.writes,
+                       prefix_host_pages=pool.entries, prefix_host_bytes=pool.bytes_used,
+                       prefix_host_evictions=pool.evictions)
         return out

@@ -64,7 +64,9 @@ class BatcherConfig:
     the pool including the null page (None: enough for max_slots requests of max_model_len tokens);
     prefill_chunk prompt tokens prefilled per engine iteration between decode steps;
     enable_prefix_caching: share cached full pages of equal leading tokens between requests and
-    skip their prefill (the slot layout ignores it)."""
+    skip their prefill (the slot layout ignores it); prefix_cache_host_bytes: with prefix caching,
+    keep evicted cached pages in a host-memory LRU of this many bytes and load them back on a hit
+    (0: no host tier)."""
 
     max_slots: int = 8
     max_model_len: int = 1024
@@ -73,8 +75,11 @@ class BatcherConfig:
     num_pages: int | None = None
     prefill_chunk: int = 512
     enable_prefix_caching: bool = True
+    prefix_cache_host_bytes: int = 0
 
     def __post_init__(self):
+        if self.prefix_cache_host_bytes < 0:
+            raise ValueError(f"prefix_cache_host_bytes={self.prefix_cache_host_bytes} must be >= 0 (0: no host tier)")
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
         if self.max_slots < 1:

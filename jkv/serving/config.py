@@ -42,6 +42,7 @@ class ServeConfig:
     num_pages: int | None = None
     prefill_chunk: int = 512
     enable_prefix_caching: bool = True
+    prefix_cache_host_bytes: int = 0
     default_max_tokens: int = 256
     max_request_bytes: int = 4 * 1024 * 1024
     upstream: tuple[str, ...] = ()
@@ -128,7 +129,8 @@ class ServeConfig:
 
         return BatcherConfig(self.max_slots, max_model_len, kv_layout=self.kv_layout, page_size=self.page_size,
                              num_pages=self.num_pages, prefill_chunk=self.prefill_chunk,
-                             enable_prefix_caching=self.enable_prefix_caching)
+                             enable_prefix_caching=self.enable_prefix_caching,
+                             prefix_cache_host_bytes=self.prefix_cache_host_bytes)
 
     @property
     def model_name(self) -> str:
@@ -193,6 +195,9 @@ _TABLE = {
                                       "KV pages (a system prompt, earlier turns) share those pages and skip their "
                                       "prefill; cached pages no request holds are evicted least recently used "
                                       "first when pages run short. `--enable-prefix-caching false` turns it off"),
+    "prefix_cache_host_bytes": (int, "paged, with prefix caching: bytes of host memory for a second tier of the "
+                                     "prefix cache; cached pages evicted from the device are kept there (LRU) and "
+                                     "copied back on a hit instead of recomputed (0: no host tier)"),
     "default_max_tokens": (int, "max_tokens for chat requests that do not set it (capped by the context)"),
     "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
                                "(all roles, the router included)"),

@@ -117,16 +117,28 @@ class _PrefixCacheCollector:
         hits = CounterMetricFamily("jkv_prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix "
                                    "cache instead of prefill, by tier", labels=["tier"])
         hits.add_metric(["device"], stats["prefix_hit_tokens"])
+        if "prefix_hit_tokens_host" in stats:  # the host tier (L2) is configured
+            hits.add_metric(["host"], stats["prefix_hit_tokens_host"])
         evictions = CounterMetricFamily("jkv_prefix_cache_evictions", "cached prefix pages evicted to make room "
                                         "for new pages, by tier", labels=["tier"])
         evictions.add_metric(["device"], stats["prefix_evictions"])
         cached = GaugeMetricFamily("jkv_prefix_cache_pages", "KV pages holding a cached prefix (shared by running "
                                    "requests or kept evictable)", labels=["tier"])
         cached.add_metric(["device"], stats["prefix_cached_pages"])
+        out = []
+        if "prefix_host_pages" in stats:
+            cached.add_metric(["host"], stats["prefix_host_pages"])
+            evictions.add_metric(["host"], stats["prefix_host_evictions"])
+            writes = CounterMetricFamily("jkv_prefix_cache_host_writes", "cached prefix pages evicted from the "
+                                         "device and written to the host tier")
+            writes.add_metric([], stats["prefix_host_writes"])
+            host_bytes = GaugeMetricFamily("jkv_prefix_cache_host_bytes", "bytes of KV pages held by the host tier")
+            host_bytes.add_metric([], stats["prefix_host_bytes"])
+            out = [writes, host_bytes]
         evictable = GaugeMetricFamily("jkv_prefix_cache_evictable_pages", "cached prefix pages no request holds: "
                                       "counted as free (jkv_kv_pages_free), evicted least recently used first")
         evictable.add_metric([], stats["prefix_evictable_pages"])
-        return [queries, hits, evictions, cached, evictable]
+        return [queries, hits, evictions, cached, evictable, *out]
 
 
 KV_PATHS = ("proactive", "speculative", "on_demand", "metadata")

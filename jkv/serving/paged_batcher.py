@@ -29,7 +29,9 @@ computed: its logits give the first token). Each full page is offered to the cac
 KV is written (after a prefill chunk; during decode when a generated token fills a page), so a
 request arriving while another with the same system prompt still runs already shares it. Freed
 cached pages stay in the allocator's LRU and are evicted only when admission needs pages, so the
-waiting / page-budget rules above count them as free. Prompt-scoring requests (`prompt_logprobs`)
+waiting / page-budget rules above count them as free. With `prefix_cache_host_bytes` an evicted
+page is copied to a host LRU first (jkv/kvcache/host_tier.py, on the engine thread) and a later
+prompt that misses in device pages but hits there gets it copied back instead of recomputed. Prompt-scoring requests (`prompt_logprobs`)
 write their whole prompt and never share pages (they still offer theirs).
 
 Schedule, per engine iteration: drain inbox → admit (reserve pages, take a seat) → prefill chunks of
@@ -170,7 +172,12 @@ class PagedBatcher(ContinuousBatcher):
         jax.block_until_ready(logits)
 
     def _new_cache(self) -> PagedKVCache:
-        return PagedKVCache(self.model.cfg, self.page_cfg, prefix_namespace=self.prefix_namespace)
+        host = None
+        if self.prefix_namespace is not None and self.config.prefix_cache_host_bytes:
+            from ..kvpool import HostKVPool
+
+            host = HostKVPool(self.config.prefix_cache_host_bytes)
+        return PagedKVCache(self.model.cfg, self.page_cfg, prefix_namespace=self.prefix_namespace, host_pool=host)
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (thread-safe; pages held by running requests stay theirs)."""

@@ -199,3 +199,36 @@ def test_random_reuse_never_shares_a_page_holding_other_tokens_and_never_leaks(o
     cache.clear_prefix_cache()
     cache.allocator.check()
     assert cache.pages_free == cache.allocator.capacity and cache.pages_cached == 0
+
+
+def test_an_evicted_page_goes_to_the_host_tier_and_comes_back_bit_exact():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jkv.kvpool import HostKVPool
+
+    cfg = tiny_config()
+    pool = HostKVPool(1 << 24)
+    cache = PagedKVCache(cfg, PageConfig(P, 4), prefix_namespace=NS, host_pool=pool)  # 3 usable pages
+    rng = np.random.default_rng(0)
+    cache.kv = tuple((jnp.asarray(rng.normal(size=K.shape), K.dtype), jnp.asarray(rng.normal(size=V.shape), V.dtype))
+                     for K, V in cache.kv)
+    prompt = list(range(60, 60 + 2 * P + 1))
+    cache.reserve_prefix("a", prompt, len(prompt))
+    cache.commit_pages("a", prompt)
+    first = cache.pages_of("a")[0]
+    want = [(np.asarray(K[first]), np.asarray(V[first])) for K, V in cache.kv]
+    cache.free("a")
+    cache.reserve("x", 3 * P)  # needs every page: both cached pages are evicted and spilled
+    assert cache.allocator.evictions == 2 and cache.host.writes == 2 and pool.stats().entries == 2
+    cache.kv = tuple((K.at[:].set(0), V.at[:].set(0)) for K, V in cache.kv)  # the device copies are gone
+    cache.free("x")
+    assert cache.reserve_prefix("b", prompt, len(prompt)) == 2 * P  # both pages from the host tier
+    loaded = cache.pages_of("b")[0]
+    for (K, V), (k, v) in zip(cache.kv, want):
+        np.testing.assert_array_equal(np.asarray(K[loaded]), k)
+        np.testing.assert_array_equal(np.asarray(V[loaded]), v)
+    assert cache.stats()["prefix_hit_tokens_host"] == 2 * P and cache.stats()["prefix_hit_tokens"] == 0
+    assert cache.pages_cached == 2  # loaded pages are device-cached again
+    cache.free("b")
+    cache.allocator.check()

@@ -169,6 +169,27 @@ def test_eviction_under_page_pressure_keeps_tokens_right(model, reference):
         b.stop()
 
 
+def test_the_host_tier_takes_evicted_pages_and_serves_them_back_with_the_same_tokens(model, reference):
+    """As above with a host tier: the second round's prompts were evicted from the device pool, so
+    their system prompts come back from host memory (tier "host") instead of being recomputed."""
+    metrics = ServerMetrics()
+    b = _start(model, metrics, max_slots=2, num_pages=21, prefix_cache_host_bytes=64 << 20)
+    try:
+        rng = np.random.default_rng(1)
+        systems = [_prompt(rng, 4 * PAGE + 3) for _ in range(3)]
+        for round_ in range(2):
+            for s, system in enumerate(systems):
+                prompt = system + [5 + round_, 7 + s]
+                _assert_same(_answer(collect(submit(b, f"h{round_}{s}", prompt, _greedy(40), logprobs=1))),
+                             reference(prompt, 40), f"round {round_} system {s}")
+        assert _metric(metrics, "jkv_prefix_cache_host_writes_total") > 0
+        assert _metric(metrics, "jkv_prefix_cache_hit_tokens_total", {"tier": "host"}) >= 4 * PAGE
+        assert _metric(metrics, "jkv_prefix_cache_pages", {"tier": "host"}) > 0
+        _idle_and_leak_free(b)
+    finally:
+        b.stop()
+
+
 def test_prefix_caching_off_has_no_prefix_metrics_and_shares_nothing(model):
     metrics = ServerMetrics()
     b = _start(model, metrics, enable_prefix_caching=False)
