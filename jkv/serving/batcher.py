@@ -129,7 +129,9 @@ class StreamEvent:
 class EngineRequest:
     """logprobs / prompt_logprobs: None (not wanted) or the number of top alternatives to return
     with each generated / prompt token's log-probability. prompt_only: score the prompt and
-    generate nothing (OpenAI's echo with max_tokens 0); params.max_tokens is then unused."""
+    generate nothing (OpenAI's echo with max_tokens 0); params.max_tokens is then unused.
+    prefix_cache: the request may start from cached prefix pages (paged engine with prefix caching);
+    False computes its whole prompt (it still offers its pages to the cache)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -140,6 +142,7 @@ class EngineRequest:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_only: bool = False
+    prefix_cache: bool = True
 
 
 class ContextLengthError(ValueError):

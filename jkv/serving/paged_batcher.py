@@ -29,7 +29,9 @@ computed: its logits give the first token). Each full page is offered to the cac
 KV is written (after a prefill chunk; during decode when a generated token fills a page), so a
 request arriving while another with the same system prompt still runs already shares it. Freed
 cached pages stay in the allocator's LRU and are evicted only when admission needs pages, so the
-waiting / page-budget rules above count them as free. With `prefix_cache_host_bytes` an evicted
+waiting / page-budget rules above count them as free. A request with `prefix_cache=False` (the
+server sets it for requests that ask for log-probs, so their numbers never depend on the cache's
+state) computes its whole prompt and only offers its pages. With `prefix_cache_host_bytes` an evicted
 page is copied to a host LRU first (jkv/kvcache/host_tier.py, on the engine thread) and a later
 prompt that misses in device pages but hits there gets it copied back instead of recomputed. Prompt-scoring requests (`prompt_logprobs`)
 write their whole prompt and never share pages (they still offer theirs).
@@ -197,7 +199,7 @@ class PagedBatcher(ContinuousBatcher):
             key = f"{req.request_id}#{self._next_key}"  # unique even if a client reuses request ids
             total = n if req.prompt_only else n + req.params.max_tokens
             try:
-                if req.prompt_logprobs is not None:  # written whole from position 0: shares no page
+                if req.prompt_logprobs is not None or not req.prefix_cache:  # computed from position 0
                     self.kv.reserve(key, total)
                     cached = 0
                 else:

@@ -51,3 +51,16 @@ def test_shared_system_prompt_and_multi_turn_chat_equal_llm_generate_and_hit_the
     assert hits() > after_shared
     assert metric(live.url, "jkv_prefix_cache_query_tokens_total") >= hits()
     assert metric(live.url, "jkv_prefix_cache_pages", {"tier": "device"}) > 0
+
+
+def test_a_log_prob_request_reads_no_cached_prefix_so_its_numbers_repeat_exactly(live):
+    """Log-probs must not depend on what the cache holds: such a request computes its whole prompt."""
+    c = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Log-probs, please."}]
+    plain = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, temperature=0)  # caches the prompt
+    hits = metric(live.url, "jkv_prefix_cache_hit_tokens_total", {"tier": "device"})
+    a, b = (c.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, temperature=0, logprobs=True,
+                                      top_logprobs=2) for _ in range(2))
+    assert metric(live.url, "jkv_prefix_cache_hit_tokens_total", {"tier": "device"}) == hits
+    assert a.choices[0].logprobs == b.choices[0].logprobs
+    assert a.choices[0].message.content == plain.choices[0].message.content
