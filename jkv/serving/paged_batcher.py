@@ -31,10 +31,10 @@ request arriving while another with the same system prompt still runs already sh
 cached pages stay in the allocator's LRU and are evicted only when admission needs pages, so the
 waiting / page-budget rules above count them as free. A request with `prefix_cache=False` (the
 server sets it for requests that ask for log-probs, so their numbers never depend on the cache's
-state) computes its whole prompt and only offers its pages. With `prefix_cache_host_bytes` an evicted
-page is copied to a host LRU first (jkv/kvcache/host_tier.py, on the engine thread) and a later
-prompt that misses in device pages but hits there gets it copied back instead of recomputed. Prompt-scoring requests (`prompt_logprobs`)
-write their whole prompt and never share pages (they still offer theirs).
+state) and a prompt-scoring request (`prompt_logprobs`, written whole) compute their whole prompt
+and only offer their pages. With `prefix_cache_host_bytes` an evicted page is copied to a host LRU
+first (jkv/kvcache/host_tier.py, on the engine thread), and a later prompt that misses in device
+pages but hits there gets it copied back instead of recomputed.
 
 Schedule, per engine iteration: drain inbox → admit (reserve pages, take a seat) → prefill chunks of
 up to `prefill_chunk` tokens, oldest admitted request first, until `prefill_chunk` prompt tokens are
@@ -94,8 +94,7 @@ class _PagedRun(_Running):
     def __init__(self, req: EngineRequest, stream: TextStream, seed: int, key: str):
         super().__init__(req, stream, seed)
         self.key = key
-        self.prefilled = 0  # prompt tokens already written to pages (from the prefix cache or computed)
-        self.cached_tokens = 0  # leading prompt tokens whose KV came from the prefix cache
+        self.prefilled = 0  # prompt tokens already in its pages (shared from the prefix cache or computed)
 
     @property
     def decoding(self) -> bool:
@@ -217,7 +216,7 @@ class PagedBatcher(ContinuousBatcher):
             seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**31))
             slot = self._slots.index(None)
             run = self._slots[slot] = _PagedRun(req, TextStream(self.model.tokenizer, p, self.eos_ids), seed, key)
-            run.prefilled = run.cached_tokens = cached
+            run.prefilled = cached
             self._steps[slot] = 0
             self._prefilling.append(slot)
             with self._lock:
