@@ -50,23 +50,29 @@ class LLM:
     """A model plus an engine. `model` is a registered name, a HF directory, a .gguf file or a `Model`.
 
     The colocated engine keeps KV in a paged cache (`jkv.kvcache`): kv_page_size tokens a page;
-    prompts longer than prefill_chunk tokens are prefilled in chunks of that many tokens.
+    prompts longer than prefill_chunk tokens are prefilled in chunks of that many tokens;
+    enable_prefix_caching keeps full pages of earlier requests and skips the prefill of a cached
+    prompt prefix (off by default: LLM is the reference the serving paths are checked against).
     """
 
     def __init__(self, model: str | os.PathLike | Model = DEFAULT_MODEL, *, dtype: str = "float32",
                  max_batch_size: int = 16, disaggregation: Disaggregation | None = None,
-                 kv_page_size: int = 16, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 kv_page_size: int = 16, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                 enable_prefix_caching: bool = False):
         if max_batch_size < 1:
             raise ValueError(f"{max_batch_size=} must be >= 1")
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
         self.tokenizer = self.model.tokenizer
         self.max_batch_size = max_batch_size
+        if disaggregation is not None and enable_prefix_caching:
+            raise ValueError("enable_prefix_caching is for the colocated engine; drop it or disaggregation=")
         if disaggregation is not None:  # this process decodes; prefill runs in worker processes
             from .disagg.cluster import DisaggregatedEngine
             self._engine = DisaggregatedEngine(self.model, disaggregation,
                                                model_spec=None if isinstance(model, Model) else str(model))
         else:
-            self._engine = DenseEngine(self.model, page_size=kv_page_size, prefill_chunk=prefill_chunk)
+            self._engine = DenseEngine(self.model, page_size=kv_page_size, prefill_chunk=prefill_chunk,
+                                       enable_prefix_caching=enable_prefix_caching)
 
     def close(self) -> None:
         """Stop worker processes (disaggregated mode); a no-op for the colocated engine."""

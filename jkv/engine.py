@@ -9,6 +9,13 @@ a page table as wide as the batch's longest live request (bucketed), and a reque
 back to the pool as soon as it finishes. Shapes are bucketed (prompt length to a power of two /
 multiple of 512, table width by `kvcache.bucket_pages`) so a handful of compiled programs serve
 all requests.
+
+With `enable_prefix_caching` (off by default: `LLM` is the reference every other path is checked
+against) the engine keeps finished requests' full pages in the cache's prefix LRU
+(`jkv.kvcache.prefix`): a later prompt sharing leading full pages reuses them and its prefill starts
+at its first uncached token (a chunked prefill with a per-row start), as the serve batcher does.
+Without a fixed `num_pages` the pool grows when a batch needs more pages, and a new pool starts
+with an empty prefix cache.
 """
 from __future__ import annotations
 
@@ -21,7 +28,7 @@ import numpy as np
 
 from models import Model
 
-from .kvcache import OutOfPages, PageConfig, PagedKVCache
+from .kvcache import OutOfPages, PageConfig, PagedKVCache, prefix_namespace
 from .outputs import RequestMetrics, RequestOutput
 from .sampling import SamplingParams, sample_or_argmax
 
@@ -97,24 +104,30 @@ class DenseEngine:
     page_size: tokens per KV page. num_pages: a fixed pool size (including the null page);
     None sizes the pool to the largest batch seen (grown, never shrunk). prefill_chunk: prompts
     longer than this many tokens are prefilled in chunks of it (bounds prefill memory).
+    enable_prefix_caching: reuse cached full pages of earlier requests' prompts and outputs.
     """
 
     def __init__(self, model: Model, *, page_size: int = 16, num_pages: int | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, enable_prefix_caching: bool = False):
         if prefill_chunk < 1:
             raise ValueError(f"{prefill_chunk=} must be >= 1 (tokens per prefill chunk)")
         self.model = model
         self.page_size = page_size
         self.num_pages = num_pages
         self.prefill_chunk = prefill_chunk
+        self.prefix_namespace = prefix_namespace(model, model.cfg.dtype, page_size) if enable_prefix_caching else None
         self.kv_cache: PagedKVCache | None = None
         if num_pages is not None:
-            self.kv_cache = PagedKVCache(model.cfg, PageConfig(page_size, num_pages))
+            self.kv_cache = self._new_cache(num_pages)
+
+    def _new_cache(self, num_pages: int) -> PagedKVCache:
+        return PagedKVCache(self.model.cfg, PageConfig(self.page_size, num_pages),
+                            prefix_namespace=self.prefix_namespace)
 
     def _cache_for(self, pages_needed: int) -> PagedKVCache:
         if self.num_pages is None and (self.kv_cache is None or self.kv_cache.allocator.capacity < pages_needed):
             num_pages = 1 << pages_needed.bit_length()  # >= pages_needed + 1 (the null page)
-            self.kv_cache = PagedKVCache(self.model.cfg, PageConfig(self.page_size, num_pages))
+            self.kv_cache = self._new_cache(num_pages)
         if pages_needed > self.kv_cache.pages_free:  # fail before prefill, not mid-decode
             raise OutOfPages(pages_needed, self.kv_cache.pages_free, self.kv_cache.allocator.capacity)
         return self.kv_cache
@@ -131,9 +144,14 @@ class DenseEngine:
                                     for b, r in enumerate(requests)))
         rows = list(range(B))  # cache keys: batch rows (request ids need not be unique)
         try:
-            for b in rows:
-                cache.reserve(b, int(lengths[b]))
-            logits = self._prefill(cache, requests, lengths)
+            cached = np.array([cache.reserve_prefix(b, r.prompt_token_ids, int(lengths[b]))
+                               for b, r in enumerate(requests)], np.int32)
+            if cached.any():
+                logits = self._prefill_chunks(cache, requests, lengths, cached)
+            else:
+                logits = self._prefill(cache, requests, lengths)
+            for b, r in enumerate(requests):
+                cache.commit_pages(b, r.prompt_token_ids)
             return self._decode(cache, requests, lengths, logits, t0)
         finally:
             for b in rows:
@@ -151,19 +169,29 @@ class DenseEngine:
             logits, kv = m.prefill(tokens, lengths)
             cache.kv = m.write_prefill_pages(cache.kv, cache.table(rows), kv, lengths)
             return logits
-        n_chunks = -(-int(lengths.max()) // C)
+        return self._prefill_chunks(cache, requests, lengths, np.zeros(B, np.int32))
+
+    def _prefill_chunks(self, cache: PagedKVCache, requests: Sequence[Request], lengths: np.ndarray,
+                        cached: np.ndarray):
+        """Prompts into pages in chunks of prefill_chunk tokens, row b starting at position cached[b]
+        (i32[B]: its leading tokens already in shared pages); returns logits f32[B, V] at each
+        prompt's last token."""
+        m, B, C = self.model, len(requests), self.prefill_chunk
+        rows = list(range(B))
+        todo = lengths - cached  # >= 1 per row: the last prompt token is never cached
+        n_chunks = -(-int(todo.max()) // C)
         tokens = np.zeros((B, n_chunks * C), np.int32)
         for b, r in enumerate(requests):
-            tokens[b, :lengths[b]] = r.prompt_token_ids
+            tokens[b, :todo[b]] = r.prompt_token_ids[cached[b]:]
         last = None
         for i in range(n_chunks):
             s = i * C
             # The chunk reads the pages before it and writes its own: the table spans both.
-            table = cache.table(rows, max_pages=-(-(s + C) // cache.page_size))
-            chunk_len = np.clip(lengths - s, 0, C).astype(np.int32)
-            logits, cache.kv = m.prefill_chunk(cache.kv, table, tokens[:, s:s + C],
-                                               np.full(B, s, np.int32), chunk_len)
-            ends_here = ((lengths - 1) // C == i)[:, None]
+            table = cache.table(rows, max_pages=-(-(int(cached.max()) + s + C) // cache.page_size))
+            chunk_len = np.clip(todo - s, 0, C).astype(np.int32)
+            logits, cache.kv = m.prefill_chunk(cache.kv, table, tokens[:, s:s + C], (cached + s).astype(np.int32),
+                                               chunk_len)
+            ends_here = ((todo - 1) // C == i)[:, None]
             last = np.where(ends_here, np.asarray(logits), 0.0 if last is None else last)
         return last
 
@@ -191,6 +219,8 @@ class DenseEngine:
         while not all(done):
             for b in range(B):
                 if done[b]:
+                    if b in cache:  # its prompt and the generated tokens whose KV is written
+                        cache.commit_pages(b, list(requests[b].prompt_token_ids) + gen[b][:positions[b] - lengths[b]])
                     cache.free(b)  # pages back to the pool as soon as a request finishes
                     positions[b] = 0  # an idle row: all-null table row, attends to nothing cached
                 else:
@@ -209,6 +239,9 @@ class DenseEngine:
                 reason, ids, text = checkers[b].finish(gen[b])
                 if reason:
                     done[b] = (reason, ids, text)
+        for b, r in enumerate(requests):  # rows that finished at the last step
+            if b in cache:
+                cache.commit_pages(b, list(r.prompt_token_ids) + gen[b][:positions[b] - lengths[b]])
         return [RequestOutput(
             request_id=r.request_id, prompt=r.prompt, prompt_token_ids=list(r.prompt_token_ids),
             text=done[b][2], token_ids=done[b][1], finish_reason=done[b][0],

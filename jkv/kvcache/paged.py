@@ -8,6 +8,12 @@
     logits, cache.kv = model.paged_decode_step(cache.kv, cache.table(["r1"]), tok, positions)
     cache.free("r1")                                          # pages back to the pool
 
+With prefix caching (`prefix_namespace` given), a request starts with `reserve_prefix`: its
+prompt's leading full pages that are cached come back shared (read-only, reference-counted) and
+compute starts at the first uncached token; `commit_pages` registers the request's full pages
+as their KV is written, so later requests can share them; `free` parks cached pages in the
+allocator's LRU instead of freeing them (`pages.PageAllocator`, evicted only when it runs short).
+
 Who owns what: `kv` (a tuple over layers of (K, V), each [num_pages, H_kv, P, D], on the default
 JAX device, in the model's dtype unless told otherwise) is replaced by every model call that
 writes it (the old arrays are donated), so callers always store the returned tuple back in
@@ -24,10 +30,14 @@ from typing import Hashable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.kvpool.base import KVPool
+from jkv.kvpool.hashing import ChunkNamespace
 from models.config import ModelConfig
 from models.paged import init_pages
 
-from .pages import NULL_PAGE, PageAllocator, PageConfig
+from .host_tier import HostTier
+from .pages import NULL_PAGE, OutOfPages, PageAllocator, PageConfig
+from .prefix import extend_page_keys, shareable_pages
 
 MIN_TABLE_PAGES = 4
 
@@ -52,15 +62,39 @@ def bucket_pages(n: int) -> int:
 class PagedKVCache:
     """Device pages plus per-request page tables. Request ids are any hashable key."""
 
-    def __init__(self, model_cfg: ModelConfig, page_cfg: PageConfig | None = None, dtype=None):
+    def __init__(self, model_cfg: ModelConfig, page_cfg: PageConfig | None = None, dtype=None,
+                 prefix_namespace: ChunkNamespace | None = None, host_pool: KVPool | None = None):
+        """prefix_namespace: turns prefix caching on; pages are keyed in it (`prefix.prefix_namespace`:
+        model, dtype and page size; its chunk_tokens must equal page_cfg.page_size). host_pool: the
+        L2 tier (`host_tier.HostTier`): evicted cached pages are written there and loaded back on a
+        hit (needs prefix_namespace)."""
         self.model_cfg = model_cfg
         self.page_cfg = page_cfg if page_cfg is not None else PageConfig()
         self.dtype = jnp.dtype(dtype if dtype is not None else model_cfg.dtype)
+        if prefix_namespace is not None and prefix_namespace.chunk_tokens != self.page_cfg.page_size:
+            raise ValueError(f"prefix_namespace keys chunks of {prefix_namespace.chunk_tokens} tokens but pages hold "
+                             f"{self.page_cfg.page_size}; build it with prefix_namespace(model, dtype, page_size)")
+        self.prefix_namespace = prefix_namespace
         self.kv = init_pages(model_cfg, self.page_cfg.num_pages, self.page_cfg.page_size, self.dtype)
         self.allocator = PageAllocator(self.page_cfg.num_pages)
+        self.host: HostTier | None = None
+        if host_pool is not None:
+            if prefix_namespace is None:
+                raise ValueError("host_pool is the prefix cache's second tier: pass prefix_namespace too")
+            self.host = HostTier(host_pool, prefix_namespace)
+            self.allocator.on_evict = lambda evicted: self.host.spill(self.kv, evicted)
         self._pages: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
+        self._keys: dict[Hashable, list[bytes]] = {}  # prefix keys of the request's leading full pages
+        self._committed: dict[Hashable, int] = {}  # leading pages already offered to the cache
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (shareable part)
+        self.prefix_hits = 0  # of those, tokens whose KV came from cached device pages
+        self.prefix_hits_host = 0  # ... and from the host tier
         self._lock = threading.Lock()
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.prefix_namespace is not None
 
     def __repr__(self):
         return (f"PagedKVCache(page_size={self.page_size}, pages {self.pages_in_use}/"
@@ -88,8 +122,73 @@ class PagedKVCache:
             self._lengths[request_id] = max(self._lengths.get(request_id, 0), int(n_tokens))
             return new
 
+    def reserve_prefix(self, request_id: Hashable, prompt, n_tokens: int) -> int:
+        """Start a new request: share its prompt's cached leading full pages, allocate pages for the
+        rest of n_tokens tokens; returns the tokens whose KV is already in its pages (a multiple of
+        the page size, always < len(prompt): compute starts there).
+
+        prompt: i32[N] token ids. Without prefix caching this is `reserve` and returns 0. Raises
+        `OutOfPages` with nothing held (the shared pages are released again) when the pool is short.
+        """
+        if request_id in self._pages:
+            raise ValueError(f"request {request_id!r} already holds pages; reserve_prefix starts a new request")
+        if not self.prefix_caching:
+            self.reserve(request_id, n_tokens)
+            return 0
+        P = self.page_size
+        keys = extend_page_keys([], prompt, self.prefix_namespace, limit=shareable_pages(len(prompt), P))
+        with self._lock:
+            shared = self.allocator.match(keys)
+            in_host = self.host.available(keys[len(shared):]) if self.host is not None else 0
+            need = self.page_cfg.pages_for(max(n_tokens, len(prompt))) - len(shared)
+            try:
+                new = self.allocator.allocate(max(need, 0))  # may spill evicted pages to the host tier
+            except OutOfPages as e:
+                self.allocator.decref(shared)
+                raise OutOfPages(e.needed + len(shared), e.free + len(shared), e.capacity) from None
+            loaded = 0
+            if in_host:  # the next pages come back from L2 instead of being recomputed
+                cfg = self.model_cfg
+                shape = (cfg.num_layers, 2, cfg.num_kv_heads, P, cfg.head_dim)
+                self.kv, loaded = self.host.load(self.kv, keys[len(shared):len(shared) + in_host], new, shape,
+                                                 self.dtype)
+                for i in range(loaded):
+                    self.allocator.cache_page(new[i], keys[len(shared) + i])
+            self._pages[request_id] = shared + new
+            self._lengths[request_id] = max(int(n_tokens), len(prompt))
+            self._keys[request_id] = keys
+            self._committed[request_id] = len(shared) + loaded
+            self.prefix_queries += len(keys) * P
+            self.prefix_hits += len(shared) * P
+            self.prefix_hits_host += loaded * P
+            return (len(shared) + loaded) * P
+
+    def commit_pages(self, request_id: Hashable, tokens) -> int:
+        """Offer the request's full pages to the prefix cache: tokens (i32[N]) are the tokens whose
+        KV is written in its pages, from position 0. Call it only after the program that wrote them
+        was issued (later programs read the cache it returned). Returns the pages newly cached.
+
+        A full page is never written again, which is what makes sharing it safe. A page whose key
+        another page already holds (the same prefix computed twice at once) stays private.
+        """
+        if not self.prefix_caching:
+            return 0
+        with self._lock:
+            pages = self._pages.get(request_id)
+            if pages is None:
+                return 0
+            # keys may already reach past `tokens` (reserve_prefix keyed the whole shareable prompt);
+            # only the pages `tokens` fills are written
+            full = min(len(tokens) // self.page_size, len(pages))
+            keys = extend_page_keys(self._keys.setdefault(request_id, []), tokens, self.prefix_namespace, limit=full)
+            start = self._committed.get(request_id, 0)
+            cached = sum(self.allocator.cache_page(pages[i], keys[i]) for i in range(start, full))
+            self._committed[request_id] = max(start, full)
+            return cached
+
     def free(self, request_id: Hashable) -> int:
-        """Drop the request's references to its pages; returns how many pages became free.
+        """Drop the request's references to its pages; returns how many pages no request holds now
+        (free, or evictable cached prefix pages).
 
         Safe to call twice (and for an id never reserved): cancel, failure and finish paths may
         each free a request, and only the first call releases anything.
@@ -97,7 +196,16 @@ class PagedKVCache:
         with self._lock:
             pages = self._pages.pop(request_id, None)
             self._lengths.pop(request_id, None)
+            self._keys.pop(request_id, None)
+            self._committed.pop(request_id, None)
             return len(self.allocator.decref(pages)) if pages else 0
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix (evictable pages become free); returns the keys dropped."""
+        with self._lock:
+            for request_id, pages in self._pages.items():
+                self._committed[request_id] = len(pages)  # what they hold now is private
+            return self.allocator.clear_cache()
 
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._pages
@@ -158,8 +266,23 @@ class PagedKVCache:
     def bytes_total(self) -> int:
         return self.page_cfg.num_pages * self.page_bytes
 
+    @property
+    def pages_cached(self) -> int:
+        """Pages holding a cached prefix (shared by requests or evictable)."""
+        return self.allocator.num_cached
+
     def stats(self) -> dict[str, int]:
         """Counters for /metrics and results."""
-        return {"kv_pages_in_use": self.pages_in_use, "kv_pages_free": self.pages_free,
-                "kv_bytes_in_use": self.bytes_in_use, "kv_bytes_total": self.bytes_total,
-                "kv_requests": len(self._pages)}
+        out = {"kv_pages_in_use": self.pages_in_use, "kv_pages_free": self.pages_free,
+               "kv_bytes_in_use": self.bytes_in_use, "kv_bytes_total": self.bytes_total,
+               "kv_requests": len(self._pages)}
+        if self.prefix_caching:
+            out.update(prefix_cached_pages=self.pages_cached, prefix_evictable_pages=self.allocator.num_evictable,
+                       prefix_query_tokens=self.prefix_queries, prefix_hit_tokens=self.prefix_hits,
+                       prefix_evictions=self.allocator.evictions)
+        if self.host is not None:
+            pool = self.host.pool.stats()
+            out.update(prefix_hit_tokens_host=self.prefix_hits_host, prefix_host_writes=self.host.writes,
+                       prefix_host_pages=pool.entries, prefix_host_bytes=pool.bytes_used,
+                       prefix_host_evictions=pool.evictions)
+        return out

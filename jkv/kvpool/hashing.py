@@ -75,7 +75,8 @@ class ChunkKey:
         return self.name
 
 
-def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """tokens as u32le[N], the encoding every digest hashes; ValueError on ids outside [0, 2**32)."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be 1-D, got shape {arr.shape}")
@@ -104,7 +105,7 @@ def chunk_keys(tokens: Sequence[int] | np.ndarray, namespace: ChunkNamespace,
 
     max_chunks: stop after this many keys (e.g. to key only the shared context).
     """
-    arr = _as_token_array(tokens)
+    arr = as_token_array(tokens)
     c = namespace.chunk_tokens
     n = num_full_chunks(arr.size, c)
     if max_chunks is not None:

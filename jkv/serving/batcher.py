@@ -62,7 +62,11 @@ class BatcherConfig:
     KV cache with chunked prefill (`paged_batcher.PagedBatcher`), "slots" = one N_max cache per slot
     (`ContinuousBatcher`, kept for comparison). Paged only: page_size tokens per page; num_pages in
     the pool including the null page (None: enough for max_slots requests of max_model_len tokens);
-    prefill_chunk prompt tokens prefilled per engine iteration between decode steps."""
+    prefill_chunk prompt tokens prefilled per engine iteration between decode steps;
+    enable_prefix_caching: share cached full pages of equal leading tokens between requests and
+    skip their prefill (the slot layout ignores it); prefix_cache_host_bytes: with prefix caching,
+    keep evicted cached pages in a host-memory LRU of this many bytes and load them back on a hit
+    (0: no host tier)."""
 
     max_slots: int = 8
     max_model_len: int = 1024
@@ -70,8 +74,14 @@ class BatcherConfig:
     page_size: int = 16
     num_pages: int | None = None
     prefill_chunk: int = 512
+    enable_prefix_caching: bool = True
+    prefix_cache_host_bytes: int = 0
 
     def __post_init__(self):
+        if self.prefix_cache_host_bytes < 0:
+            raise ValueError(f"prefix_cache_host_bytes={self.prefix_cache_host_bytes} must be >= 0 (0: no host tier)")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be True or False")
         if self.max_slots < 1:
             raise ValueError(f"max_slots={self.max_slots} must be >= 1")
         if self.max_model_len < 2:
@@ -119,7 +129,9 @@ class StreamEvent:
 class EngineRequest:
     """logprobs / prompt_logprobs: None (not wanted) or the number of top alternatives to return
     with each generated / prompt token's log-probability. prompt_only: score the prompt and
-    generate nothing (OpenAI's echo with max_tokens 0); params.max_tokens is then unused."""
+    generate nothing (OpenAI's echo with max_tokens 0); params.max_tokens is then unused.
+    prefix_cache: the request may start from cached prefix pages (paged engine with prefix caching);
+    False computes its whole prompt (it still offers its pages to the cache)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -130,6 +142,7 @@ class EngineRequest:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     prompt_only: bool = False
+    prefix_cache: bool = True
 
 
 class ContextLengthError(ValueError):

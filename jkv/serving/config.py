@@ -41,6 +41,8 @@ class ServeConfig:
     page_size: int = 16
     num_pages: int | None = None
     prefill_chunk: int = 512
+    enable_prefix_caching: bool = True
+    prefix_cache_host_bytes: int = 0
     default_max_tokens: int = 256
     max_request_bytes: int = 4 * 1024 * 1024
     upstream: tuple[str, ...] = ()
@@ -126,7 +128,9 @@ class ServeConfig:
         from .batcher import BatcherConfig
 
         return BatcherConfig(self.max_slots, max_model_len, kv_layout=self.kv_layout, page_size=self.page_size,
-                             num_pages=self.num_pages, prefill_chunk=self.prefill_chunk)
+                             num_pages=self.num_pages, prefill_chunk=self.prefill_chunk,
+                             enable_prefix_caching=self.enable_prefix_caching,
+                             prefix_cache_host_bytes=self.prefix_cache_host_bytes)
 
     @property
     def model_name(self) -> str:
@@ -135,6 +139,21 @@ class ServeConfig:
     @property
     def uses_disaggregation(self) -> bool:
         return self.role == "decode" or (self.role == "all" and self.disaggregated)
+
+
+def on_off(value) -> bool:
+    """A boolean option's value: true/false, on/off, yes/no, 1/0 (any case), or a YAML/TOML bool."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "on", "yes", "1"):
+        return True
+    if text in ("false", "off", "no", "0"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean: use true or false")
+
+
+on_off.__name__ = "bool"  # argparse and the file reader name the type in their errors
 
 
 class Flag(NamedTuple):
@@ -172,6 +191,13 @@ _TABLE = {
                        "request waits in the queue until its prompt + max_tokens fit the free pages"),
     "prefill_chunk": (int, "paged: prompt tokens prefilled per engine iteration; a longer prompt is "
                            "prefilled in chunks between decode steps of the running requests"),
+    "enable_prefix_caching": (on_off, "paged: automatic prefix caching: requests whose prompts share leading full "
+                                      "KV pages (a system prompt, earlier turns) share those pages and skip their "
+                                      "prefill; cached pages no request holds are evicted least recently used "
+                                      "first when pages run short. `--enable-prefix-caching false` turns it off"),
+    "prefix_cache_host_bytes": (int, "paged, with prefix caching: bytes of host memory for a second tier of the "
+                                     "prefix cache; cached pages evicted from the device are kept there (LRU) and "
+                                     "copied back on a hit instead of recomputed (0: no host tier)"),
     "default_max_tokens": (int, "max_tokens for chat requests that do not set it (capped by the context)"),
     "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
                                "(all roles, the router included)"),
@@ -249,6 +275,8 @@ def add_serve_arguments(p: argparse.ArgumentParser):
         kw = dict(type=flag.type, default=argparse.SUPPRESS, help=flag.help + shown)
         if name in LIST_OPTIONS:
             kw["action"] = "append"
+        if flag.type is on_off:  # `--flag` alone turns it on; `--flag false` off
+            kw.update(nargs="?", const=True, metavar="true|false")
         if name == "role":
             kw["choices"] = ROLES
         p.add_argument("--" + name.replace("_", "-"), **kw)

@@ -241,8 +241,9 @@ def build_all(cfg: ServeConfig):
     if cfg.kv_layout == "paged":
         pc = engine.page_cfg
         log.info("engine: %r, mode colocated continuous batching of up to %d requests, paged KV cache of %d pages x "
-                 "%d tokens (%d usable), prefill in chunks of %d tokens, one engine thread", model, cfg.max_slots,
-                 pc.num_pages, pc.page_size, pc.usable_pages, cfg.prefill_chunk)
+                 "%d tokens (%d usable), prefill in chunks of %d tokens, prefix caching %s, one engine thread", model,
+                 cfg.max_slots, pc.num_pages, pc.page_size, pc.usable_pages, cfg.prefill_chunk,
+                 f"on ({engine.prefix_namespace.prefix})" if engine.prefix_namespace is not None else "off")
     else:
         log.info("engine: %r, mode colocated continuous batching, %d decode slots x %d tokens of KV (N_max %d), "
                  "one engine thread", model, cfg.max_slots, max_len, engine.n_max)

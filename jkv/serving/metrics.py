@@ -10,6 +10,7 @@ the engine thread and the event loop update them without further locking.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Seconds; spans sub-millisecond CPU decode steps to multi-second queued prefills.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
@@ -65,6 +66,12 @@ class ServerMetrics:
         for name, help_, read in gauges:
             Gauge(name, help_, registry=r).set_function(read)
 
+    def watch_prefix_cache(self, read_stats):
+        """Prefix-cache metrics of a paged engine, read at scrape time from `read_stats()` (a
+        `PagedKVCache.stats()` dict). Registered only when prefix caching is on. Tier "device" is
+        L1 (the paged cache's own pages); the label leaves room for the host and remote tiers."""
+        self.registry.register(_PrefixCacheCollector(read_stats))
+
     def observe_token(self, token_times: list[float]):
         """token_times[i]: seconds from arrival to token i; called once per new token."""
         n = len(token_times)
@@ -90,6 +97,48 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCacheCollector:
+    """Counters and gauges of the prefix cache, from one stats read per scrape (so hits never
+    exceed queries in one scrape)."""
+
+    def __init__(self, read_stats):
+        self.read_stats = read_stats
+
+    def describe(self):
+        return []  # the values need a started engine; describe nothing so registration never reads them
+
+    def collect(self):
+        stats = self.read_stats()
+        queries = CounterMetricFamily("jkv_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
+                                      "cache (every full page but the one holding the last prompt token)")
+        queries.add_metric([], stats["prefix_query_tokens"])
+        hits = CounterMetricFamily("jkv_prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix "
+                                   "cache instead of prefill, by tier", labels=["tier"])
+        hits.add_metric(["device"], stats["prefix_hit_tokens"])
+        if "prefix_hit_tokens_host" in stats:  # the host tier (L2) is configured
+            hits.add_metric(["host"], stats["prefix_hit_tokens_host"])
+        evictions = CounterMetricFamily("jkv_prefix_cache_evictions", "cached prefix pages evicted to make room "
+                                        "for new pages, by tier", labels=["tier"])
+        evictions.add_metric(["device"], stats["prefix_evictions"])
+        cached = GaugeMetricFamily("jkv_prefix_cache_pages", "KV pages holding a cached prefix (shared by running "
+                                   "requests or kept evictable)", labels=["tier"])
+        cached.add_metric(["device"], stats["prefix_cached_pages"])
+        out = []
+        if "prefix_host_pages" in stats:
+            cached.add_metric(["host"], stats["prefix_host_pages"])
+            evictions.add_metric(["host"], stats["prefix_host_evictions"])
+            writes = CounterMetricFamily("jkv_prefix_cache_host_writes", "cached prefix pages evicted from the "
+                                         "device and written to the host tier")
+            writes.add_metric([], stats["prefix_host_writes"])
+            host_bytes = GaugeMetricFamily("jkv_prefix_cache_host_bytes", "bytes of KV pages held by the host tier")
+            host_bytes.add_metric([], stats["prefix_host_bytes"])
+            out = [writes, host_bytes]
+        evictable = GaugeMetricFamily("jkv_prefix_cache_evictable_pages", "cached prefix pages no request holds: "
+                                      "counted as free (jkv_kv_pages_free), evicted least recently used first")
+        evictable.add_metric([], stats["prefix_evictable_pages"])
+        return [queries, hits, evictions, cached, evictable, *out]
 
 
 KV_PATHS = ("proactive", "speculative", "on_demand", "metadata")

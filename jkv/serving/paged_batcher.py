@@ -22,6 +22,20 @@ Page lifecycle (all on the engine thread):
     free:    on finish, cancel, error and stop (`_free`, `_fail_all`), before the request's last
              event is emitted, so a client that sees the end sees its pages back in the pool.
 
+Prefix caching (`enable_prefix_caching`, on by default): at admission the prompt's leading full
+pages whose chained hash (jkv/kvcache/prefix.py) is cached are shared, read-only, and the
+request's prefill starts at its first uncached token (at least the last prompt token is always
+computed: its logits give the first token). Each full page is offered to the cache as soon as its
+KV is written (after a prefill chunk; during decode when a generated token fills a page), so a
+request arriving while another with the same system prompt still runs already shares it. Freed
+cached pages stay in the allocator's LRU and are evicted only when admission needs pages, so the
+waiting / page-budget rules above count them as free. A request with `prefix_cache=False` (the
+server sets it for requests that ask for log-probs, so their numbers never depend on the cache's
+state) and a prompt-scoring request (`prompt_logprobs`, written whole) compute their whole prompt
+and only offer their pages. With `prefix_cache_host_bytes` an evicted page is copied to a host LRU
+first (jkv/kvcache/host_tier.py, on the engine thread), and a later prompt that misses in device
+pages but hits there gets it copied back instead of recomputed.
+
 Schedule, per engine iteration: drain inbox → admit (reserve pages, take a seat) → prefill chunks of
 up to `prefill_chunk` tokens, oldest admitted request first, until `prefill_chunk` prompt tokens are
 done (a long prompt takes several iterations; several short ones share one) → one decode step for every request whose prompt is complete. So a 4K-token prompt
@@ -45,7 +59,7 @@ import numpy as np
 from models import Model
 
 from ..engine import bucket_prompt_len
-from ..kvcache import OutOfPages, PageConfig, PagedKVCache, bucket_pages
+from ..kvcache import OutOfPages, PageConfig, PagedKVCache, bucket_pages, prefix_namespace
 from ..sampling import sample_tokens
 from .batcher import (BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent, _Running,
                       logprob_rows, prompt_logprob_list)
@@ -80,7 +94,7 @@ class _PagedRun(_Running):
     def __init__(self, req: EngineRequest, stream: TextStream, seed: int, key: str):
         super().__init__(req, stream, seed)
         self.key = key
-        self.prefilled = 0  # prompt tokens already written to pages
+        self.prefilled = 0  # prompt tokens already in its pages (shared from the prefix cache or computed)
 
     @property
     def decoding(self) -> bool:
@@ -93,6 +107,8 @@ class PagedBatcher(ContinuousBatcher):
     def __init__(self, model: Model, config: BatcherConfig = BatcherConfig(), metrics=None):
         super().__init__(model, config, metrics)
         self.page_cfg = page_config(config)
+        self.prefix_namespace = (prefix_namespace(model, model.cfg.dtype, self.page_cfg.page_size)
+                                 if config.enable_prefix_caching else None)
         self.kv: PagedKVCache | None = None  # created by start(); the engine thread owns it afterwards
         self._prefilling: collections.deque[int] = collections.deque()  # seats still prefilling, oldest first
         self._next_key = 0
@@ -129,6 +145,8 @@ class PagedBatcher(ContinuousBatcher):
         self.kv = self._new_cache()
         if self.metrics is not None:
             self.metrics.watch_kv_cache(self)
+            if self.prefix_namespace is not None:
+                self.metrics.watch_prefix_cache(lambda: self.kv.stats())
         self._thread = threading.Thread(target=self._loop, name="jkv-engine", daemon=True)
         self._thread.start()
 
@@ -155,7 +173,16 @@ class PagedBatcher(ContinuousBatcher):
         jax.block_until_ready(logits)
 
     def _new_cache(self) -> PagedKVCache:
-        return PagedKVCache(self.model.cfg, self.page_cfg)
+        host = None
+        if self.prefix_namespace is not None and self.config.prefix_cache_host_bytes:
+            from ..kvpool import HostKVPool
+
+            host = HostKVPool(self.config.prefix_cache_host_bytes)
+        return PagedKVCache(self.model.cfg, self.page_cfg, prefix_namespace=self.prefix_namespace, host_pool=host)
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix (thread-safe; pages held by running requests stay theirs)."""
+        return self.kv.clear_prefix_cache() if self.kv is not None else 0
 
     # ------------------------------------------------------- engine thread
     def _step(self):
@@ -169,8 +196,13 @@ class PagedBatcher(ContinuousBatcher):
             req = self._waiting[0]
             n = len(req.prompt_token_ids)
             key = f"{req.request_id}#{self._next_key}"  # unique even if a client reuses request ids
+            total = n if req.prompt_only else n + req.params.max_tokens
             try:
-                self.kv.reserve(key, n if req.prompt_only else n + req.params.max_tokens)
+                if req.prompt_logprobs is not None or not req.prefix_cache:  # computed from position 0
+                    self.kv.reserve(key, total)
+                    cached = 0
+                else:
+                    cached = self.kv.reserve_prefix(key, req.prompt_token_ids, total)
             except OutOfPages as e:
                 self.kv.free(key)  # drop the empty entry the failed reserve left
                 if self._blocked != req.request_id:  # once per request, not once per step
@@ -183,7 +215,8 @@ class PagedBatcher(ContinuousBatcher):
             p = req.params
             seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**31))
             slot = self._slots.index(None)
-            self._slots[slot] = _PagedRun(req, TextStream(self.model.tokenizer, p, self.eos_ids), seed, key)
+            run = self._slots[slot] = _PagedRun(req, TextStream(self.model.tokenizer, p, self.eos_ids), seed, key)
+            run.prefilled = cached
             self._steps[slot] = 0
             self._prefilling.append(slot)
             with self._lock:
@@ -228,6 +261,7 @@ class PagedBatcher(ContinuousBatcher):
         logits, self.kv.kv = self.model.prefill_chunk(self.kv.kv, table, tokens, np.array([start], np.int32),
                                                       np.array([n_chunk], np.int32))
         run.prefilled += n_chunk
+        self.kv.commit_pages(run.key, ids[:run.prefilled])
         if run.decoding:
             self._prefilling.popleft()
             self._prefill_done(slot, run, logits)
@@ -243,6 +277,7 @@ class PagedBatcher(ContinuousBatcher):
         tokens[0, :n] = ids
         logits, kv = self.model.prefill(tokens, np.array([n], np.int32), all_logits=True)
         self.kv.kv = self.model.write_prefill_pages(self.kv.kv, self.kv.table([run.key]), kv, np.array([n], np.int32))
+        self.kv.commit_pages(run.key, ids)
         run.prompt_logprobs = prompt_logprob_list(logits[0], ids, run.req.prompt_logprobs)
         run.prefilled = n
         self._prefilling.remove(slot)
@@ -297,8 +332,12 @@ class PagedBatcher(ContinuousBatcher):
             lp = logprob_rows(logits, next_tok, [runs[i].req.logprobs if i in wanted else 0 for i in range(B)])
             for i in wanted:
                 runs[i].logprobs.append(lp[i])
+        P = self.page_cfg.page_size
         for i, s in enumerate(rows):
             self._positions[s] += 1
+            if self.prefix_namespace is not None and self._positions[s] % P == 0:  # the step filled a page
+                run = runs[i]
+                self.kv.commit_pages(run.key, run.req.prompt_token_ids + run.stream.ids)
             self._tokens[s] = next_tok[i]
             self._emit_token(s, int(next_tok[i]))
 

@@ -179,8 +179,10 @@ class _Shape:
 
     def scoring(self) -> dict:
         echo_scored = self.echo_texts is not None and self.logprobs is not None
+        # A request that asks for log-probs reads no cached prefix: its numbers then never depend on
+        # what other requests left in the cache (a cached prefix changes them by float rounding).
         return dict(logprobs=self.logprobs, prompt_logprobs=self.logprobs if echo_scored else None,
-                    prompt_only=self.prompt_only)
+                    prompt_only=self.prompt_only, prefix_cache=self.logprobs is None)
 
     def echo(self, choice: int) -> str:
         return self.echo_texts[choice // self.n] if self.echo_texts is not None else ""

@@ -1,0 +1,94 @@
+"""L2 of the prefix cache: device pages evicted from the paged cache are kept in a host KV pool
+(`jkv.kvpool.HostKVPool`, an LRU by bytes) under the same chained key, and a later prompt that
+misses in device pages but hits here gets them copied back instead of recomputed.
+
+One page's payload is its KV over all layers, `[L, 2, H_kv, P, D]` in the cache's dtype (K then V),
+stored under `ChunkKey(namespace, -1, page_key)`: the kvpool scheme, so the same bytes could go to a
+remote pool. The pool verifies length and CRC32C on every read, so a hit is never wrong bytes.
+
+Threads: `spill` runs on the thread that allocates pages (the engine thread: the allocator's
+eviction hook, before the evicted pages are handed out and overwritten), `load` on the thread that
+admits the request; both read or replace `PagedKVCache.kv`, which only that thread touches. The
+spill is synchronous (one gather and one device-to-host copy per eviction batch).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jkv.kvpool.base import KVPool
+from jkv.kvpool.hashing import ChunkKey, ChunkNamespace
+
+log = logging.getLogger(__name__)
+
+
+@jax.jit
+def gather_pages(cache, pages):
+    """cache: tuple over layers of (K, V) [num_pages, H_kv, P, D]; pages: i32[n] ->
+    [n, L, 2, H_kv, P, D] (one contiguous payload per page)."""
+    return jnp.stack([jnp.stack([K[pages], V[pages]], 1) for K, V in cache], 1)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def scatter_pages(cache, pages, data):
+    """Write data [n, L, 2, H_kv, P, D] into pages i32[n] of the donated cache (padding rows point
+    at the null page 0, a scratch page)."""
+    return tuple((K.at[pages].set(data[:, l, 0].astype(K.dtype)), V.at[pages].set(data[:, l, 1].astype(V.dtype)))
+                 for l, (K, V) in enumerate(cache))
+
+
+def _bucket(n: int) -> int:
+    """Rows padded to a power of two so a few programs serve every count."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class HostTier:
+    """Spill evicted pages to `pool`, load cached ones back (see the module docstring)."""
+
+    def __init__(self, pool: KVPool, namespace: ChunkNamespace):
+        self.pool = pool
+        self.namespace = namespace
+        self.writes = 0  # pages written to the host pool
+        self.hits = 0  # pages loaded back into device pages
+
+    def _key(self, digest: bytes) -> ChunkKey:
+        return ChunkKey(self.namespace, -1, digest)
+
+    def spill(self, cache, evicted: list[tuple[int, bytes]]) -> None:
+        """Copy evicted (page, key) pairs of `cache` to the pool (before the pages are reused)."""
+        pages = [p for p, _ in evicted]
+        idx = np.zeros(_bucket(len(pages)), np.int32)
+        idx[:len(pages)] = pages
+        data = np.asarray(gather_pages(cache, idx))
+        for i, (_, key) in enumerate(evicted):
+            if self.pool.put(self._key(key), np.ascontiguousarray(data[i])):
+                self.writes += 1
+
+    def available(self, keys: list[bytes]) -> int:
+        """How many of `keys`, from the first, the pool holds (a probe: no copy, no recency)."""
+        n = 0
+        for present in self.pool.contains_many([self._key(k) for k in keys]):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def load(self, cache, keys: list[bytes], pages: list[int], page_shape: tuple[int, ...], dtype):
+        """Copy the payloads of `keys` into `pages` (same length) of `cache`; returns (new cache,
+        how many leading keys were loaded: fewer if the pool dropped one since `available`)."""
+        buffers = [np.empty(page_shape, dtype) for _ in keys]
+        metas = self.pool.get_many([self._key(k) for k in keys], buffers)
+        n = next((i for i, m in enumerate(metas) if m is None or m.nbytes != buffers[i].nbytes), len(keys))
+        if n == 0:
+            return cache, 0
+        rows = _bucket(n)
+        idx = np.zeros(rows, np.int32)
+        idx[:n] = pages[:n]
+        data = np.zeros((rows, *page_shape), dtype)
+        data[:n] = buffers[:n]
+        self.hits += n
+        return scatter_pages(cache, idx, data), n
