@@ -109,12 +109,13 @@ class DenseEngine:
         self.prefill_chunk = prefill_chunk
         self.kv_cache: PagedKVCache | None = None
         if num_pages is not None:
-            self.kv_cache = PagedKVCache(model.cfg, PageConfig(page_size, num_pages))
+            self.kv_cache = PagedKVCache(model.cfg, PageConfig(page_size, num_pages), sharding=model.kv_sharding)
 
     def _cache_for(self, pages_needed: int) -> PagedKVCache:
         if self.num_pages is None and (self.kv_cache is None or self.kv_cache.allocator.capacity < pages_needed):
             num_pages = 1 << pages_needed.bit_length()  # >= pages_needed + 1 (the null page)
-            self.kv_cache = PagedKVCache(self.model.cfg, PageConfig(self.page_size, num_pages))
+            self.kv_cache = PagedKVCache(self.model.cfg, PageConfig(self.page_size, num_pages),
+                                         sharding=self.model.kv_sharding)
         if pages_needed > self.kv_cache.pages_free:  # fail before prefill, not mid-decode
             raise OutOfPages(pages_needed, self.kv_cache.pages_free, self.kv_cache.allocator.capacity)
         return self.kv_cache

@@ -28,11 +28,20 @@ from .config import ModelConfig
 NULL_PAGE = 0  # jkv.kvcache.pages.NULL_PAGE (models does not import jkv)
 
 
-def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
-    """Zeroed paged cache: tuple over layers of (K, V), each [num_pages, H_kv, P, D]."""
+def zeros_kv(num_layers: int, shape: tuple[int, ...], dtype, sharding=None):
+    """A zeroed cache: tuple over layers of (K, V) of `shape`. With a sharding (tensor parallelism)
+    each device allocates only its shard: nothing the size of the whole cache lands on one device."""
+    if sharding is None:
+        return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers))
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return tuple((zeros(), zeros()) for _ in range(num_layers))
+
+
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None, sharding=None):
+    """Zeroed paged cache: tuple over layers of (K, V), each [num_pages, H_kv, P, D] (placed with
+    `sharding`, e.g. `Model.kv_sharding`, when given)."""
     shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
-    dt = jnp.dtype(dtype if dtype is not None else cfg.dtype)
-    return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers))
+    return zeros_kv(cfg.num_layers, shape, jnp.dtype(dtype if dtype is not None else cfg.dtype), sharding)
 
 
 def token_slots(page_table, positions, page_size: int):

@@ -9,7 +9,8 @@
     cache.free("r1")                                          # pages back to the pool
 
 Who owns what: `kv` (a tuple over layers of (K, V), each [num_pages, H_kv, P, D], on the default
-JAX device, in the model's dtype unless told otherwise) is replaced by every model call that
+JAX device, or split by KV head over the model's mesh when given `sharding=model.kv_sharding`, in
+the model's dtype unless told otherwise) is replaced by every model call that
 writes it (the old arrays are donated), so callers always store the returned tuple back in
 `cache.kv`. The page tables, lengths and reference counts are host bookkeeping here and in
 `pages.PageAllocator`; the device programs (models/paged.py) only read tables built by `table()`.
@@ -52,11 +53,12 @@ def bucket_pages(n: int) -> int:
 class PagedKVCache:
     """Device pages plus per-request page tables. Request ids are any hashable key."""
 
-    def __init__(self, model_cfg: ModelConfig, page_cfg: PageConfig | None = None, dtype=None):
+    def __init__(self, model_cfg: ModelConfig, page_cfg: PageConfig | None = None, dtype=None, sharding=None):
         self.model_cfg = model_cfg
         self.page_cfg = page_cfg if page_cfg is not None else PageConfig()
         self.dtype = jnp.dtype(dtype if dtype is not None else model_cfg.dtype)
-        self.kv = init_pages(model_cfg, self.page_cfg.num_pages, self.page_cfg.page_size, self.dtype)
+        # sharding: `Model.kv_sharding` under tensor parallelism (pages split by KV head), else None
+        self.kv = init_pages(model_cfg, self.page_cfg.num_pages, self.page_cfg.page_size, self.dtype, sharding)
         self.allocator = PageAllocator(self.page_cfg.num_pages)
         self._pages: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}

@@ -155,7 +155,7 @@ class PagedBatcher(ContinuousBatcher):
         jax.block_until_ready(logits)
 
     def _new_cache(self) -> PagedKVCache:
-        return PagedKVCache(self.model.cfg, self.page_cfg)
+        return PagedKVCache(self.model.cfg, self.page_cfg, sharding=self.model.kv_sharding)
 
     # ------------------------------------------------------- engine thread
     def _step(self):
