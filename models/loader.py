@@ -20,7 +20,7 @@ import jax
 from . import transformer as tfm
 from .config import ModelConfig
 from .model import Model, tiny_model
-from .sharding import TensorParallelError, TensorSharding
+from .sharding import TensorParallelError, TensorSharding, check_degree
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_gguf, load_hf_dir
 
@@ -124,6 +124,7 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str = "fl
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"{dtype=} is not supported; use float32, bfloat16 or float16")
     src = resolve_model_path(name_or_path)
+    check_degree(tensor_parallel, len(jax.devices()))  # before seconds of reading weights
     t0 = time.perf_counter()
     cache_dir = _cache_root() / "params" / _cache_key(src, dtype)
     if use_cache and (cache_dir / "config.json").exists():

@@ -82,11 +82,9 @@ def shardable_degrees(cfg: ModelConfig, num_devices: int) -> list[int]:
             if n == 1 or _attention_splits(cfg, n) or cfg.intermediate_size % n == 0]
 
 
-def plan_layout(cfg: ModelConfig, tensor_parallel: int, num_devices: int) -> TensorLayout:
-    """The layout of `cfg` at degree `tensor_parallel` on a machine with `num_devices` devices.
-
-    Raises TensorParallelError for a degree < 1, above num_devices, or one that shards nothing.
-    """
+def check_degree(tensor_parallel: int, num_devices: int) -> int:
+    """tensor_parallel as an int, or TensorParallelError when it is < 1 or above num_devices (a
+    check that needs no model, so a loader can refuse before it reads any weights)."""
     n = tensor_parallel
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
         raise TensorParallelError(f"tensor_parallel={n!r} must be an int >= 1 (1: one device, no sharding)")
@@ -96,6 +94,15 @@ def plan_layout(cfg: ModelConfig, tensor_parallel: int, num_devices: int) -> Ten
             f"tensor_parallel={n} needs {n} devices but jax sees {num_devices} ({jax.default_backend()}); "
             f"use tensor_parallel <= {num_devices} (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={n} "
             "before jax is imported fakes more devices)")
+    return n
+
+
+def plan_layout(cfg: ModelConfig, tensor_parallel: int, num_devices: int) -> TensorLayout:
+    """The layout of `cfg` at degree `tensor_parallel` on a machine with `num_devices` devices.
+
+    Raises TensorParallelError for a degree < 1, above num_devices, or one that shards nothing.
+    """
+    n = check_degree(tensor_parallel, num_devices)
     if n == 1:
         return TensorLayout(1, attention=False, kv_heads=False, mlp=False, vocab=False)
     attention = _attention_splits(cfg, n)

@@ -28,7 +28,7 @@ SAMPLES = {
     "transfer_timeout": ("2.5", DECODE), "min_budget": ("32", DECODE), "transport_listen": ("127.0.0.1:0", DECODE),
     "worker_name": ("p-7", DECODE), "prefill_restarts": ("2", DECODE),
     "kv_layout": ("slots", DECODE), "page_size": ("32", DECODE), "num_pages": ("200", DECODE),
-    "prefill_chunk": ("256", DECODE),
+    "prefill_chunk": ("256", DECODE), "tensor_parallel": ("2", []),
     "transport_advertise": ("jkv-prefill-a:7100|jkv-prefill-a:7101", ["--role", "prefill"]), "prefill": ("http://p:2", ROUTER), "decode": ("http://d:2", ROUTER),
 }
 # fields filled from another one: Disaggregation.bandwidth is also the transfer's Eq. 2 link estimate
