@@ -49,6 +49,13 @@ def test_tiny_models_generate_identical_greedy_tokens_at_every_degree(runs, case
         np.testing.assert_allclose(run["prefill_logits"], ref["prefill_logits"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["paged", "slots"])
+def test_the_serve_engines_generate_identical_tokens_over_a_sharded_kv_cache(runs, layout):
+    run = runs["serve"][f"{layout}-2"]  # two requests at once, chunked prefill (paged)
+    assert run["tokens"] == runs["tiny"]["qwen3-6q2kv"]["1"]["tokens"]
+    assert run["cache_spec"] == "P(None, 'tensor')"
+
+
 def test_heads_that_split_shard_attention_and_the_kv_cache_by_kv_head(runs):
     run = runs["tiny"]["qwen3-6q2kv"]["2"]  # 6 query / 2 KV heads over 2 shards: one KV head each
     assert run["q_spec"] == run["k_spec"] == run["up_spec"] == "P(None, 'tensor')"

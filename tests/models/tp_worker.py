@@ -4,7 +4,7 @@ XLA fixes the host device count when jax initialises, so the rest of the suite (
 cannot host these runs: test_tensor_parallel.py starts this file with
 XLA_FLAGS=--xla_force_host_platform_device_count=4 and reads the one JSON object it prints.
 
-Usage: python tests/models/tp_worker.py [tiny] [smollm2]
+Usage: python tests/models/tp_worker.py [tiny] [serve] [smollm2]
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ TINY_CASES = [
     # 6 query / 2 KV heads: TP 2 splits heads and KV heads; TP 4 cannot split 6 heads, so only the MLP
     ("qwen3-6q2kv", "qwen3", dict(num_heads=6, num_kv_heads=2), (1, 2, 4)),
     # 8 query / 2 KV heads with q/k/v biases: TP 4 splits query heads, KV heads (2 < 4) replicated
-    ("qwen2-8q2kv", "qwen2", dict(num_heads=8, num_kv_heads=2), (1, 2, 4)),
+    ("qwen2-8q2kv", "qwen2", dict(num_heads=8, num_kv_heads=2, num_layers=2), (1, 4)),
     # 8 query / 8 KV heads, every bias on, untied LM head: all split at TP 2
     ("llama-8q8kv-bias", "llama", dict(num_heads=8, num_kv_heads=8, qkv_bias=True, o_bias=True, mlp_bias=True,
-                                       tie_word_embeddings=False), (1, 2)),
+                                       tie_word_embeddings=False, num_layers=2), (1, 2)),
 ]
 PROMPTS = [[5, 6, 7, 8, 9], list(range(3, 40))]
 MAX_TOKENS = 10
@@ -73,6 +73,46 @@ def tiny_runs() -> dict:
     return out
 
 
+def serve_runs() -> dict:
+    """`jkv serve --role all`'s engines (paged with chunked prefill, and slots) at TP 2 on the
+    tiny Qwen3 of TINY_CASES (6 query / 2 KV heads: the KV cache splits), two requests at once;
+    the test compares their tokens with the TP 1 `LLM` run of the same model."""
+    import queue
+
+    from jkv.sampling import SamplingParams
+    from jkv.serving.batcher import BatcherConfig, EngineRequest, create_batcher
+    from models import tiny_model
+
+    out = {}
+    for tp in (2,):
+        model = tiny_model("qwen3", 0, tensor_parallel=tp, num_heads=6, num_kv_heads=2)
+        for layout in ("paged", "slots"):
+            engine = create_batcher(model, BatcherConfig(max_slots=2, max_model_len=64, kv_layout=layout,
+                                                         prefill_chunk=16))
+            engine.start()
+            try:
+                sinks = []
+                for i, p in enumerate(PROMPTS):
+                    q = queue.Queue()
+                    engine.submit(EngineRequest(f"r{i}", list(p), SamplingParams(max_tokens=MAX_TOKENS,
+                                                                                  ignore_eos=True), q.put))
+                    sinks.append(q)
+                tokens = []
+                for q in sinks:
+                    ids = []
+                    while True:
+                        ev = q.get(timeout=300)
+                        ids.extend(ev.token_ids)
+                        if ev.finish_reason is not None:
+                            break
+                    tokens.append(ids)
+                cache = engine.kv.kv if layout == "paged" else engine._cache
+                out[f"{layout}-{tp}"] = dict(tokens=tokens, cache_spec=_spec(cache[0][0]))
+            finally:
+                engine.stop()
+    return out
+
+
 def smollm2_runs() -> dict:
     """Greedy tokens of the real SmolLM2 weights at TP 1, 2, 4 by re-running prefill over the grown
     prompt (one compiled layer program per degree; the tiny runs cover the decode caches)."""
@@ -116,9 +156,9 @@ def refusals() -> dict:
 def main(argv: list[str]) -> int:
     import jax
 
-    what = set(argv) or {"tiny", "smollm2"}
+    what = set(argv) or {"tiny", "serve", "smollm2"}
     result = {"devices": len(jax.devices()), "refusals": refusals(), "cpu_s": {}}
-    for name, run in (("tiny", tiny_runs), ("smollm2", smollm2_runs)):
+    for name, run in (("tiny", tiny_runs), ("serve", serve_runs), ("smollm2", smollm2_runs)):
         if name in what:
             t = time.process_time()
             result[name] = run()
