@@ -49,6 +49,13 @@ def test_tiny_models_generate_identical_greedy_tokens_at_every_degree(runs, case
         np.testing.assert_allclose(run["prefill_logits"], ref["prefill_logits"], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_the_handshake_declares_the_degree_and_the_same_weights_fingerprint(runs, case):
+    by_tp = runs["tiny"][case]
+    assert {int(tp): run["handshake_tp"] for tp, run in by_tp.items()} == {int(tp): int(tp) for tp in by_tp}
+    assert len({run["handshake_weights"] for run in by_tp.values()}) == 1  # sharding changes no weight
+
+
 @pytest.mark.parametrize("layout", ["paged", "slots"])
 def test_the_serve_engines_generate_identical_tokens_over_a_sharded_kv_cache(runs, layout):
     run = runs["serve"][f"{layout}-2"]  # two requests at once, chunked prefill (paged)

@@ -37,6 +37,8 @@ def _spec(arr) -> str:
 
 def tiny_runs() -> dict:
     from jkv import LLM, SamplingParams
+    from jkv.disagg.handshake import role_config
+    from jkv.disagg.selectors import build_selector
     from models import tiny_model
 
     out = {}
@@ -60,7 +62,9 @@ def tiny_runs() -> dict:
                 tok, pos = np.argmax(logits, -1).astype(np.int32), pos + 1
                 dense.append(tok.tolist())
             layer0 = model.params["layers"][0]
+            hs = role_config(model, "decode", build_selector(model, "streamingllm"), max_blocks=16)
             runs[tp] = dict(
+                handshake_tp=hs.tensor_parallel, handshake_weights=hs.weights,
                 tokens=[r.token_ids for r in res], dense_tokens=dense,
                 prefill_logits=np.asarray(prefill_logits).tolist(),
                 layout=model.sharding.layout.describe() if model.sharding else "tp1",
