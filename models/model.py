@@ -60,7 +60,9 @@ class Model:
         self._decode_compute = jit(p(tfm.decode_step_compute, cfg), new_kv)
         self._write_kv = jit(tfm.write_decode_kv, lambda s: s.kv, donate_argnums=(0,))
         # The paged cache follows the same split (models/paged.py).
-        self._paged_decode_compute = jit(p(paged.paged_decode_step_compute, cfg), new_kv)
+        # Under TP with query heads split, paged decode attention runs per shard (shard_map).
+        head_mesh = s.mesh if s is not None and s.layout.attention else None
+        self._paged_decode_compute = jit(p(paged.paged_decode_step_compute, cfg, head_mesh=head_mesh), new_kv)
         self._prefill_chunk_compute = jit(p(paged.prefill_chunk_compute, cfg), new_kv)
         self._paged_write = jit(paged.paged_write, lambda s: s.kv, donate_argnums=(0,))
         self._paged_write_prefill = jit(paged.paged_write_prefill, lambda s: s.kv, donate_argnums=(0,))

@@ -7,9 +7,9 @@
 The model code is the same at every degree (GSPMD): params and caches carry `NamedSharding`s,
 `Model`'s jitted programs pin the layout of what they return (the KV they produce, the caches
 they write, replicated logits), and XLA's partitioner derives the collectives in between
-(Megatron style: one all-reduce after o_proj and one after down_proj per layer; the paged decode
-attention of pallas_kernels.dispatch merges batch and KV-head rows, so its context is all-gathered
-until a shard_map wraps it, docs/scale.md).
+(Megatron style: one all-reduce after o_proj and one after down_proj per layer). The paged decode
+attention runs in a shard_map over "tensor" instead (models/paged.py `head_mesh`): its dispatch ops
+merge batch and KV-head rows, which GSPMD cannot keep split by head.
 
 What is sharded over "tensor" (N = tensor_parallel):
 

@@ -56,6 +56,15 @@ def test_the_handshake_declares_the_degree_and_the_same_weights_fingerprint(runs
     assert len({run["handshake_weights"] for run in by_tp.values()}) == 1  # sharding changes no weight
 
 
+@pytest.mark.parametrize("case, tp", [("qwen3-6q2kv", "2"), ("qwen2-8q2kv", "4"), ("llama-8q8kv-bias", "2")])
+def test_paged_decode_attends_per_shard_without_gathering_the_context(runs, case, tp):
+    """Query heads split (KV heads split, or replicated with fewer than the shards): the decode
+    step's only collectives are the 2 all-reduces per layer (o_proj, down_proj); the paged
+    attention's merged B x H_kv rows made GSPMD all-gather the K/V context before its shard_map."""
+    layers = 2 if case != "qwen3-6q2kv" else 3
+    assert runs["tiny"][case][tp]["decode_collectives"] == {"all-reduce": 2 * layers, "all-gather": 0}
+
+
 @pytest.mark.parametrize("layout", ["paged", "slots"])
 def test_the_serve_engines_generate_identical_tokens_over_a_sharded_kv_cache(runs, layout):
     run = runs["serve"][f"{layout}-2"]  # two requests at once, chunked prefill (paged)

@@ -63,8 +63,14 @@ def tiny_runs() -> dict:
                 dense.append(tok.tolist())
             layer0 = model.params["layers"][0]
             hs = role_config(model, "decode", build_selector(model, "streamingllm"), max_blocks=16)
+            kv_cache = llm._engine.kv_cache
+            z = np.zeros(2, np.int32)
+            decode_hlo = model._paged_decode_compute.lower(model.params, kv_cache.kv, np.zeros((2, 4), np.int32),
+                                                           z, z).compile().as_text()
             runs[tp] = dict(
                 handshake_tp=hs.tensor_parallel, handshake_weights=hs.weights,
+                decode_collectives={op: decode_hlo.count(f" {op}(") + decode_hlo.count(f" {op}-start(")
+                                    for op in ("all-reduce", "all-gather")},
                 tokens=[r.token_ids for r in res], dense_tokens=dense,
                 prefill_logits=np.asarray(prefill_logits).tolist(),
                 layout=model.sharding.layout.describe() if model.sharding else "tp1",
