@@ -53,15 +53,28 @@ class LLM:
     prompts longer than prefill_chunk tokens are prefilled in chunks of that many tokens;
     enable_prefix_caching keeps full pages of earlier requests and skips the prefill of a cached
     prompt prefix (off by default: LLM is the reference the serving paths are checked against).
+    tensor_parallel=N shards the weights and the KV cache over N devices (docs/scale.md); a
+    `Model` passed in is re-laid out at that degree (None: keep the `Model`'s own, 1 for a name).
     """
 
     def __init__(self, model: str | os.PathLike | Model = DEFAULT_MODEL, *, dtype: str = "float32",
                  max_batch_size: int = 16, disaggregation: Disaggregation | None = None,
                  kv_page_size: int = 16, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                 enable_prefix_caching: bool = False):
+                 enable_prefix_caching: bool = False, tensor_parallel: int | None = None):
         if max_batch_size < 1:
             raise ValueError(f"{max_batch_size=} must be >= 1")
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype)
+        if tensor_parallel is not None:
+            tp = tensor_parallel
+        else:
+            tp = model.tensor_parallel if isinstance(model, Model) else 1
+        if disaggregation is not None and tp != 1:
+            raise ValueError(f"tensor_parallel={tp} is not supported with disaggregation yet (its "
+                             "prefill workers load the model at tensor_parallel=1); use tensor_parallel=1, or "
+                             "the colocated engine (disaggregation=None)")
+        if isinstance(model, Model):
+            self.model = model if tensor_parallel is None else model.with_tensor_parallel(tensor_parallel)
+        else:
+            self.model = load_model(model, dtype=dtype, tensor_parallel=tp)
         self.tokenizer = self.model.tokenizer
         self.max_batch_size = max_batch_size
         if disaggregation is not None and enable_prefix_caching:

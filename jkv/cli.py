@@ -26,6 +26,11 @@ def _add_model_args(p):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
+def _add_tensor_parallel_arg(p):
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the weights and KV cache over N devices (default 1; docs/scale.md)")
+
+
 def _add_sampling_args(p):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -46,6 +51,7 @@ def _sampling(args):
 def add_generate(sub):
     p = sub.add_parser("generate", help="generate text for one or more prompts and print timings")
     _add_model_args(p)
+    _add_tensor_parallel_arg(p)
     _add_sampling_args(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: one batch)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -56,7 +62,7 @@ def run_generate(args):
     from .api import LLM
 
     sp = _sampling(args)
-    llm = LLM(args.model, dtype=args.dtype)
+    llm = LLM(args.model, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     prompts = [[{"role": "user", "content": p}] if args.chat else p for p in args.prompt]
     for o in llm.generate(prompts, sp):
         m = o.metrics

@@ -122,7 +122,7 @@ class DenseEngine:
 
     def _new_cache(self, num_pages: int) -> PagedKVCache:
         return PagedKVCache(self.model.cfg, PageConfig(self.page_size, num_pages),
-                            prefix_namespace=self.prefix_namespace)
+                            prefix_namespace=self.prefix_namespace, sharding=self.model.kv_sharding)
 
     def _cache_for(self, pages_needed: int) -> PagedKVCache:
         if self.num_pages is None and (self.kv_cache is None or self.kv_cache.allocator.capacity < pages_needed):

@@ -20,6 +20,7 @@ import jax
 from . import transformer as tfm
 from .config import ModelConfig
 from .model import Model, tiny_model
+from .sharding import TensorParallelError, TensorSharding, check_degree
 from .tokenizer import Tokenizer
 from .weights import ModelLoadError, load_gguf, load_hf_dir
 
@@ -97,12 +98,16 @@ def _save_cache(dirpath: Path, cfg: ModelConfig, params, tok: Tokenizer | None):
     tmp.rename(dirpath)
 
 
-def _load_cache(dirpath: Path):
+def _load_cache(dirpath: Path, tensor_parallel: int = 1):
     import orbax.checkpoint as ocp
     from tokenizers import Tokenizer as HFTok
 
     cfg = ModelConfig.from_dict(json.loads((dirpath / "config.json").read_text()))
     abstract = jax.eval_shape(lambda: tfm.init_params(cfg, 0))
+    if tensor_parallel != 1:  # each device reads only its shard: the whole model never sits on one device
+        shardings = TensorSharding(cfg, tensor_parallel).param_shardings(abstract)
+        abstract = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                                          abstract, shardings)
     with ocp.StandardCheckpointer() as ckpt:
         params = ckpt.restore((dirpath / "params").absolute(), abstract)
     tok = None
@@ -113,21 +118,26 @@ def _load_cache(dirpath: Path):
 
 
 def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str = "float32",
-               use_cache: bool = True) -> Model:
-    """Load a model by registered name, Hugging Face directory or GGUF file."""
+               use_cache: bool = True, tensor_parallel: int = 1) -> Model:
+    """Load a model by registered name, Hugging Face directory or GGUF file; tensor_parallel=N
+    shards it over N devices (models/sharding.py)."""
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"{dtype=} is not supported; use float32, bfloat16 or float16")
     src = resolve_model_path(name_or_path)
+    check_degree(tensor_parallel, len(jax.devices()))  # before seconds of reading weights
     t0 = time.perf_counter()
     cache_dir = _cache_root() / "params" / _cache_key(src, dtype)
     if use_cache and (cache_dir / "config.json").exists():
         try:
-            cfg, params, tok = _load_cache(cache_dir)
-            log.info("loaded %s from cache %s in %.1fs", src.name, cache_dir, time.perf_counter() - t0)
-            return Model(cfg, params, tok, name=str(name_or_path))
+            cfg, params, tok = _load_cache(cache_dir, tensor_parallel)
+        except TensorParallelError:
+            raise
         except Exception as e:  # a stale or damaged cache is rebuilt, loudly
             log.warning("params cache %s unreadable (%s); rebuilding it", cache_dir, e)
             shutil.rmtree(cache_dir, ignore_errors=True)
+        else:  # outside the try: a refused tensor_parallel is the caller's error, not a bad cache
+            log.info("loaded %s from cache %s in %.1fs", src.name, cache_dir, time.perf_counter() - t0)
+            return Model(cfg, params, tok, name=str(name_or_path), tensor_parallel=tensor_parallel)
     if src.is_dir():
         cfg, params, tok = load_hf_dir(src, dtype)
     else:
@@ -138,12 +148,12 @@ def load_model(name_or_path: str | os.PathLike = DEFAULT_MODEL, dtype: str = "fl
             _save_cache(cache_dir, cfg, params, tok)
         except OSError as e:
             log.warning("could not write params cache %s (%s); continuing without it", cache_dir, e)
-    return Model(cfg, params, tok, name=str(name_or_path))
+    return Model(cfg, params, tok, name=str(name_or_path), tensor_parallel=tensor_parallel)
 
 
-def load_model_spec(spec: str, dtype: str = "float32"):
+def load_model_spec(spec: str, dtype: str = "float32", tensor_parallel: int = 1):
     """A model name/path, or "tiny:<family>:<seed>" for the random test models."""
     if spec.startswith("tiny:"):
         _, family, seed = spec.split(":")
-        return tiny_model(family, int(seed))
-    return load_model(spec, dtype=dtype)
+        return tiny_model(family, int(seed), tensor_parallel=tensor_parallel)
+    return load_model(spec, dtype=dtype, tensor_parallel=tensor_parallel)

@@ -11,6 +11,7 @@ Nothing here knows about KV transfer: the engine (`jkv/`) wires selection and tr
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable
 
 import jax
@@ -20,36 +21,80 @@ import numpy as np
 from . import paged
 from . import transformer as tfm
 from .config import ModelConfig
+from .sharding import TensorSharding
 from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, params: dict, tokenizer: Tokenizer | None = None, name: str = ""):
+    """tensor_parallel=N shards params and caches over the first N devices (models/sharding.py);
+    the same programs run at every degree, and N=1 places everything on the default device."""
+
+    def __init__(self, cfg: ModelConfig, params: dict, tokenizer: Tokenizer | None = None, name: str = "",
+                 tensor_parallel: int = 1, devices=None):
         self.cfg = cfg
-        self.params = jax.device_put(params)
+        self.sharding = None if tensor_parallel == 1 else TensorSharding(cfg, tensor_parallel, devices)
+        if self.sharding is None:
+            self.params = jax.device_put(params)
+        else:
+            self.params = jax.device_put(params, self.sharding.param_shardings(params))
+            log.info("%s: %s", name or cfg.family, self.sharding.layout.describe())
         self.tokenizer = tokenizer
         self.name = name or cfg.family
         p = functools.partial
-        self._prefill_layer = jax.jit(p(tfm.prefill_layer, cfg))
-        self._embed = jax.jit(tfm.embed)
-        self._logits = jax.jit(p(tfm.final_logits, cfg))
-        self._qkv = jax.jit(p(tfm.layer_qkv, cfg))
-        self._input_norm = jax.jit(p(tfm.layer_input_norm, cfg))
-        self._attend = jax.jit(p(tfm.layer_attend_and_mlp, cfg), static_argnames=("attention_fn",))
+        s = self.sharding
+        # Under tensor parallelism each program pins the layout of what it returns (KV sharded by
+        # KV head, activations and logits replicated) so caches never drift to another layout.
+        jit = self._jit
+        self._prefill_layer = jit(p(tfm.prefill_layer, cfg), lambda s: (s.replicated, s.kv, s.kv))
+        self._embed = jit(tfm.embed, lambda s: s.replicated)
+        self._logits = jit(p(tfm.final_logits, cfg), lambda s: s.replicated)
+        self._qkv = jit(p(tfm.layer_qkv, cfg), lambda s: (s.q_heads, s.kv, s.kv))
+        self._input_norm = jit(p(tfm.layer_input_norm, cfg), lambda s: s.replicated)
+        self._attend = jit(p(tfm.layer_attend_and_mlp, cfg), lambda s: s.replicated,
+                           static_argnames=("attention_fn",))
         # Two programs per decode step: XLA CPU copies a donated cache that one program both reads and
         # updates in place, so attention reads it in one program and a second writes it in place.
-        self._decode_compute = jax.jit(p(tfm.decode_step_compute, cfg))
-        self._write_kv = jax.jit(tfm.write_decode_kv, donate_argnums=(0,))
+        new_kv = lambda s: (s.replicated, s.kv_stacked, s.kv_stacked)
+        self._decode_compute = jit(p(tfm.decode_step_compute, cfg), new_kv)
+        self._write_kv = jit(tfm.write_decode_kv, lambda s: s.kv, donate_argnums=(0,))
         # The paged cache follows the same split (models/paged.py).
-        self._paged_decode_compute = jax.jit(p(paged.paged_decode_step_compute, cfg))
-        self._prefill_chunk_compute = jax.jit(p(paged.prefill_chunk_compute, cfg))
-        self._paged_write = jax.jit(paged.paged_write, donate_argnums=(0,))
-        self._paged_write_prefill = jax.jit(paged.paged_write_prefill, donate_argnums=(0,))
+        # Under TP with query heads split, paged decode attention runs per shard (shard_map).
+        head_mesh = s.mesh if s is not None and s.layout.attention else None
+        self._paged_decode_compute = jit(p(paged.paged_decode_step_compute, cfg, head_mesh=head_mesh), new_kv)
+        self._prefill_chunk_compute = jit(p(paged.prefill_chunk_compute, cfg), new_kv)
+        self._paged_write = jit(paged.paged_write, lambda s: s.kv, donate_argnums=(0,))
+        self._paged_write_prefill = jit(paged.paged_write_prefill, lambda s: s.kv, donate_argnums=(0,))
+        del s
+
+    def _jit(self, fn, out_shardings: Callable, **kw):
+        """jax.jit; under tensor parallelism with out_shardings(self.sharding) (a pytree prefix)."""
+        if self.sharding is None:
+            return jax.jit(fn, **kw)
+        return jax.jit(fn, out_shardings=out_shardings(self.sharding), **kw)
+
+    @property
+    def tensor_parallel(self) -> int:
+        return 1 if self.sharding is None else self.sharding.layout.tensor_parallel
+
+    @property
+    def kv_sharding(self):
+        """The NamedSharding of KV caches ([B | pages, H_kv, ..., D]), or None at tensor_parallel=1."""
+        return None if self.sharding is None else self.sharding.kv
+
+    def with_tensor_parallel(self, tensor_parallel: int, devices=None) -> "Model":
+        """This model's weights laid out at another degree (a new Model; this one is unchanged)."""
+        if tensor_parallel == self.tensor_parallel and devices is None:
+            return self
+        return Model(self.cfg, self.params, self.tokenizer, self.name, tensor_parallel=tensor_parallel,
+                     devices=devices)
 
     def __repr__(self):
         c = self.cfg
+        tp = f", tensor_parallel={self.tensor_parallel}" if self.sharding is not None else ""
         return (f"Model({self.name!r}, {c.family}, L={c.num_layers}, H={c.num_heads}, H_kv={c.num_kv_heads}, "
-                f"D={c.head_dim}, dtype={c.dtype})")
+                f"D={c.head_dim}, dtype={c.dtype}{tp})")
 
     # ----------------------------------------------------------------- prefill
     def prefill(self, tokens, lengths, on_layer: Callable | None = None, all_logits: bool = False):
@@ -106,7 +151,7 @@ class Model:
         """Zeroed decode cache: tuple over layers of (K, V), each [B, H_kv, n_max, D]."""
         c = self.cfg
         shape = (batch, c.num_kv_heads, n_max, c.head_dim)
-        return tuple((jnp.zeros(shape, c.dtype), jnp.zeros(shape, c.dtype)) for _ in range(c.num_layers))
+        return paged.zeros_kv(c.num_layers, shape, c.dtype, self.kv_sharding)
 
     def cache_from_prefill(self, kv, n_max: int):
         """Pad prefill KV ([B, H_kv, T, D] per layer) to a decode cache of n_max positions."""
@@ -129,8 +174,9 @@ class Model:
     # ------------------------------------------------------- paged decode path
     def init_paged_kv(self, num_pages: int, page_size: int, dtype=None):
         """Zeroed paged cache: tuple over layers of (K, V), each [num_pages, H_kv, P, D] in dtype
-        (default: the model's). `jkv.kvcache.PagedKVCache` pairs it with page tables."""
-        return paged.init_pages(self.cfg, num_pages, page_size, dtype)
+        (default: the model's), sharded like the model's KV. `jkv.kvcache.PagedKVCache` pairs it
+        with page tables."""
+        return paged.init_pages(self.cfg, num_pages, page_size, dtype, sharding=self.kv_sharding)
 
     def write_prefill_pages(self, kv_pages, page_table, prefill_kv, lengths, start=None):
         """Scatter prefill KV (`prefill`'s kv: per layer (K, V) [B, H_kv, T, D]) into pages.
@@ -183,10 +229,11 @@ def tiny_config(family: str = "llama", **overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
-def tiny_model(family: str = "llama", seed: int = 0, **overrides) -> Model:
+def tiny_model(family: str = "llama", seed: int = 0, tensor_parallel: int = 1, **overrides) -> Model:
     """Random-init tiny model (no tokenizer) for tests of everything above the model."""
     cfg = tiny_config(family, **overrides)
-    return Model(cfg, tfm.init_params(cfg, seed), tokenizer=None, name=f"tiny-{family}")
+    return Model(cfg, tfm.init_params(cfg, seed), tokenizer=None, name=f"tiny-{family}",
+                 tensor_parallel=tensor_parallel)
 
 
 def params_to_numpy(params) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from pallas_kernels import dispatch
 
@@ -28,11 +29,20 @@ from .config import ModelConfig
 NULL_PAGE = 0  # jkv.kvcache.pages.NULL_PAGE (models does not import jkv)
 
 
-def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
-    """Zeroed paged cache: tuple over layers of (K, V), each [num_pages, H_kv, P, D]."""
+def zeros_kv(num_layers: int, shape: tuple[int, ...], dtype, sharding=None):
+    """A zeroed cache: tuple over layers of (K, V) of `shape`. With a sharding (tensor parallelism)
+    each device allocates only its shard: nothing the size of the whole cache lands on one device."""
+    if sharding is None:
+        return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers))
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return tuple((zeros(), zeros()) for _ in range(num_layers))
+
+
+def init_pages(cfg: ModelConfig, num_pages: int, page_size: int, dtype=None, sharding=None):
+    """Zeroed paged cache: tuple over layers of (K, V), each [num_pages, H_kv, P, D] (placed with
+    `sharding`, e.g. `Model.kv_sharding`, when given)."""
     shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
-    dt = jnp.dtype(dtype if dtype is not None else cfg.dtype)
-    return tuple((jnp.zeros(shape, dt), jnp.zeros(shape, dt)) for _ in range(cfg.num_layers))
+    return zeros_kv(cfg.num_layers, shape, jnp.dtype(dtype if dtype is not None else cfg.dtype), sharding)
 
 
 def token_slots(page_table, positions, page_size: int):
@@ -78,14 +88,34 @@ def paged_write_prefill(cache, page_table, new_k, new_v, start, lengths):
     return tuple((put(K, new_k[l]), put(V, new_v[l])) for l, (K, V) in enumerate(cache))
 
 
-def paged_decode_attention(q, K_pages, V_pages, page_table, positions, k_new, v_new):
+def paged_decode_attention(q, K_pages, V_pages, page_table, positions, k_new, v_new, head_mesh=None):
     """Attention of one new token over its request's first positions[b] cached tokens plus itself.
 
     q: [B, H, D]; K_pages, V_pages: [num_pages, H_kv, P, D]; page_table: i32[B, max_pages];
     positions: i32[B]; k_new, v_new: [B, H_kv, D] -> [B, H, D] (q's dtype). The cached part goes
     through `dispatch.paged_decode_attention_partials` (Mosaic kernel on Hopper, XLA elsewhere);
     the new token is one more softmax lane merged exactly with `merge_partials`.
+
+    head_mesh: a mesh whose "tensor" axis splits the query heads (tensor parallelism,
+    models/sharding.py): each shard then attends its own heads (`shard_map`), since the dispatch
+    ops work on merged B x H_kv rows that GSPMD could not keep split by head. The KV heads are
+    split too, or (fewer KV heads than shards) replicated, and each shard slices the one its
+    query heads read.
     """
+    if head_mesh is not None:
+        n, H_kv = head_mesh.shape["tensor"], K_pages.shape[1]
+        heads, rep = PartitionSpec(None, "tensor"), PartitionSpec()
+        kv = heads if H_kv % n == 0 else rep
+
+        def local(q, K, V, table, pos, kn, vn):
+            if H_kv % n:  # n // H_kv shards share each KV head
+                h = lax.axis_index("tensor") // (n // H_kv)
+                K, V, kn, vn = (lax.dynamic_slice_in_dim(a, h, 1, axis=1) for a in (K, V, kn, vn))
+            return paged_decode_attention(q, K, V, table, pos, kn, vn)
+
+        return jax.shard_map(local, mesh=head_mesh, out_specs=heads, check_vma=False,
+                             in_specs=(heads, kv, kv, rep, rep, kv, kv))(
+            q, K_pages, V_pages, page_table, positions, k_new, v_new)
     B, H, D = q.shape
     H_kv = k_new.shape[1]
     cached = dispatch.paged_decode_attention_partials(q, K_pages, V_pages, page_table, positions)
@@ -97,19 +127,20 @@ def paged_decode_attention(q, K_pages, V_pages, page_table, positions, k_new, v_
     return out.astype(q.dtype)
 
 
-def paged_decode_step_compute(cfg: ModelConfig, params, cache, page_table, tokens, positions):
+def paged_decode_step_compute(cfg: ModelConfig, params, cache, page_table, tokens, positions, head_mesh=None):
     """The read-only half of a paged decode step (one token per row).
 
     cache: tuple over layers of (K, V) [num_pages, H_kv, P, D]; page_table: i32[B, max_pages];
     tokens, positions: i32[B] (positions[b] = tokens already cached for row b). Returns
     (logits f32[B, V], new_k [L, B, H_kv, D], new_v [L, B, H_kv, D]) for `paged_write`.
+    head_mesh: see `paged_decode_attention`.
     """
     x = tfm.embed(params, tokens)
     layer = tfm.DecoderLayer(cfg)
     new_k, new_v = [], []
     for layer_params, (K, V) in zip(params["layers"], cache):
         q, k, v = tfm.layer_qkv(cfg, layer_params, x, positions)
-        attn = paged_decode_attention(q, K, V, page_table, positions, k, v).reshape(x.shape[0], 1, -1)
+        attn = paged_decode_attention(q, K, V, page_table, positions, k, v, head_mesh).reshape(x.shape[0], 1, -1)
         x = layer.apply({"params": layer_params}, x[:, None], attn,
                         method=tfm.DecoderLayer.attn_out_and_mlp)[:, 0]
         new_k.append(k)

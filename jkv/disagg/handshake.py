@@ -25,7 +25,8 @@ Fields, in the order they are checked (the first mismatch is reported):
     page_size        tokens per page of the receiving KV cache; None today: KV lands in
                      per-request contiguous host pools addressed by token row (the paged device
                      cache of [kvstore] declares its page size here)
-    tensor_parallel  the TP degree of the role (1 today; [scale] item 2 lets them differ)
+    tensor_parallel  the TP degree of the role's model (`Model.tensor_parallel`; the SmartGen roles
+                     refuse > 1 today, docs/scale.md; [scale] item 2 lets them differ)
     selector         the sparse-attention selector (prefill ships its metadata to decode)
     compression      the KV compression format: container version and stage registry
     weights          a fingerprint of the weights (checked last: a different model or dtype
@@ -123,10 +124,12 @@ class RoleConfig:
 
 
 def role_config(model, role: str, selector, *, max_blocks: int | None, page_size: int | None = None,
-                tensor_parallel: int = 1) -> RoleConfig:
+                tensor_parallel: int | None = None) -> RoleConfig:
     """The RoleConfig of a role serving `model` with `selector` (computes the weights fingerprint
-    on first use per model object)."""
+    on first use per model object); tensor_parallel defaults to the model's own degree."""
     cfg = model.cfg
+    if tensor_parallel is None:
+        tensor_parallel = getattr(model, "tensor_parallel", 1)
     return RoleConfig(role=role, protocol=PROTOCOL_VERSION, model=model_id(model), dtype=str(cfg.dtype),
                       kv_dtype=KV_DTYPE, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, head_order=HEAD_ORDER, max_blocks=max_blocks, page_size=page_size,

@@ -15,7 +15,8 @@ as their KV is written, so later requests can share them; `free` parks cached pa
 allocator's LRU instead of freeing them (`pages.PageAllocator`, evicted only when it runs short).
 
 Who owns what: `kv` (a tuple over layers of (K, V), each [num_pages, H_kv, P, D], on the default
-JAX device, in the model's dtype unless told otherwise) is replaced by every model call that
+JAX device, or split by KV head over the model's mesh when given `sharding=model.kv_sharding`, in
+the model's dtype unless told otherwise) is replaced by every model call that
 writes it (the old arrays are donated), so callers always store the returned tuple back in
 `cache.kv`. The page tables, lengths and reference counts are host bookkeeping here and in
 `pages.PageAllocator`; the device programs (models/paged.py) only read tables built by `table()`.
@@ -63,11 +64,13 @@ class PagedKVCache:
     """Device pages plus per-request page tables. Request ids are any hashable key."""
 
     def __init__(self, model_cfg: ModelConfig, page_cfg: PageConfig | None = None, dtype=None,
-                 prefix_namespace: ChunkNamespace | None = None, host_pool: KVPool | None = None):
+                 prefix_namespace: ChunkNamespace | None = None, host_pool: KVPool | None = None,
+                 sharding=None):
         """prefix_namespace: turns prefix caching on; pages are keyed in it (`prefix.prefix_namespace`:
         model, dtype and page size; its chunk_tokens must equal page_cfg.page_size). host_pool: the
         L2 tier (`host_tier.HostTier`): evicted cached pages are written there and loaded back on a
-        hit (needs prefix_namespace)."""
+        hit (needs prefix_namespace). sharding: `Model.kv_sharding` under tensor parallelism (pages
+        split by KV head), else None."""
         self.model_cfg = model_cfg
         self.page_cfg = page_cfg if page_cfg is not None else PageConfig()
         self.dtype = jnp.dtype(dtype if dtype is not None else model_cfg.dtype)
@@ -75,7 +78,7 @@ class PagedKVCache:
             raise ValueError(f"prefix_namespace keys chunks of {prefix_namespace.chunk_tokens} tokens but pages hold "
                              f"{self.page_cfg.page_size}; build it with prefix_namespace(model, dtype, page_size)")
         self.prefix_namespace = prefix_namespace
-        self.kv = init_pages(model_cfg, self.page_cfg.num_pages, self.page_cfg.page_size, self.dtype)
+        self.kv = init_pages(model_cfg, self.page_cfg.num_pages, self.page_cfg.page_size, self.dtype, sharding)
         self.allocator = PageAllocator(self.page_cfg.num_pages)
         self.host: HostTier | None = None
         if host_pool is not None:

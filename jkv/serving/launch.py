@@ -228,7 +228,10 @@ def build_all(cfg: ServeConfig):
     from .metrics import ServerMetrics
     from .server import create_app
 
-    model = load_model(cfg.model, dtype=cfg.dtype)
+    model = load_model(cfg.model, dtype=cfg.dtype, tensor_parallel=cfg.tensor_parallel)
+    if model.sharding is not None:
+        log.info("model: %s over devices %s", model.sharding.layout.describe(),
+                 [str(d) for d in model.sharding.mesh.devices.flat])
     ctx = model.cfg.max_position_embeddings
     max_len = cfg.max_model_len
     if max_len > ctx:

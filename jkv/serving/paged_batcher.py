@@ -178,7 +178,8 @@ class PagedBatcher(ContinuousBatcher):
             from ..kvpool import HostKVPool
 
             host = HostKVPool(self.config.prefix_cache_host_bytes)
-        return PagedKVCache(self.model.cfg, self.page_cfg, prefix_namespace=self.prefix_namespace, host_pool=host)
+        return PagedKVCache(self.model.cfg, self.page_cfg, prefix_namespace=self.prefix_namespace, host_pool=host,
+                            sharding=self.model.kv_sharding)
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (thread-safe; pages held by running requests stay theirs)."""

@@ -30,6 +30,7 @@ SAMPLES = {
     "kv_layout": ("slots", DECODE), "page_size": ("32", DECODE), "num_pages": ("200", DECODE),
     "prefill_chunk": ("256", DECODE), "enable_prefix_caching": ("false", DECODE),
     "prefix_cache_host_bytes": ("1048576", DECODE),
+    "tensor_parallel": ("2", []),
     "transport_advertise": ("jkv-prefill-a:7100|jkv-prefill-a:7101", ["--role", "prefill"]), "prefill": ("http://p:2", ROUTER), "decode": ("http://d:2", ROUTER),
 }
 # fields filled from another one: Disaggregation.bandwidth is also the transfer's Eq. 2 link estimate
