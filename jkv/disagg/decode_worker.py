@@ -9,27 +9,29 @@
 
 Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
 
-  1. plan: a host pool `f32[2, L, H_kv, N_cap, D]` plus its KV mask `i8[L, N_cap]` (REMOTE over
-     the prompt, PAD after) registered as regions "kv/<rid>", "mask/<rid>"; the block order of
-     the proactive strategy and Kr (Eq. 2 from the profile's Tp and the link estimate); an owner
-     prefill worker (round robin over live workers). "prefill" goes out (one notify per owner
-     for the requests planned together).
-  2. its "handoff" (first token) arrives. Prefill writes land in the pool and flip mask bytes to
-     LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
+  1. plan: device pages for prompt + max_tokens in the paged cache with its KV mask (REMOTE over
+     the prompt, PAD after; jkv/disagg/decode_pages.py), and a host staging buffer
+     `f32[2, L, H_kv, N_cap, D]` plus its staging mask `i8[L, N_cap]` registered as regions
+     "kv/<rid>", "mask/<rid>"; the block order of the proactive strategy and Kr (Eq. 2 from the
+     profile's Tp and the link estimate); an owner prefill worker (round robin over live workers).
+     "prefill" goes out (one notify per owner for the requests planned together).
+  2. its "handoff" (first token) arrives. Prefill writes land in staging and flip staging mask
+     bytes to LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
   3. at the next step boundary it joins the running set; every decode step, per layer (with
      lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py): q, k, v →
-     the new k, v go into the pool (LOCAL) → select → `split_reorder` against a snapshot of the
-     mask → the remote lane (one "fetch" RPC per owner with the remote-first prefix of each row)
-     and the local lane (numpy gather of the pool) run concurrently (serially in
-     `partial`/`+profile`) → remote rows are scattered into their canonical slots → attention over
-     the selected entries in selection order, so the output never depends on which lane supplied
-     a row (the mode invariant). With speculation a "spec" trigger goes to every owner at the
-     start of each layer, for requests past their first step.
-  4. when its mask is all LOCAL, decode calls "free" on its owner; when it finishes (or fails, or
-     is cancelled) it leaves the running set at the step boundary, its regions are unregistered
-     and its pool freed.
+     the new k, v go into the device pages (mask 1) → select → landing (staging rows not yet on the
+     device are copied into their pages, then their device mask flips to 1) → `split_reorder`
+     against the device mask → the remote lane (one "fetch" RPC per owner with the remote-first
+     prefix of each row; serial in `partial`/`+profile`) → the replies' rows are landed into their
+     pages → every selected row is gathered from the pages on the device → attention over the
+     selected entries in selection order, so the output never depends on which lane supplied a
+     row (the mode invariant). With speculation a "spec" trigger goes to every owner at the start
+     of each layer, for requests past their first step.
+  4. when its staging mask is all LOCAL, decode calls "free" on its owner; when it finishes (or
+     fails, or is cancelled) it leaves the running set at the step boundary, its regions are
+     unregistered, its staging freed and (on the engine thread) its device pages.
 
-The running set: requests keep their own pool (N_cap = prompt + max_tokens rounded up to
+The running set: requests keep their own staging (N_cap = prompt + max_tokens rounded up to
 CAPACITY_BUCKET); the batch's N_cap is the largest member's. The selector metadata of the
 running set is one batched pytree per layer (leading axis B, updated by `append` each step); when
 membership changes each staying member's rows go back to its `LiveRequest.meta` and the batch is
@@ -86,8 +88,9 @@ from jkv.disagg.handshake import role_config
 from jkv.disagg.hint import make_hint as make_set_hint
 from jkv.disagg.lookahead import LayerLookahead
 from jkv.engine import Request, StopChecker, check_context
-from jkv.kvbuffers.geometry import LOCAL
+from jkv.disagg.decode_pages import DecodePages
 from jkv.kvbuffers.pool import KVBufferPool
+from jkv.kvcache import PageConfig
 from jkv.outputs import RequestOutput
 from jkv.sampling import sample_or_argmax
 from jkv.selection.base import dense_layer_count
@@ -115,6 +118,8 @@ class _Step:
     dense_below: int
     positions: np.ndarray  # i32[B]: the slot each request's new token's KV goes to
     pos: object  # the same, on the device
+    table_np: np.ndarray  # i32[B, ceil(N_cap / P)]: each request's device pages (decode_pages.py)
+    table: object  # the same, on the device
     now_cached: np.ndarray  # i32[B]: cached tokens, the current one included
     lengths_now: object  # the same, on the device (the hint's lengths)
     speculating: list  # requests past their first step (smartgen): "spec" triggers
@@ -129,7 +134,7 @@ class _Step:
 class DecodeWorker(OwnerSide, FetchLanes):
     def __init__(self, model, selector, transfer: TransferConfig, *, secret: str, backend: str = "tcp",
                  profile=None, oracle_profile=None, on_failure: str = "fail", timeout: float = 5.0,
-                 name: str = "decode-0", compression=None):
+                 name: str = "decode-0", compression=None, page_config: PageConfig | None = None):
         if on_failure not in ("fail", "recompute"):
             raise ValueError(f"{on_failure=} must be 'fail' or 'recompute'")
         self.model, self.selector, self.transfer = model, selector, transfer
@@ -138,7 +143,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
             raise ValueError(f"mode {transfer.mode!r} with strategy {transfer.strategy!r} needs an importance "
                              "profile: create one with `jkv profile` and pass it")
         cfg = model.cfg
-        self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # host staging (L2)
+        self.pages = DecodePages(cfg, page_config)  # device pages + KV mask (L1), in the model's dtype
         # agreed with every prefill worker in the handshake, before any KV crosses (handshake.py)
         self.config = role_config(model, "decode", selector, max_blocks=transfer.max_blocks)
         self.endpoint = Endpoint(name, backend, secret=secret, timeout=timeout, op_timeout=None,
@@ -358,8 +364,11 @@ class DecodeWorker(OwnerSide, FetchLanes):
             lv.on_done(lv.output(done, self.transfer.mode))
 
     def _forget(self, lv) -> None:
+        """Engine thread: the request leaves the worker; its device pages go back to the pool here
+        (never on a cancelling thread: a step in flight may still read them)."""
         with self._lock:
             self._live.pop(lv.rid, None)
+        self.pages.free(lv.rid)
         if lv in self._pending:
             self._pending.remove(lv)
 
@@ -396,8 +405,10 @@ class DecodeWorker(OwnerSide, FetchLanes):
         # until the select of the layer before has run would leave the link idle meanwhile.
         self._lookahead.gated = self.transfer.lookahead_gate == "always" or any(lv.steps == 0 for lv in lives)
         now_cached = positions + 1
-        return _Step(
-            lives=lives, metadata=self._batch_meta, capacity=max(lv.kv.capacity for lv in lives),
+        capacity = max(lv.kv.capacity for lv in lives)
+        table = self.pages.table([lv.rid for lv in lives], capacity)
+        return _Step(table_np=table, table=jnp.asarray(table),
+            lives=lives, metadata=self._batch_meta, capacity=capacity,
             dense_below=dense_layer_count(self.selector, self.model.cfg.num_layers),
             positions=positions, pos=jnp.asarray(positions), now_cached=now_cached,
             # The hint selects with this step's lengths (current token included) although the metadata
@@ -423,18 +434,14 @@ class DecodeWorker(OwnerSide, FetchLanes):
             self._start_lookahead(st, layer + 1)
             clock.lap("lookahead")
         q, k, v = model.qkv(layer, st.x, st.pos)
-        kn, vn = np.asarray(k, np.float32), np.asarray(v, np.float32)
+        self.pages.write_new(layer, st.table, st.pos, k, v)  # on the device: no host bytes
         clock.lap("qkv")
-        for b, lv in enumerate(st.lives):
-            lv.kv.kv[0, layer, :, st.positions[b]] = kn[b]
-            lv.kv.kv[1, layer, :, st.positions[b]] = vn[b]
-            lv.kv.mask[layer, st.positions[b]] = LOCAL
         kv_index = self._select(st, layer, q, k)
         clock.lap("select")
         delivered = self._lookahead.complete(st.lives, layer, st.capacity, clock)
         if delivered is not None:
             clock.lap("prefetch_wait")
-        K_sel, V_sel, remote_rows = self._gather(st.lives, layer, kv_index, st.capacity)
+        K_sel, V_sel, valid_dev, remote_rows = self._gather(st, layer, kv_index)
         if delivered is not None:  # selected rows the prefetch supplied are on-demand rows too
             hit = LayerLookahead.hits(delivered, kv_index)
             remote_rows = remote_rows + hit
@@ -445,7 +452,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
         clock.count("selected_n", valid.sum())
         clock.count("remote_n", remote_rows.sum())
         st.x_prev = st.x
-        st.x = model.attend_and_mlp(layer, st.x, q, jnp.asarray(K_sel), jnp.asarray(V_sel), jnp.asarray(valid))
+        st.x = model.attend_and_mlp(layer, st.x, q, K_sel, V_sel, valid_dev)
         st.x.block_until_ready()
         clock.lap("attend")
 

@@ -93,7 +93,10 @@ class DisaggBatcher:
         self._n_waiting = 0
         self._cancelled_waiting: set[str] = set()
         if metrics is not None and metrics.kv is not None:
-            metrics.kv.watch_pool(worker.pool)
+            metrics.kv.watch_pool(worker.pool)  # host staging
+            metrics.kv.watch_landing(worker.pages.h2d_bytes)
+        if metrics is not None:
+            metrics.watch_kv_cache(worker.pages.cache)  # device pages: jkv_kv_pages_in_use / _free
         if metrics is not None and metrics.transfers is not None:  # fetch RPCs, notifications (transport threads)
             worker.endpoint.observe_transfers(metrics.transfers.observe_transfer)
         self._reconnect = PrefillReconnector(addresses, dict(zip(addresses, owners)),
@@ -202,6 +205,7 @@ class DisaggBatcher:
         return {"mode": self.worker.transfer.mode,
                 "handshake": {"config": self.worker.config.as_dict(), "agreed_with": agreed}, "kv_host_bytes_in_use": self.worker.pool.bytes_in_use,
                 "kv_host_requests": len(self.worker.pool.live()),
+                "kv_pages_in_use": self.worker.pages.cache.pages_in_use,
                 "prefill_workers": [{"name": o, "alive": o in peers and peers[o].alive,
                                      "address": next((a for a, n in self._owner_by_main.items() if n == o), None)}
                                     for o in self.worker.owners],
