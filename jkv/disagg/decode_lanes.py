@@ -12,36 +12,36 @@ Per layer of a decode step (engine thread; SmartGen §4.2, Algorithm 1):
               replies are awaited before the local lane starts
     wait      the replies, in owner order; their rows go into staging (marked fetched) and are
               landed into their pages (KV reuse, DESIGN.md): the only rows that cross host->device
-    local     a gather of every selected row from the pages, on the device, in selection order, so
-              attention never depends on which lane supplied a row
+    local     a gather of every selected row from the pages, attention in selection order (so
+              the output never depends on which lane supplied a row) and the MLP: one program
+              (`decode_program.attend`)
 
 Failure policy (`_gather`): a transport error of one owner is an `OwnerDown`; when the owner
 only refused the RPC because a request in it was cancelled or freed meanwhile, the layer is
 fetched again without it, otherwise the owner's requests fail (or are recomputed).
 
 `FetchLanes` is a mixin of `DecodeWorker`: it reads the worker's `model`, `transfer`,
-`endpoint`, `pages`, `phases`, `_split`, `_lookahead` and `_pending`, and calls `_owner_failed`.
+`endpoint`, `pages`, `programs`, `phases`, `_lookahead` and `_pending`, and calls `_owner_failed`.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
-from jkv.disagg.decode_pages import gather, mask_rows
 from jkv.disagg.decode_state import OwnerDown
 from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, reply_rows
 from transport import RemoteError, TransportError
 
 
 class FetchLanes:
-    def _gather(self, st, layer, kv_index):
-        """kv_index: i32[B*H, k] (host) -> K_sel, V_sel [B, H, k, D] on the device in selection
-        order, valid i32[B, H] (device), remote: i32[B*H] entries fetched on demand this layer."""
+    def _gather(self, st, layer, kv_index, q):
+        """kv_index: i32[B*H, k] (device), q: [B, H_q, D] -> (x [B, hidden]: the layer's output,
+        attention over every selected row in selection order and the MLP; remote: i32[B*H] entries
+        fetched on demand this layer)."""
         lives = st.lives
         while True:
             fetchable = {id(lv) for lv in lives if lv.fetchable}
             try:
-                return self._gather_once(st, layer, kv_index)
+                return self._gather_once(st, layer, kv_index, q)
             except OwnerDown as e:
                 # A request cancelled (or freed) while its rows were being fetched makes the owner
                 # refuse the whole RPC; the owner is alive: fetch again without that request.
@@ -50,15 +50,14 @@ class FetchLanes:
                     continue
                 self._owner_failed(e.owner, e.error, lives + self._pending)
 
-    def _gather_once(self, st, layer, kv_index):
+    def _gather_once(self, st, layer, kv_index, q):
         lives = st.lives
         # What landed in staging since the last layer (pushes, "ckv", the lookahead's replies, a
         # recomputed prompt) goes to the device pages first, so the split sees it as local.
         self.pages.land(lives, layer, st.table_np, self.phases)
         self.phases.lap("land")
         fetchable = np.asarray([lv.fetchable for lv in lives])
-        mask = mask_rows(self.pages, layer, st.table, fetchable)
-        reordered, remote_count, _ = self._split(jnp.asarray(kv_index), mask)
+        reordered, remote_count = self.programs.split(self.pages.mask, np.int32(layer), st.table, fetchable, kv_index)
         reordered, remote_count = np.asarray(reordered), np.asarray(remote_count)
         self.phases.lap("split")
         pending = [(owner, call, self._call(owner, call.payload()))
@@ -73,10 +72,12 @@ class FetchLanes:
         if pending:  # the replies' rows into their pages (KV reuse), before attention reads them
             self.pages.land(lives, layer, st.table_np, self.phases)
             self.phases.lap("land")
-        # Local lane: every selected row from the pages (on the device), in selection order.
-        K_sel, V_sel, valid = gather(self.pages, layer, st.table, jnp.asarray(kv_index))
+        # Local lane: every selected row from the pages (on the device), in selection order, then
+        # attention and the MLP in the same program.
+        K, V = self.pages.cache.kv[layer]
+        x = self.programs.attend(self.model.layer_params(layer), st.x, q, K, V, st.table, kv_index)
         self.phases.lap("local")
-        return K_sel, V_sel, valid, remote_count
+        return x, remote_count
 
     def _fetch_calls(self, lives, layer, reordered, remote_count) -> list[tuple[str, FetchCall]]:
         """One "fetch" per owner with each row's remote-first prefix (Algorithm 1); segment keys

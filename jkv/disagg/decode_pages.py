@@ -34,7 +34,6 @@ the host shadows it reads (`LiveRequest.on_device`, `landed`) belong to that thr
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -148,18 +147,3 @@ class DecodePages:
     def stats(self) -> dict[str, int]:
         """The cache's page counters plus the host->device KV bytes by cause (totals)."""
         return {**self.cache.stats(), **{f"kv_h2d_{c}_bytes": n for c, n in self.h2d_bytes.items()}}
-
-
-_mask_rows = jax.jit(sparse.mask_rows)
-_gather = jax.jit(sparse.gather_selected)
-
-
-def mask_rows(pages: DecodePages, layer: int, table, fetchable):
-    """i8[B*H_kv, max_pages*P] of `layer` for split_reorder (see sparse.mask_rows)."""
-    return _mask_rows(pages.mask, np.int32(layer), table, fetchable)
-
-
-def gather(pages: DecodePages, layer: int, table, kv_index):
-    """(K_sel, V_sel [B, H_kv, k, D], valid i32[B, H_kv]) of `layer` from the pages."""
-    K, V = pages.cache.kv[layer]
-    return _gather(K, V, table, kv_index)

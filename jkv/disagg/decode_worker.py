@@ -79,7 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.disagg import decode_metadata
+from jkv.disagg import decode_metadata, decode_program
 from jkv.disagg.decode_lanes import FetchLanes
 from jkv.disagg.decode_owners import OwnerSide
 from jkv.disagg.decode_state import (CAPACITY_BUCKET, LiveRequest, RequestFailed, StepPhases, Submission, bucket,
@@ -95,17 +95,14 @@ from jkv.outputs import RequestOutput
 from jkv.sampling import sample_or_argmax
 from jkv.selection.base import dense_layer_count
 from jkv.transfer.plan import TransferConfig
-from pallas_kernels import dispatch
 from transport import Endpoint
 
 __all__ = ["CAPACITY_BUCKET", "DecodeWorker", "RequestFailed"]
 
 log = logging.getLogger(__name__)
 
-# Rows carry their own mask (token mask + rows this worker already fetched): one row per "batch".
-# One module-level jit, so every DecodeWorker (a benchmark makes one per run) shares its compiled
-# programs: a per-instance jit recompiled on each run's first step (0.6-1.2 s of its TTST).
-_split_rows = jax.jit(functools.partial(dispatch.split_reorder, heads_per_batch=1))
+_selected_rows = jax.jit(decode_program.valid_rows)
+
 
 
 @dataclasses.dataclass
@@ -129,6 +126,7 @@ class _Step:
     step_remote: np.ndarray  # i64[B]: selected entries fetched remotely this step
     step_selected: np.ndarray  # i64[B]
     hint_q: dict = dataclasses.field(default_factory=dict)  # layer -> its speculative query
+    selected: list = dataclasses.field(default_factory=list)  # per layer: i32[B*H_kv] selected entries (device)
 
 
 class DecodeWorker(OwnerSide, FetchLanes):
@@ -145,6 +143,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
         cfg = model.cfg
         self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # host staging (L2)
         self.pages = DecodePages(cfg, page_config)  # device pages + KV mask (L1), in the model's dtype
+        self.programs = decode_program.programs_for(cfg, selector)
         # agreed with every prefill worker in the handshake, before any KV crosses (handshake.py)
         self.config = role_config(model, "decode", selector, max_blocks=transfer.max_blocks)
         self.endpoint = Endpoint(name, backend, secret=secret, timeout=timeout, op_timeout=None,
@@ -161,7 +160,6 @@ class DecodeWorker(OwnerSide, FetchLanes):
         self._main_of: dict[str, str] = {}  # owner -> its main transport address
         self._bulk_of: dict[str, str] = {}  # owner -> the peer name of its bulk connection
         self.phases = StepPhases()
-        self._split = _split_rows
         self._lookahead = LayerLookahead(self.endpoint, cfg.num_kv_heads, cfg.head_dim)
         self._hint = (make_set_hint(selector, transfer.hint_margin)  # None: the hint calls select
                       if transfer.layer_lookahead and transfer.hint_margin is not None else None)
@@ -423,8 +421,9 @@ class DecodeWorker(OwnerSide, FetchLanes):
             x=x, x_prev=x, step_remote=np.zeros(len(lives), np.int64), step_selected=np.zeros(len(lives), np.int64))
 
     def _decode_layer(self, st: _Step, layer: int) -> None:
-        """One layer for the running set: triggers and prefetch, q k v, the new KV into the pools,
-        select, both lanes, attention and MLP."""
+        """One layer for the running set: triggers and prefetch, q k v, the new KV into its page,
+        landing, then one fused program (nothing left to fetch) or select, the lanes and attend
+        (jkv/disagg/decode_program.py)."""
         model, clock, H = self.model, self.phases, self.model.cfg.num_kv_heads
         B = len(st.lives)
         if st.speculating and (layer == 0 or self.transfer.spec_every_layer):
@@ -436,25 +435,42 @@ class DecodeWorker(OwnerSide, FetchLanes):
         q, k, v = model.qkv(layer, st.x, st.pos)
         self.pages.write_new(layer, st.table, st.pos, k, v)  # on the device: no host bytes
         clock.lap("qkv")
-        kv_index = self._select(st, layer, q, k)
-        clock.lap("select")
         delivered = self._lookahead.complete(st.lives, layer, st.capacity, clock)
         if delivered is not None:
             clock.lap("prefetch_wait")
-        K_sel, V_sel, valid_dev, remote_rows = self._gather(st, layer, kv_index)
+        args = self._layer_args(st, layer, q, k)
+        remote_rows = np.zeros(B * H, np.int64)
+        st.x_prev = st.x
+        if not any(lv.fetchable for lv in st.lives):  # everything is local: the whole layer on the device
+            self.pages.land(st.lives, layer, st.table_np, clock)  # staging rows not yet in their pages
+            K, V = self.pages.cache.kv[layer]
+            st.metadata[layer], kv_index, _, st.x = self.programs.fused(
+                **args, params=model.layer_params(layer), x=st.x, q=q, K=K, V=V, mask=self.pages.mask, layer=np.int32(layer), table=st.table,
+                fetchable=np.zeros(B, bool))
+        else:
+            st.metadata[layer], kv_index = self.programs.select(**args)
+            clock.lap("select")
+            st.x, remote_rows = self._gather(st, layer, kv_index, q)
         if delivered is not None:  # selected rows the prefetch supplied are on-demand rows too
-            hit = LayerLookahead.hits(delivered, kv_index)
+            hit = LayerLookahead.hits(delivered, np.asarray(kv_index))
             remote_rows = remote_rows + hit
             clock.count("prefetch_hit_n", hit.sum())
-        valid = (kv_index >= 0).sum(axis=1).reshape(B, H).astype(np.int32)
-        st.step_selected += valid.sum(axis=1)
+        st.selected.append(_selected_rows(kv_index))
         st.step_remote += remote_rows.reshape(B, H).sum(axis=1)
-        clock.count("selected_n", valid.sum())
         clock.count("remote_n", remote_rows.sum())
-        st.x_prev = st.x
-        st.x = model.attend_and_mlp(layer, st.x, q, K_sel, V_sel, valid_dev)
         st.x.block_until_ready()
         clock.lap("attend")
+
+    def _layer_args(self, st: _Step, layer: int, q, k) -> dict:
+        """The select program's arguments for `layer` (its query: `Selector.decode_query`)."""
+        dense = layer < st.dense_below
+        sel, model, query = self.selector, self.model, q
+        if not dense:
+            x_in_prev, cached = st.x_prev, st.hint_q.pop(layer, None)  # cached: the same qkv of the same input
+            query = sel.decode_query(layer, q, cached if cached is not None
+                                     else (lambda: model.qkv(layer, x_in_prev, st.pos)[0]))
+        return dict(capacity=st.capacity, dense=dense, state=None if dense else sel.layer_state(layer),
+                    meta=st.metadata[layer], query=query, k_new=k, pos=st.pos, now_cached=st.lengths_now)
 
     def _all_cached(self, st: _Step, lengths) -> np.ndarray:
         """i32[B*H_kv, N_cap]: every slot below each request's length, -1 after (a dense selection)."""
@@ -478,20 +494,12 @@ class DecodeWorker(OwnerSide, FetchLanes):
             return np.asarray(sel.select(nxt, q_hint, meta, st.lengths_now)), q_hint
         st.hint_q[nxt] = st.lookahead.start(st.lives, nxt, make_hint, self.phases)
 
-    def _select(self, st: _Step, layer: int, q, k) -> np.ndarray:
-        """kv_index: i32[B*H_kv, k] for `layer` (the layer's new key appended to the metadata first)."""
-        if layer < st.dense_below:
-            return self._all_cached(st, st.now_cached).astype(np.int32)
-        sel, model = self.selector, self.model
-        st.metadata[layer] = sel.append(layer, st.metadata[layer], k, st.pos)
-        x_in_prev, cached = st.x_prev, st.hint_q.pop(layer, None)  # cached: the same qkv of the same input
-        query = sel.decode_query(layer, q, cached if cached is not None
-                                 else (lambda: model.qkv(layer, x_in_prev, st.pos)[0]))
-        return np.asarray(sel.select(layer, query, st.metadata[layer], jnp.asarray(st.now_cached)))
-
     def _sample(self, st: _Step) -> tuple[np.ndarray, np.ndarray]:
         """(steps i32[B], next tokens i32[B]) from the last layer's hidden state."""
         logits = self.model.logits(st.x)
+        selected = np.asarray(jnp.stack(st.selected)).sum(0).reshape(len(st.lives), -1)  # one sync a step
+        st.step_selected += selected.sum(axis=1)
+        self.phases.count("selected_n", selected.sum())
         params = [lv.req.params for lv in st.lives]
         steps = np.asarray([lv.steps + 1 for lv in st.lives], np.int32)
         current = sample_or_argmax(
