@@ -68,6 +68,19 @@ class _Run:
         self.cancelled = False
 
 
+def _check_pages(config: BatcherConfig, worker) -> None:
+    """The decode worker's KV is the paged cache: refuse a config that asks for another layout or a
+    page geometry the worker was not built with (its pages exist before the batcher)."""
+    if config.kv_layout != "paged":
+        raise ValueError(f"kv_layout={config.kv_layout!r}: the disaggregated decode engine keeps its KV in the "
+                         "paged cache only; use kv_layout='paged'")
+    have = worker.pages.cache.page_cfg
+    if config.page_size != have.page_size or config.num_pages not in (None, have.num_pages):
+        raise ValueError(f"page_size={config.page_size}, num_pages={config.num_pages} asked, but the decode worker "
+                         f"was built with page_size={have.page_size}, num_pages={have.num_pages}; build it with "
+                         "DecodeWorker(page_config=jkv.serving.paged_batcher.page_config(config))")
+
+
 class DisaggBatcher:
     """A SmartGen DecodeWorker behind ContinuousBatcher's submit/cancel/events interface."""
 
@@ -80,6 +93,7 @@ class DisaggBatcher:
         if config.max_model_len > ctx:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {ctx}; "
                              f"use --max-model-len <= {ctx}")
+        _check_pages(config, worker)
         self.model, self.worker, self.config, self.metrics = model, worker, config, metrics
         self.eos_ids = tuple(model.cfg.eos_token_ids)
         self._owner_by_main = {a.partition("|")[0]: o for a, o in zip(addresses, owners)}
