@@ -123,9 +123,10 @@ class DisaggregatedEngine:
     """One decode worker (this process) fed by prefill worker processes."""
 
     def __init__(self, model, config: Disaggregation, model_spec: str | None = None, selector=None,
-                 oracle_profile: ImportanceProfile | None = None, name: str = "decode-0"):
+                 oracle_profile: ImportanceProfile | None = None, name: str = "decode-0", page_config=None):
         """name: the decode worker's transport name, unique among the decode servers that share a
-        prefill worker (a second connection under one name replaces the first)."""
+        prefill worker (a second connection under one name replaces the first). page_config: the
+        decode worker's device page pool (jkv.kvcache.PageConfig; None: DecodePages' default)."""
         self.config = config
         self.model = model
         spec = config.model_spec or model_spec
@@ -145,7 +146,8 @@ class DisaggregatedEngine:
         self.workers = None
         self.decode = DecodeWorker(model, self.selector, config.transfer, secret=secret, backend=config.transport,
                                    profile=profile, oracle_profile=oracle_profile, on_failure=config.on_failure,
-                                   timeout=config.timeout_s, compression=config.compression_policy(), name=name)
+                                   timeout=config.timeout_s, compression=config.compression_policy(), name=name,
+                                   page_config=page_config)
         try:
             addresses = list(config.addresses)
             if not addresses:

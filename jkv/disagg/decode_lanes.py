@@ -2,44 +2,47 @@
 
 Per layer of a decode step (engine thread; SmartGen §4.2, Algorithm 1):
 
-    split     a snapshot of each row's mask (request x KV head), rows fetched earlier counting as
-              local, and `split_reorder` of the selection against it: i32[B*H_kv, k] reordered
-              remote-first plus each row's remote count
+    land      what arrived in staging since the last layer goes into the device pages, mask 1
+              (jkv/disagg/decode_pages.py)
+    split     the device mask of each row (request x KV head: a row fetched earlier is in the pages,
+              so it is 1) and `split_reorder` of the selection against it, on the device:
+              i32[B*H_kv, k] reordered remote-first plus each row's remote count (to the host)
     remote    one asynchronous "fetch" RPC per owner with each row's remote-first prefix
               (`jkv.kvbuffers.fetch.FetchCall`); in the serial modes (`partial`, `+profile`) the
               replies are awaited before the local lane starts
-    local     a numpy gather of every selected slot from the pool (remote slots are overwritten)
-    wait      the replies, in owner order
-    scatter   remote rows into their slots of the selection and into the pool (marked fetched,
-              so a later step reuses them: KV reuse, DESIGN.md)
+    wait      the replies, in owner order; their rows go into staging (marked fetched) and are
+              landed into their pages (KV reuse, DESIGN.md): the only rows that cross host->device
+    local     a gather of every selected row from the pages, attention in selection order (so
+              the output never depends on which lane supplied a row) and the MLP: one program
+              (`decode_program.attend`)
 
 Failure policy (`_gather`): a transport error of one owner is an `OwnerDown`; when the owner
 only refused the RPC because a request in it was cancelled or freed meanwhile, the layer is
 fetched again without it, otherwise the owner's requests fail (or are recomputed).
 
 `FetchLanes` is a mixin of `DecodeWorker`: it reads the worker's `model`, `transfer`,
-`endpoint`, `phases`, `_split`, `_lookahead` and `_pending`, and calls `_owner_failed`.
+`endpoint`, `pages`, `programs`, `phases`, `_lookahead` and `_pending`, and calls `_owner_failed`.
 """
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from jkv.compression.paths import decode_rows
 from jkv.disagg.decode_state import OwnerDown
 from jkv.kvbuffers.fetch import FetchCall, iter_reply, keep_rows, read_reply
-from jkv.kvbuffers.geometry import LOCAL, PAD, REMOTE
 from transport import RemoteError, TransportError
 
 
 class FetchLanes:
-    def _gather(self, lives, layer, kv_index, capacity):
-        """kv_index: i32[B*H, k] -> K_sel, V_sel: f32[B, H, k, D] in selection order, remote: i32[B*H].
-        capacity: the batch N_cap (>= every member's own pool capacity)."""
+    def _gather(self, st, layer, kv_index, q):
+        """kv_index: i32[B*H, k] (device), q: [B, H_q, D] -> (x [B, hidden]: the layer's output,
+        attention over every selected row in selection order and the MLP; remote: i32[B*H] entries
+        fetched on demand this layer)."""
+        lives = st.lives
         while True:
             fetchable = {id(lv) for lv in lives if lv.fetchable}
             try:
-                return self._gather_once(lives, layer, kv_index, capacity)
+                return self._gather_once(st, layer, kv_index, q)
             except OwnerDown as e:
                 # A request cancelled (or freed) while its rows were being fetched makes the owner
                 # refuse the whole RPC; the owner is alive: fetch again without that request.
@@ -48,14 +51,16 @@ class FetchLanes:
                     continue
                 self._owner_failed(e.owner, e.error, lives + self._pending)
 
-    def _gather_once(self, lives, layer, kv_index, capacity):
-        mask = self._mask_snapshot(lives, layer, capacity)
-        reordered, remote_count, _ = self._split(jnp.asarray(kv_index), jnp.asarray(mask))
+    def _gather_once(self, st, layer, kv_index, q):
+        lives = st.lives
+        # What landed in staging since the last layer (pushes, "ckv", the lookahead's replies, a
+        # recomputed prompt) goes to the device pages first, so the split sees it as local.
+        self.pages.land(lives, layer, st.table_np, self.phases)
+        self.phases.lap("land")
+        fetchable = np.asarray([lv.fetchable for lv in lives])
+        reordered, remote_count = self.programs.split(self.pages.mask, np.int32(layer), st.table, fetchable, kv_index)
         reordered, remote_count = np.asarray(reordered), np.asarray(remote_count)
         self.phases.lap("split")
-        safe = np.maximum(kv_index, 0)
-        is_remote = (kv_index >= 0) & (np.take_along_axis(mask, safe, axis=1) == REMOTE)
-        assert (is_remote.sum(1) == remote_count).all(), "split_reorder disagrees with the mask snapshot"
         pending = [(owner, call, self._call(owner, call.payload()))
                    for owner, call in self._fetch_calls(lives, layer, reordered, remote_count)]
         if not self.transfer.parallel_lanes:  # serial lanes: remote first, then local
@@ -63,33 +68,17 @@ class FetchLanes:
                 self._wait(t)
         self.phases.lap("remote_issue")
         self._lookahead.release(layer + 1)  # the next layer's prefetch queues behind this fetch
-        # Local lane: gather every selected slot from the pool (remote slots are overwritten below).
-        H = self.model.cfg.num_kv_heads
-        heads = np.arange(H)[:, None]
-        K_sel = np.stack([lv.kv.kv[0, layer][heads, safe[b * H:(b + 1) * H]] for b, lv in enumerate(lives)])
-        V_sel = np.stack([lv.kv.kv[1, layer][heads, safe[b * H:(b + 1) * H]] for b, lv in enumerate(lives)])
-        self.phases.lap("local")
         for owner, call, t in pending:
-            self._scatter(lives, layer, owner, call, self._wait(t), is_remote, K_sel, V_sel)
-        return K_sel, V_sel, is_remote.sum(1)
-
-    def _mask_snapshot(self, lives, layer, capacity) -> np.ndarray:
-        """i8[B*H_kv, N_cap]: one snapshot of the mask per row (request, KV head). Rows fetched on
-        demand earlier are kept in the pool (KV reuse, DESIGN.md) and count as local here; the
-        shared token mask itself still only turns 1 when a block lands. Members with a smaller pool
-        than the batch N_cap are padded with PAD (never selected)."""
-        H = self.model.cfg.num_kv_heads
-        token_mask = np.full((len(lives), capacity), PAD, np.int8)
-        for b, lv in enumerate(lives):
-            token_mask[b, :lv.kv.capacity] = lv.kv.mask[layer]
-        mask = np.repeat(token_mask, H, axis=0)
-        for b, lv in enumerate(lives):
-            rows = mask[b * H:(b + 1) * H, :lv.kv.capacity]
-            if not lv.fetchable:  # nothing remote to fetch (inactive rows are ignored)
-                rows[rows == REMOTE] = LOCAL
-            else:
-                rows[lv.fetched[layer] & (rows == REMOTE)] = LOCAL
-        return mask
+            self._scatter(lives, layer, owner, call, self._wait(t))
+        if pending:  # the replies' rows into their pages (KV reuse), before attention reads them
+            self.pages.land(lives, layer, st.table_np, self.phases)
+            self.phases.lap("land")
+        # Local lane: every selected row from the pages (on the device), in selection order, then
+        # attention and the MLP in the same program.
+        K, V = self.pages.cache.kv[layer]
+        x = self.programs.attend(self.model.layer_params(layer), st.x, q, K, V, st.table, kv_index)
+        self.phases.lap("local")
+        return x, remote_count
 
     def _fetch_calls(self, lives, layer, reordered, remote_count) -> list[tuple[str, FetchCall]]:
         """One "fetch" per owner with each row's remote-first prefix (Algorithm 1); segment keys
@@ -107,19 +96,16 @@ class FetchLanes:
                 calls.append((owner, call))
         return calls
 
-    def _scatter(self, lives, layer, owner, call, data, is_remote, K_sel, V_sel) -> None:
-        """One owner's reply: its rows into their selection slots and into the pool."""
+    def _scatter(self, lives, layer, owner, call, data) -> None:
+        """One owner's reply: its rows into the staging buffers, marked fetched (`land` moves them)."""
         self.phases.lap("remote_wait")
         H = self.model.cfg.num_kv_heads
-        reply, failed = read_reply(data, call, K_sel.shape[-1], f"fetch reply from {owner!r}", decode_rows)
+        reply, failed = read_reply(data, call, self.model.cfg.head_dim, f"fetch reply from {owner!r}", decode_rows)
         for item, (r, positions, k, v) in zip(call.segment_items, iter_reply(reply, call.segments)):
             b, h = divmod(r, H)
             if item in failed:  # a corrupted part is never used: its request fails at the step's end
                 lives[b].error = lives[b].error or f"request {lives[b].req.request_id}: {failed[item]}"
                 continue
-            slots = np.nonzero(is_remote[r])[0]
-            K_sel[b, h, slots] = k
-            V_sel[b, h, slots] = v
             keep_rows(lives[b], layer, h, positions, k, v)  # identical bytes to what a later block write brings
         self.phases.count("od_bytes_n", reply.nbytes)
         self.phases.count("fetches_n", 1)

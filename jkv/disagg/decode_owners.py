@@ -3,7 +3,8 @@
 What crosses to an owner, in a request's order (jkv/disagg/protocol.py has the messages):
 
     connect      `connect_one`: main + bulk connection to each prefill worker
-    plan         `_plan`: pool + mask regions registered, block order, Kr (Eq. 2), compression
+    plan         `_plan`: device pages, staging pool + mask regions registered, block order, Kr
+                 (Eq. 2), compression
     hand-in      `_hand_in`: one "prefill" notify per owner for the requests planned together
     arrivals     notify handlers (transport notify thread): "meta", "handoff", "ckv", "failed"
     speculation  `_trigger_speculation`: "spec" to every owner at the start of a layer
@@ -13,7 +14,7 @@ What crosses to an owner, in a request's order (jkv/disagg/protocol.py has the m
 
 `OwnerSide` is a mixin of `DecodeWorker`: it reads the worker's `model`, `selector`,
 `transfer`, `profile`, `oracle_profile`, `compression`, `on_failure`, `endpoint`, `pool`,
-`owners` and `_live` (under `_lock`).
+`pages`, `owners` and `_live` (under `_lock`).
 """
 from __future__ import annotations
 
@@ -155,11 +156,23 @@ class OwnerSide:
         tp = self.profile.prefill_time(n) if self.profile is not None else None
         kr = min(len(order), self.transfer.kr(geometry, tp, request_bytes, self._metadata_bytes(n)))
         choice = self.compression.choose(request_bytes, tp or 0.0) if self.compression is not None else None
-        kv = self.pool.allocate(rid, n, capacity)
-        self.endpoint.register(proto.kv_region(rid), kv.kv)
-        self.endpoint.register(proto.mask_region(rid), kv.mask)
-        return LiveRequest(req, rid, kv, geometry, owner, order, kr,
-                           fetched=np.zeros((cfg.num_layers, cfg.num_kv_heads, capacity), bool), compression=choice)
+        # Device pages first (OutOfPages fails this request alone), then the host staging buffers
+        # the transport lands in (decode_pages.py: staging -> pages per layer).
+        self.pages.plan(rid, n, n + req.params.max_tokens)
+        try:
+            kv = self.pool.allocate(rid, n, capacity)
+            self.endpoint.register(proto.kv_region(rid), kv.kv)
+            self.endpoint.register(proto.mask_region(rid), kv.mask)
+        except Exception:
+            self.pages.free(rid)
+            for name in (proto.kv_region(rid), proto.mask_region(rid)):
+                if self.endpoint.regions.by_name(name) is not None:
+                    self.endpoint.unregister(name)
+            self.pool.free(rid)
+            raise
+        L, H = cfg.num_layers, cfg.num_kv_heads
+        return LiveRequest(req, rid, kv, geometry, owner, order, kr, fetched=np.zeros((L, H, capacity), bool),
+                           on_device=np.zeros((L, H, n), bool), landed=np.zeros(L, bool), compression=choice)
 
     def _metadata_bytes(self, n: int) -> int:
         """Bytes of selector metadata the prefill worker ships for an n-token prompt (all layers)."""

@@ -130,6 +130,9 @@ class LiveRequest:
     bytes: dict = dataclasses.field(default_factory=dict)
     fetch_bytes: int = 0
     fetched: np.ndarray | None = None  # bool[L, H_kv, N_cap]: rows already fetched on demand (KV reuse)
+    # Landing (decode_pages.py): which prompt rows are in the device pages, and layers fully landed.
+    on_device: np.ndarray | None = None  # bool[L, H_kv, N]: mirrors the device mask's 1s over the prompt
+    landed: np.ndarray | None = None  # bool[L]: every prompt row of the layer is on the device
     compression: object = None  # compression.policy.Choice, fixed for the request's KV movement (KVServe §6)
     codec_s: dict = dataclasses.field(default_factory=dict)  # "encode" (prefill side) / "decode" (here) seconds
     t_hand_in: float = 0.0

@@ -9,27 +9,29 @@
 
 Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
 
-  1. plan: a host pool `f32[2, L, H_kv, N_cap, D]` plus its KV mask `i8[L, N_cap]` (REMOTE over
-     the prompt, PAD after) registered as regions "kv/<rid>", "mask/<rid>"; the block order of
-     the proactive strategy and Kr (Eq. 2 from the profile's Tp and the link estimate); an owner
-     prefill worker (round robin over live workers). "prefill" goes out (one notify per owner
-     for the requests planned together).
-  2. its "handoff" (first token) arrives. Prefill writes land in the pool and flip mask bytes to
-     LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
+  1. plan: device pages for prompt + max_tokens in the paged cache with its KV mask (REMOTE over
+     the prompt, PAD after; jkv/disagg/decode_pages.py), and a host staging buffer
+     `f32[2, L, H_kv, N_cap, D]` plus its staging mask `i8[L, N_cap]` registered as regions
+     "kv/<rid>", "mask/<rid>"; the block order of the proactive strategy and Kr (Eq. 2 from the
+     profile's Tp and the link estimate); an owner prefill worker (round robin over live workers).
+     "prefill" goes out (one notify per owner for the requests planned together).
+  2. its "handoff" (first token) arrives. Prefill writes land in staging and flip staging mask
+     bytes to LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
   3. at the next step boundary it joins the running set; every decode step, per layer (with
      lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py): q, k, v →
-     the new k, v go into the pool (LOCAL) → select → `split_reorder` against a snapshot of the
-     mask → the remote lane (one "fetch" RPC per owner with the remote-first prefix of each row)
-     and the local lane (numpy gather of the pool) run concurrently (serially in
-     `partial`/`+profile`) → remote rows are scattered into their canonical slots → attention over
-     the selected entries in selection order, so the output never depends on which lane supplied
-     a row (the mode invariant). With speculation a "spec" trigger goes to every owner at the
-     start of each layer, for requests past their first step.
-  4. when its mask is all LOCAL, decode calls "free" on its owner; when it finishes (or fails, or
-     is cancelled) it leaves the running set at the step boundary, its regions are unregistered
-     and its pool freed.
+     the new k, v go into the device pages (mask 1) → select → landing (staging rows not yet on the
+     device are copied into their pages, then their device mask flips to 1) → `split_reorder`
+     against the device mask → the remote lane (one "fetch" RPC per owner with the remote-first
+     prefix of each row; serial in `partial`/`+profile`) → the replies' rows are landed into their
+     pages → every selected row is gathered from the pages on the device → attention over the
+     selected entries in selection order, so the output never depends on which lane supplied a
+     row (the mode invariant). With speculation a "spec" trigger goes to every owner at the start
+     of each layer, for requests past their first step.
+  4. when its staging mask is all LOCAL, decode calls "free" on its owner; when it finishes (or
+     fails, or is cancelled) it leaves the running set at the step boundary, its regions are
+     unregistered, its staging freed and (on the engine thread) its device pages.
 
-The running set: requests keep their own pool (N_cap = prompt + max_tokens rounded up to
+The running set: requests keep their own staging (N_cap = prompt + max_tokens rounded up to
 CAPACITY_BUCKET); the batch's N_cap is the largest member's. The selector metadata of the
 running set is one batched pytree per layer (leading axis B, updated by `append` each step); when
 membership changes each staying member's rows go back to its `LiveRequest.meta` and the batch is
@@ -77,7 +79,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.disagg import decode_metadata
+from jkv.disagg import decode_metadata, decode_program
 from jkv.disagg.decode_lanes import FetchLanes
 from jkv.disagg.decode_owners import OwnerSide
 from jkv.disagg.decode_state import (CAPACITY_BUCKET, LiveRequest, RequestFailed, StepPhases, Submission, bucket,
@@ -86,23 +88,21 @@ from jkv.disagg.handshake import role_config
 from jkv.disagg.hint import make_hint as make_set_hint
 from jkv.disagg.lookahead import LayerLookahead
 from jkv.engine import Request, StopChecker, check_context
-from jkv.kvbuffers.geometry import LOCAL
+from jkv.disagg.decode_pages import DecodePages
 from jkv.kvbuffers.pool import KVBufferPool
+from jkv.kvcache import PageConfig
 from jkv.outputs import RequestOutput
 from jkv.sampling import sample_or_argmax
 from jkv.selection.base import dense_layer_count
 from jkv.transfer.plan import TransferConfig
-from pallas_kernels import dispatch
 from transport import Endpoint
 
 __all__ = ["CAPACITY_BUCKET", "DecodeWorker", "RequestFailed"]
 
 log = logging.getLogger(__name__)
 
-# Rows carry their own mask (token mask + rows this worker already fetched): one row per "batch".
-# One module-level jit, so every DecodeWorker (a benchmark makes one per run) shares its compiled
-# programs: a per-instance jit recompiled on each run's first step (0.6-1.2 s of its TTST).
-_split_rows = jax.jit(functools.partial(dispatch.split_reorder, heads_per_batch=1))
+_selected_rows = jax.jit(decode_program.valid_rows)
+
 
 
 @dataclasses.dataclass
@@ -115,6 +115,8 @@ class _Step:
     dense_below: int
     positions: np.ndarray  # i32[B]: the slot each request's new token's KV goes to
     pos: object  # the same, on the device
+    table_np: np.ndarray  # i32[B, ceil(N_cap / P)]: each request's device pages (decode_pages.py)
+    table: object  # the same, on the device
     now_cached: np.ndarray  # i32[B]: cached tokens, the current one included
     lengths_now: object  # the same, on the device (the hint's lengths)
     speculating: list  # requests past their first step (smartgen): "spec" triggers
@@ -124,12 +126,13 @@ class _Step:
     step_remote: np.ndarray  # i64[B]: selected entries fetched remotely this step
     step_selected: np.ndarray  # i64[B]
     hint_q: dict = dataclasses.field(default_factory=dict)  # layer -> its speculative query
+    selected: list = dataclasses.field(default_factory=list)  # per layer: i32[B*H_kv] selected entries (device)
 
 
 class DecodeWorker(OwnerSide, FetchLanes):
     def __init__(self, model, selector, transfer: TransferConfig, *, secret: str, backend: str = "tcp",
                  profile=None, oracle_profile=None, on_failure: str = "fail", timeout: float = 5.0,
-                 name: str = "decode-0", compression=None):
+                 name: str = "decode-0", compression=None, page_config: PageConfig | None = None):
         if on_failure not in ("fail", "recompute"):
             raise ValueError(f"{on_failure=} must be 'fail' or 'recompute'")
         self.model, self.selector, self.transfer = model, selector, transfer
@@ -138,7 +141,9 @@ class DecodeWorker(OwnerSide, FetchLanes):
             raise ValueError(f"mode {transfer.mode!r} with strategy {transfer.strategy!r} needs an importance "
                              "profile: create one with `jkv profile` and pass it")
         cfg = model.cfg
-        self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+        self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # host staging (L2)
+        self.pages = DecodePages(cfg, page_config)  # device pages + KV mask (L1), in the model's dtype
+        self.programs = decode_program.programs_for(cfg, selector)
         # agreed with every prefill worker in the handshake, before any KV crosses (handshake.py)
         self.config = role_config(model, "decode", selector, max_blocks=transfer.max_blocks)
         self.endpoint = Endpoint(name, backend, secret=secret, timeout=timeout, op_timeout=None,
@@ -155,7 +160,6 @@ class DecodeWorker(OwnerSide, FetchLanes):
         self._main_of: dict[str, str] = {}  # owner -> its main transport address
         self._bulk_of: dict[str, str] = {}  # owner -> the peer name of its bulk connection
         self.phases = StepPhases()
-        self._split = _split_rows
         self._lookahead = LayerLookahead(self.endpoint, cfg.num_kv_heads, cfg.head_dim)
         self._hint = (make_set_hint(selector, transfer.hint_margin)  # None: the hint calls select
                       if transfer.layer_lookahead and transfer.hint_margin is not None else None)
@@ -358,8 +362,11 @@ class DecodeWorker(OwnerSide, FetchLanes):
             lv.on_done(lv.output(done, self.transfer.mode))
 
     def _forget(self, lv) -> None:
+        """Engine thread: the request leaves the worker; its device pages go back to the pool here
+        (never on a cancelling thread: a step in flight may still read them)."""
         with self._lock:
             self._live.pop(lv.rid, None)
+        self.pages.free(lv.rid)
         if lv in self._pending:
             self._pending.remove(lv)
 
@@ -396,8 +403,10 @@ class DecodeWorker(OwnerSide, FetchLanes):
         # until the select of the layer before has run would leave the link idle meanwhile.
         self._lookahead.gated = self.transfer.lookahead_gate == "always" or any(lv.steps == 0 for lv in lives)
         now_cached = positions + 1
-        return _Step(
-            lives=lives, metadata=self._batch_meta, capacity=max(lv.kv.capacity for lv in lives),
+        capacity = max(lv.kv.capacity for lv in lives)
+        table = self.pages.table([lv.rid for lv in lives], capacity)
+        return _Step(table_np=table, table=jnp.asarray(table),
+            lives=lives, metadata=self._batch_meta, capacity=capacity,
             dense_below=dense_layer_count(self.selector, self.model.cfg.num_layers),
             positions=positions, pos=jnp.asarray(positions), now_cached=now_cached,
             # The hint selects with this step's lengths (current token included) although the metadata
@@ -412,8 +421,9 @@ class DecodeWorker(OwnerSide, FetchLanes):
             x=x, x_prev=x, step_remote=np.zeros(len(lives), np.int64), step_selected=np.zeros(len(lives), np.int64))
 
     def _decode_layer(self, st: _Step, layer: int) -> None:
-        """One layer for the running set: triggers and prefetch, q k v, the new KV into the pools,
-        select, both lanes, attention and MLP."""
+        """One layer for the running set: triggers and prefetch, q k v, the new KV into its page,
+        landing, then one fused program (nothing left to fetch) or select, the lanes and attend
+        (jkv/disagg/decode_program.py)."""
         model, clock, H = self.model, self.phases, self.model.cfg.num_kv_heads
         B = len(st.lives)
         if st.speculating and (layer == 0 or self.transfer.spec_every_layer):
@@ -423,31 +433,44 @@ class DecodeWorker(OwnerSide, FetchLanes):
             self._start_lookahead(st, layer + 1)
             clock.lap("lookahead")
         q, k, v = model.qkv(layer, st.x, st.pos)
-        kn, vn = np.asarray(k, np.float32), np.asarray(v, np.float32)
+        self.pages.write_new(layer, st.table, st.pos, k, v)  # on the device: no host bytes
         clock.lap("qkv")
-        for b, lv in enumerate(st.lives):
-            lv.kv.kv[0, layer, :, st.positions[b]] = kn[b]
-            lv.kv.kv[1, layer, :, st.positions[b]] = vn[b]
-            lv.kv.mask[layer, st.positions[b]] = LOCAL
-        kv_index = self._select(st, layer, q, k)
-        clock.lap("select")
         delivered = self._lookahead.complete(st.lives, layer, st.capacity, clock)
         if delivered is not None:
             clock.lap("prefetch_wait")
-        K_sel, V_sel, remote_rows = self._gather(st.lives, layer, kv_index, st.capacity)
+        args = self._layer_args(st, layer, q, k)
+        remote_rows = np.zeros(B * H, np.int64)
+        st.x_prev = st.x
+        if not any(lv.fetchable for lv in st.lives):  # everything is local: the whole layer on the device
+            self.pages.land(st.lives, layer, st.table_np, clock)  # staging rows not yet in their pages
+            K, V = self.pages.cache.kv[layer]
+            st.metadata[layer], kv_index, _, st.x = self.programs.fused(
+                **args, params=model.layer_params(layer), x=st.x, q=q, K=K, V=V, mask=self.pages.mask, layer=np.int32(layer), table=st.table,
+                fetchable=np.zeros(B, bool))
+        else:
+            st.metadata[layer], kv_index = self.programs.select(**args)
+            clock.lap("select")
+            st.x, remote_rows = self._gather(st, layer, kv_index, q)
         if delivered is not None:  # selected rows the prefetch supplied are on-demand rows too
-            hit = LayerLookahead.hits(delivered, kv_index)
+            hit = LayerLookahead.hits(delivered, np.asarray(kv_index))
             remote_rows = remote_rows + hit
             clock.count("prefetch_hit_n", hit.sum())
-        valid = (kv_index >= 0).sum(axis=1).reshape(B, H).astype(np.int32)
-        st.step_selected += valid.sum(axis=1)
+        st.selected.append(_selected_rows(kv_index))
         st.step_remote += remote_rows.reshape(B, H).sum(axis=1)
-        clock.count("selected_n", valid.sum())
         clock.count("remote_n", remote_rows.sum())
-        st.x_prev = st.x
-        st.x = model.attend_and_mlp(layer, st.x, q, jnp.asarray(K_sel), jnp.asarray(V_sel), jnp.asarray(valid))
         st.x.block_until_ready()
         clock.lap("attend")
+
+    def _layer_args(self, st: _Step, layer: int, q, k) -> dict:
+        """The select program's arguments for `layer` (its query: `Selector.decode_query`)."""
+        dense = layer < st.dense_below
+        sel, model, query = self.selector, self.model, q
+        if not dense:
+            x_in_prev, cached = st.x_prev, st.hint_q.pop(layer, None)  # cached: the same qkv of the same input
+            query = sel.decode_query(layer, q, cached if cached is not None
+                                     else (lambda: model.qkv(layer, x_in_prev, st.pos)[0]))
+        return dict(capacity=st.capacity, dense=dense, state=None if dense else sel.layer_state(layer),
+                    meta=st.metadata[layer], query=query, k_new=k, pos=st.pos, now_cached=st.lengths_now)
 
     def _all_cached(self, st: _Step, lengths) -> np.ndarray:
         """i32[B*H_kv, N_cap]: every slot below each request's length, -1 after (a dense selection)."""
@@ -471,20 +494,12 @@ class DecodeWorker(OwnerSide, FetchLanes):
             return np.asarray(sel.select(nxt, q_hint, meta, st.lengths_now)), q_hint
         st.hint_q[nxt] = st.lookahead.start(st.lives, nxt, make_hint, self.phases)
 
-    def _select(self, st: _Step, layer: int, q, k) -> np.ndarray:
-        """kv_index: i32[B*H_kv, k] for `layer` (the layer's new key appended to the metadata first)."""
-        if layer < st.dense_below:
-            return self._all_cached(st, st.now_cached).astype(np.int32)
-        sel, model = self.selector, self.model
-        st.metadata[layer] = sel.append(layer, st.metadata[layer], k, st.pos)
-        x_in_prev, cached = st.x_prev, st.hint_q.pop(layer, None)  # cached: the same qkv of the same input
-        query = sel.decode_query(layer, q, cached if cached is not None
-                                 else (lambda: model.qkv(layer, x_in_prev, st.pos)[0]))
-        return np.asarray(sel.select(layer, query, st.metadata[layer], jnp.asarray(st.now_cached)))
-
     def _sample(self, st: _Step) -> tuple[np.ndarray, np.ndarray]:
         """(steps i32[B], next tokens i32[B]) from the last layer's hidden state."""
         logits = self.model.logits(st.x)
+        selected = np.asarray(jnp.stack(st.selected)).sum(0).reshape(len(st.lives), -1)  # one sync a step
+        st.step_selected += selected.sum(axis=1)
+        self.phases.count("selected_n", selected.sum())
         params = [lv.req.params for lv in st.lives]
         steps = np.asarray([lv.steps + 1 for lv in st.lives], np.int32)
         current = sample_or_argmax(

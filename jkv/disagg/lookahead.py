@@ -7,9 +7,10 @@ the decode worker runs the selector for layer l+1 on what it has (the metadata w
 current token, lengths without it: `hint: i32[B*H_kv, k]`), and `LayerLookahead.issue` sends
 one asynchronous "fetch" per owner for the hint's rows that are neither local nor fetched yet.
 Selectors that score with the true query (Oracle, Quest) get the same speculative query as a
-hint. At layer l+1 `complete` scatters the replies into the pool (rows marked fetched, as an
-on-demand fetch does) *before* the real selection is split against the mask, so only the rows
-the hint missed are fetched synchronously.
+hint. At layer l+1 `complete` puts the replies into the request's host staging buffer (rows
+marked fetched, as an on-demand fetch does), and the worker lands them into their device pages
+*before* the real selection is split against the device mask, so only the rows the hint missed
+are fetched synchronously.
 
 Correctness never depends on the prefetch: attention gathers the real selection, and a
 prefetched row holds the same bytes a synchronous fetch or a later block write brings. A

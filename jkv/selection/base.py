@@ -274,6 +274,16 @@ class Selector(abc.ABC):
             return all_tokens_index(lengths, num_kv_heads, capacity)
         return self._select_jit(self.layer_state(layer), jnp.asarray(q), metadata, lengths)
 
+    def append_traced(self, state, metadata: Metadata, k_new: jax.Array, positions: jax.Array) -> Metadata:
+        """`append` with the layer's state passed in (`layer_state(layer)`): traceable inside a
+        caller's jit, where one compiled program then serves every layer (the decode worker's
+        per-layer program, jkv/disagg/decode_program.py)."""
+        return self._append_jit(state, metadata, k_new, positions)
+
+    def select_traced(self, state, q: jax.Array, metadata: Metadata, lengths: jax.Array) -> jax.Array:
+        """`select` of a selected (non-dense) layer with its state passed in; see `append_traced`."""
+        return self._select_jit(state, q, metadata, lengths)
+
     def _select_budgeted(self, state, q, metadata, lengths):
         """`_select`, then the budget floor: rows of requests with N <= min_budget take every token."""
         index = self._select(state, q, metadata, lengths)

@@ -84,6 +84,10 @@ class ServeConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
         self._check_roles()
         self.batcher_config(self.max_model_len)  # validates kv_layout, page_size, num_pages, prefill_chunk
+        if self.uses_disaggregation and self.kv_layout != "paged":
+            raise ValueError(f"--kv-layout {self.kv_layout} is for the colocated engine; the disaggregated decode "
+                             "engine keeps its KV in the paged cache only (--page-size and --num-pages size it): "
+                             "drop --kv-layout or pass --kv-layout paged")
         for u in self.upstream + self.prefill + self.decode:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"upstream {u!r} must be an http:// or https:// URL")
@@ -196,10 +200,11 @@ _TABLE = {
                        "cost follow each request's own length) with chunked prefill; slots = one "
                        "max-model-len KV cache per slot, every decode step attends over all of it "
                        "(the previous engine, kept for comparison)"),
-    "page_size": (int, "paged: tokens per KV page"),
-    "num_pages": (int, "paged: KV pages in the pool, one of them the reserved null page (default: "
-                       "max-slots x ceil(max-model-len / page-size) + 1, the slot layout's KV memory); a "
-                       "request waits in the queue until its prompt + max_tokens fit the free pages"),
+    "page_size": (int, "paged (and the disaggregated decode engine): tokens per KV page"),
+    "num_pages": (int, "paged (and the disaggregated decode engine): KV pages in the pool, one of them the "
+                       "reserved null page (default: max-slots x ceil(max-model-len / page-size) + 1, the slot "
+                       "layout's KV memory); paged: a request waits in the queue until its prompt + max_tokens "
+                       "fit the free pages; decode: a request that does not fit fails with the reason"),
     "prefill_chunk": (int, "paged: prompt tokens prefilled per engine iteration; a longer prompt is "
                            "prefilled in chunks between decode steps of the running requests"),
     "enable_prefix_caching": (on_off, "paged: automatic prefix caching: requests whose prompts share leading full "

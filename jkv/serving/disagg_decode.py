@@ -68,6 +68,19 @@ class _Run:
         self.cancelled = False
 
 
+def _check_pages(config: BatcherConfig, worker) -> None:
+    """The decode worker's KV is the paged cache: refuse a config that asks for another layout or a
+    page geometry the worker was not built with (its pages exist before the batcher)."""
+    if config.kv_layout != "paged":
+        raise ValueError(f"kv_layout={config.kv_layout!r}: the disaggregated decode engine keeps its KV in the "
+                         "paged cache only; use kv_layout='paged'")
+    have = worker.pages.cache.page_cfg
+    if config.page_size != have.page_size or config.num_pages not in (None, have.num_pages):
+        raise ValueError(f"page_size={config.page_size}, num_pages={config.num_pages} asked, but the decode worker "
+                         f"was built with page_size={have.page_size}, num_pages={have.num_pages}; build it with "
+                         "DecodeWorker(page_config=jkv.serving.paged_batcher.page_config(config))")
+
+
 class DisaggBatcher:
     """A SmartGen DecodeWorker behind ContinuousBatcher's submit/cancel/events interface."""
 
@@ -80,6 +93,7 @@ class DisaggBatcher:
         if config.max_model_len > ctx:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {ctx}; "
                              f"use --max-model-len <= {ctx}")
+        _check_pages(config, worker)
         self.model, self.worker, self.config, self.metrics = model, worker, config, metrics
         self.eos_ids = tuple(model.cfg.eos_token_ids)
         self._owner_by_main = {a.partition("|")[0]: o for a, o in zip(addresses, owners)}
@@ -93,7 +107,10 @@ class DisaggBatcher:
         self._n_waiting = 0
         self._cancelled_waiting: set[str] = set()
         if metrics is not None and metrics.kv is not None:
-            metrics.kv.watch_pool(worker.pool)
+            metrics.kv.watch_pool(worker.pool)  # host staging
+            metrics.kv.watch_landing(worker.pages.h2d_bytes)
+        if metrics is not None:
+            metrics.watch_kv_cache(worker.pages.cache)  # device pages: jkv_kv_pages_in_use / _free
         if metrics is not None and metrics.transfers is not None:  # fetch RPCs, notifications (transport threads)
             worker.endpoint.observe_transfers(metrics.transfers.observe_transfer)
         self._reconnect = PrefillReconnector(addresses, dict(zip(addresses, owners)),
@@ -202,6 +219,7 @@ class DisaggBatcher:
         return {"mode": self.worker.transfer.mode,
                 "handshake": {"config": self.worker.config.as_dict(), "agreed_with": agreed}, "kv_host_bytes_in_use": self.worker.pool.bytes_in_use,
                 "kv_host_requests": len(self.worker.pool.live()),
+                "kv_pages_in_use": self.worker.pages.cache.pages_in_use,
                 "prefill_workers": [{"name": o, "alive": o in peers and peers[o].alive,
                                      "address": next((a for a, n in self._owner_by_main.items() if n == o), None)}
                                     for o in self.worker.owners],

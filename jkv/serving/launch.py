@@ -122,9 +122,9 @@ def build_disaggregated(cfg: ServeConfig):
     """--role decode, or --role all --disaggregation: a DecodeWorker engine. Returns (app, engine)."""
     from jkv.disagg.cluster import DisaggregatedEngine
 
-    from .batcher import BatcherConfig
     from .disagg_decode import DisaggBatcher
     from .metrics import ServerMetrics
+    from .paged_batcher import page_config
     from .server import create_app
 
     model, max_len = _load(cfg)
@@ -133,14 +133,16 @@ def build_disaggregated(cfg: ServeConfig):
     dis = dataclasses.replace(cfg.disagg, secret=_secret()) if remote else cfg.disagg
     # --role decode: several decode servers may share prefill workers, which key peers by name
     name = f"decode-{socket.gethostname()}-{os.getpid()}"[-200:] if remote else "decode-0"
-    cluster = DisaggregatedEngine(model, dis, model_spec=cfg.model, selector=selector, name=name)
+    batcher_cfg = cfg.batcher_config(max_len)  # --page-size / --num-pages size the decode worker's pages
+    cluster = DisaggregatedEngine(model, dis, model_spec=cfg.model, selector=selector, name=name,
+                                  page_config=page_config(batcher_cfg))
     addresses = list(dis.addresses) if remote else cluster.workers.addresses
     if not remote:
         for i, a in enumerate(addresses):
             log.info("prefill-worker: local process prefill-%d (pid %d) on transport %s %s, link %s", i,
                      cluster.workers.procs[i].pid, dis.transport, a, dis.bandwidth or "unpaced")
     metrics = ServerMetrics(cfg.role, kv_transfer=True)
-    engine = DisaggBatcher(model, cluster.decode, BatcherConfig(cfg.max_slots, max_len), metrics,
+    engine = DisaggBatcher(model, cluster.decode, batcher_cfg, metrics,
                            addresses=addresses, owners=list(cluster.decode.owners))
     try:
         engine.warmup()
@@ -149,9 +151,10 @@ def build_disaggregated(cfg: ServeConfig):
         raise
     engine.start()
     log.info("engine: %r, mode disaggregated %s (selector %s, strategy %s, transport %s, link estimate %s), "
-             "continuous batching of up to %d requests, prefill workers %s",
+             "continuous batching of up to %d requests, paged KV cache of %d pages x %d tokens, prefill workers %s",
              model, dis.transfer.mode, selector.name, dis.transfer.strategy, dis.transport, dis.bandwidth or "unpaced",
-             cfg.max_slots, dict(zip(cluster.decode.owners, addresses)))
+             cfg.max_slots, cluster.decode.pages.cache.page_cfg.num_pages, cluster.decode.pages.page_size,
+             dict(zip(cluster.decode.owners, addresses)))
 
     supervisor = None if remote else _supervise(cluster.workers, engine, metrics, cfg.prefill_restarts)
 

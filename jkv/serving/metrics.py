@@ -151,7 +151,7 @@ class KVTransferMetrics:
     per-request byte counts when it frees the request, its lease thread and its RPC failures)."""
 
     def __init__(self, registry: CollectorRegistry, role: str):
-        r = registry
+        r = self._registry = registry
         self.bytes = Counter("jkv_kv_transfer_bytes", "KV bytes moved prefill -> decode, by path "
                              "(proactive / speculative / on_demand / metadata)", ["role", "path"], registry=r)
         for path in KV_PATHS:
@@ -191,6 +191,15 @@ class DecodeKVMetrics(KVTransferMetrics):
                                 "that owned their KV", ["owner"], registry=r)
         self.batches = Counter("jkv_decode_batches", "groups of requests admitted to the running decode batch",
                                registry=r)
+
+    def watch_landing(self, h2d_bytes: dict):
+        """Host->device KV bytes of the decode worker by cause ("arrived": pushed blocks and "ckv"
+        frames, "fetched": on-demand and lookahead replies, "other": recomputed prompts), read at
+        scrape time from `DecodePages.h2d_bytes` (cumulative; 0 growth once every row is local)."""
+        g = Gauge("jkv_kv_host_to_device_bytes", "KV bytes copied from host staging into device pages "
+                  "since start, by cause", ["cause"], registry=self._registry)
+        for cause in h2d_bytes:
+            g.labels(cause).set_function(lambda c=cause: h2d_bytes[c])
 
     def observe_output(self, extra: dict):
         self.add_bytes(extra.get("bytes"))

@@ -139,7 +139,7 @@ def run(model, selector, addresses, mode, prompts, policy):
         outs = decode.generate([Request(f"r{i}", p, p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
                                 for i, p in enumerate(prompts)])
         assert all(o.finish_reason == "length" for o in outs), [o.metrics.extra.get("error") for o in outs]
-        assert decode.pool.live() == [] and decode.pool.bytes_in_use == 0
+        assert decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0 and decode.pool.bytes_in_use == 0
         return outs
     finally:
         decode.close()

@@ -69,8 +69,10 @@ class Stack:
         return [p for p in self.prefills if p.proc.poll() is None]
 
     def leaks(self):
-        """(decode KV requests, {prefill url: KV requests}) — all zero when nothing leaked."""
-        return (health(self.decode.url)["kv_host_requests"],
+        """(decode KV requests + device pages in use, {prefill url: KV requests}) — all zero when
+        nothing leaked."""
+        h = health(self.decode.url)
+        return (h["kv_host_requests"] + h["kv_pages_in_use"],
                 {p.url: health(p.url)["kv_host_requests"] for p in self.live_prefills()})
 
     def assert_no_leak(self, timeout=15):

@@ -141,5 +141,5 @@ def test_decode_worker_reconnects_after_its_link_was_declared_dead(pair):
         prefill.proc.send_signal(signal.SIGCONT)
     waited = wait_for(lambda: complete(decode.url).status_code == 200, 20, "serving after the prefill resumed")
     assert waited < 20
-    assert health(decode.url)["kv_host_requests"] == 0
+    assert health(decode.url)["kv_host_requests"] == 0 and health(decode.url)["kv_pages_in_use"] == 0
     assert "reconnected to prefill worker prefill-r" in "".join(decode.log)

@@ -1,7 +1,8 @@
 """Transfer histograms on `/metrics` ([compose] item 5): a running `jkv serve --role all
 --disaggregation smartgen` scraped after a request shows queueing and wire time per transport
 operation, the on-demand fetch round trip, KV bytes per path and codec, and the compression choice
-per request, each with non-zero counts. (Encode/decode seconds need a compressed request, which this
+per request, each with non-zero counts; and the decode worker's device pages (sized by --num-pages)
+with the host->device KV bytes by cause. (Encode/decode seconds need a compressed request, which this
 server's flags cannot ask for yet: `test_codec_seconds_and_choice_reach_the_histograms` covers them.)"""
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_role_all_smartgen_exposes_transfer_histograms(tiny_dir, cache_env):
     s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0",
                        "--selector", "streamingllm", "--strategy", "sequential", "--kr-fraction", "0.3",
                        "--disaggregation", "smartgen", "--num-prefill-workers", "1", "--bandwidth", "1gbit",
-                       "--max-model-len", "512"], env=cache_env)
+                       "--max-model-len", "512", "--num-pages", "300"], env=cache_env)
     try:
         r = httpx.post(s.url + "/v1/completions", json=dict(model="tiny", prompt=PROMPT, max_tokens=8,
                                                              temperature=0, ignore_eos=True), timeout=120)
@@ -45,6 +46,11 @@ def test_role_all_smartgen_exposes_transfer_histograms(tiny_dir, cache_env):
         assert count(m, "jkv_kv_request_path_bytes_sum", path="proactive") > 0
         assert count(m, "jkv_kv_request_path_bytes_sum", path="on_demand") > 0
         assert count(m, "jkv_compression_choice_total", codec="off", reason="off") >= 1
+        # The decode KV lives in device pages sized by --num-pages; what crossed host->device, by cause.
+        assert count(m, "jkv_kv_host_to_device_bytes", cause="arrived") > 0  # the proactive blocks
+        assert count(m, "jkv_kv_host_to_device_bytes", cause="fetched") > 0  # the on-demand rows
+        assert count(m, "jkv_kv_host_to_device_bytes", cause="other") == 0
+        assert count(m, "jkv_kv_pages_in_use") == 0 and count(m, "jkv_kv_pages_free") == 299
     finally:
         assert s.stop() == 0, "".join(s.log[-30:])
 

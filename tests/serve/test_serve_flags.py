@@ -27,7 +27,7 @@ SAMPLES = {
     "kr_fraction": ("0.25", DECODE), "on_failure": ("recompute", DECODE), "lease_s": ("60", DECODE),
     "transfer_timeout": ("2.5", DECODE), "min_budget": ("32", DECODE), "transport_listen": ("127.0.0.1:0", DECODE),
     "worker_name": ("p-7", DECODE), "prefill_restarts": ("2", DECODE),
-    "kv_layout": ("slots", DECODE), "page_size": ("32", DECODE), "num_pages": ("200", DECODE),
+    "kv_layout": ("slots", []), "page_size": ("32", DECODE), "num_pages": ("200", DECODE),
     "prefill_chunk": ("256", DECODE), "enable_prefix_caching": ("false", DECODE),
     "prefix_cache_host_bytes": ("1048576", DECODE),
     "tensor_parallel": ("2", []),
@@ -124,3 +124,32 @@ def test_field_names_are_not_config_file_keys(tmp_path, key):
     f.write_text(f"{key}: 1\n")
     with pytest.raises(ValueError, match=f"unknown option '{key}'; known: .*transfer_timeout"):
         read_config_file(f)
+
+
+@pytest.mark.parametrize("argv", [DECODE + ["--kv-layout", "slots"], ["--disaggregation", "full", "--kv-layout", "slots"]])
+def test_the_disaggregated_engine_refuses_the_slot_layout(argv):
+    with pytest.raises(ValueError, match=r"--kv-layout slots is for the colocated engine; .* paged cache only"):
+        parse(argv)
+    assert parse(argv[:-2] + ["--page-size", "32", "--num-pages", "99"]).batcher_config(256).num_pages == 99
+
+
+@pytest.mark.parametrize("config, match", [
+    (dict(kv_layout="slots"), r"kv_layout='slots': the disaggregated decode engine keeps its KV in the paged cache"),
+    (dict(page_size=32), r"page_size=32, num_pages=None asked, but the decode worker was built with page_size=16"),
+    (dict(num_pages=200), r"num_pages=200 asked, but .* num_pages=300; build it with DecodeWorker\(page_config="),
+])
+def test_the_decode_batcher_refuses_pages_its_worker_does_not_have(config, match):
+    """DisaggBatcher honours --page-size / --num-pages through the worker it is given (launch builds
+    the worker with them); a config that disagrees with that worker is refused, never ignored."""
+    from types import SimpleNamespace as NS
+
+    from jkv.kvcache import PageConfig
+    from jkv.serving.batcher import BatcherConfig
+    from jkv.serving.disagg_decode import DisaggBatcher
+    from jkv.serving.paged_batcher import page_config
+
+    model = NS(cfg=NS(max_position_embeddings=2048, eos_token_ids=(2,)))
+    worker = NS(pages=NS(cache=NS(page_cfg=PageConfig(16, 300))))
+    with pytest.raises(ValueError, match=match):
+        DisaggBatcher(model, worker, BatcherConfig(4, 256, **config))
+    assert page_config(BatcherConfig(4, 256, num_pages=300)) == worker.pages.cache.page_cfg  # what launch builds

@@ -185,6 +185,6 @@ def test_a_killed_local_prefill_worker_is_restarted_and_serves_the_same_tokens(t
         assert metric(s.url, "jkv_prefill_worker_restarts_total", {"worker": "prefill-0"}) == 1
         log = "".join(s.log)
         assert f"prefill-0 (pid {pid}) exited with code -9" in log and "restarted local process prefill-0" in log
-        assert h["kv_host_requests"] == 0
+        assert h["kv_host_requests"] == 0 and h["kv_pages_in_use"] == 0
     finally:
         assert s.stop() == 0, "".join(s.log[-30:])

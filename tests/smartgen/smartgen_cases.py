@@ -74,7 +74,7 @@ def generate(model, selector, addresses, mode, prompts, profile=None, **kw):
     try:
         decode.connect(addresses)
         outs = decode.generate(make_requests(prompts))
-        assert decode.pool.live() == [] and decode.pool.bytes_in_use == 0
+        assert decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0 and decode.pool.bytes_in_use == 0
         assert decode.endpoint.regions.by_name(f"kv/{outs[0].request_id}") is None
         return outs
     finally:

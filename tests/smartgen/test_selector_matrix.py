@@ -45,7 +45,7 @@ def test_every_selector_in_every_mode_generates_the_same_tokens(model, prompts, 
             try:
                 assert engine.selector is selector  # the floor it was built with is the engine's
                 outs = engine.generate(make_requests(prompts, MAX_TOKENS, tag=f"{name}{mode}"))
-                assert engine.decode.pool.live() == []
+                assert engine.decode.pool.live() == [] and engine.decode.pages.cache.pages_in_use == 0
             finally:
                 engine.close()
             assert all(o.finish_reason == "length" for o in outs), (mode, [o.metrics.extra.get("error") for o in outs])

@@ -38,7 +38,7 @@ def decode(model, sel, workers):
     d.connect(workers.addresses)
     yield d
     assert d.num_active == 0 and d._running == [] and d._pending == []
-    assert d.pool.live() == [] and d.pool.bytes_in_use == 0
+    assert d.pool.live() == [] and d.pages.cache.pages_in_use == 0 and d.pool.bytes_in_use == 0
     assert workers.workers[0].held() == []
     d.close()
 
@@ -166,7 +166,7 @@ def test_cancel_on_two_threads_while_pushes_are_in_flight_keeps_the_link(model, 
         run_until(d, lambda: "A" in rec.outputs)
         assert rec.outputs["A"].finish_reason == "length"
         assert d.endpoint.metrics.snapshot()["frames_rejected"] == 0
-        assert d.num_active == 0 and d.pool.live() == [] and slow.workers[0].held() == []
+        assert d.num_active == 0 and d.pool.live() == [] and d.pages.cache.pages_in_use == 0 and slow.workers[0].held() == []
     finally:
         d.close()
         slow.close()
@@ -186,7 +186,7 @@ def test_an_engine_error_fails_the_requests_in_flight_and_frees_them(decode, req
     decode.step()  # logged, not raised
     assert {o.finish_reason for o in rec.outputs.values()} == {"error"} and len(rec.outputs) == 2
     assert all("lane exploded" in o.metrics.extra["error"] for o in rec.outputs.values())
-    assert decode.num_active == 0 and decode.pool.live() == []
+    assert decode.num_active == 0 and decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0
     monkeypatch.setattr(DecodeWorker, "_gather", real_gather)
     after = Recorder()  # the worker keeps serving
     decode.submit(requests[0], on_token=after.on_token, on_done=after.on_done)
@@ -210,7 +210,7 @@ def test_a_lost_bulk_connection_fails_the_pending_request_instead_of_hanging(mod
         run_until(d, lambda: "B" in rec.outputs)
         out = rec.outputs["B"]
         assert out.finish_reason == "error" and "prefill worker 'prefill-0' failed" in out.metrics.extra["error"]
-        assert d.num_active == 0 and d.pool.live() == [] and slow.workers[0].held() == []
+        assert d.num_active == 0 and d.pool.live() == [] and d.pages.cache.pages_in_use == 0 and slow.workers[0].held() == []
         assert d.connect_one(slow.addresses[0]) == owner and d.owner_alive(owner)  # reconnects the bulk lane
     finally:
         d.close()

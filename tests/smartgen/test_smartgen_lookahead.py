@@ -112,7 +112,7 @@ def test_a_prefetch_refused_after_a_cancel_is_dropped_and_nothing_leaks(model, s
         for i in (0, 2, 3):
             assert outs[i].finish_reason == "length" and outs[i].token_ids == reference[i]
         assert _total([outs[0]], "prefetch_lost_n") >= 1  # the refused prefetch was dropped, not fatal
-        assert decode.pool.live() == [] and workers.workers[0].held() == []
+        assert decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0 and workers.workers[0].held() == []
     finally:
         decode.close()
 
@@ -141,7 +141,7 @@ def test_owner_dying_with_a_prefetch_in_flight_fails_its_requests_only(model, se
                 assert o.finish_reason == "error" and "prefill worker 'prefill-0' failed" in o.metrics.extra["error"]
             else:
                 assert o.finish_reason == "length" and o.token_ids == reference[i]
-        assert decode.pool.live() == [] and decode.pool.bytes_in_use == 0
+        assert decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0 and decode.pool.bytes_in_use == 0
         assert workers.workers[1].held() == []
     finally:
         decode.close()

@@ -60,7 +60,7 @@ def test_two_prefill_processes_keep_the_invariant_and_free_everything(process_wo
             for owner in decode.owners:
                 stats = worker_stats(decode, owner)
                 assert stats["held"] == [] and stats["bytes_in_use"] == 0, stats
-            assert decode.pool.live() == []
+            assert decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0
         finally:
             decode.close()
     assert tokens["partial"] == tokens["full"] and tokens["smartgen"] == tokens["full"]
@@ -108,7 +108,7 @@ def test_prefill_process_killed_during_transfer_fails_its_requests_only(process_
         killer.join()
         assert box["remote_left"] and all(box["remote_left"])  # the kill really hit mid-transfer
         _check_fault_outputs(outs, "fail", reference)
-        assert decode.pool.live() == [] and decode.pool.bytes_in_use == 0
+        assert decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0 and decode.pool.bytes_in_use == 0
         stats = worker_stats(decode, "prefill-1")
         assert stats["held"] == [] and stats["bytes_in_use"] == 0
     finally:
@@ -128,7 +128,7 @@ def test_recompute_after_a_prefill_worker_dies(model, selectors, prompts, refere
         killer.join()
         assert box["remote_left"] and all(box["remote_left"])
         _check_fault_outputs(outs, "recompute", reference)
-        assert decode.pool.live() == [] and workers.workers[1].held() == []
+        assert decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0 and workers.workers[1].held() == []
     finally:
         decode.close()
         workers.close()
@@ -139,7 +139,7 @@ def _check_only_r1_cancelled(outs, reference, decode, workers):
     assert outs[1].finish_reason == "error" and "cancelled" in outs[1].metrics.extra["error"]
     for i in (0, 2, 3):
         assert outs[i].finish_reason == "length" and outs[i].token_ids[:len(reference[i])] == reference[i]
-    assert decode.pool.live() == [] and workers.workers[0].held() == []
+    assert decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0 and workers.workers[0].held() == []
 
 
 def test_cancel_frees_both_sides(model, selectors, prompts, reference):
@@ -261,7 +261,7 @@ def test_cancel_during_prefill_stops_its_writes_and_keeps_the_link(model, select
             assert outs[i].finish_reason == "length" and outs[i].token_ids == reference[i]
         assert decode.endpoint.metrics.snapshot()["frames_rejected"] == 0
         assert decode.alive_owners() == ["prefill-0"]
-        assert decode.pool.live() == [] and workers.workers[0].held() == []
+        assert decode.pool.live() == [] and decode.pages.cache.pages_in_use == 0 and workers.workers[0].held() == []
     finally:
         resume.set()
         decode.close()

@@ -1,0 +1,77 @@
+"""The SmartGen decode worker's fused per-layer program (jkv/disagg/decode_program.py: select on
+the device → split_reorder against the paged KV mask → gather of the selected rows from the pages
+→ attention → MLP) lowers for CUDA on this CPU-only machine (`jax.export`, platforms=["cuda"]),
+with the selector inside it, not only the kernels.
+
+Under dispatch backend "mosaic" (what "auto" picks on Hopper) a bf16 model with head dim 64 takes
+the Mosaic GPU sparse attention kernel and the Triton top-k and split kernels: the test counts
+their custom calls, so a silent fall back to XLA fails it. Under "xla" (CPU) the module has no
+custom call. Parameters, pages and metadata travel as abstract values (no weights baked in).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jkv.disagg import decode_program
+from jkv.kvcache import sparse
+from jkv.selection import get_selector
+from models import paged, tiny_config
+from models.transformer import init_params
+from pallas_kernels import dispatch, mosaic_attention
+from pallas_kernels._common import gpu_lowering_context
+
+B, NUM_PAGES, P, CAPACITY = 4, 64, 16, 256
+MOSAIC_CALL = "@mosaic_gpu_v2("
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def _export(fn, *args):
+    """jax.export for CUDA of fn(*args) (pytrees of abstract values); only Triton's custom-call
+    safety check is disabled (Mosaic's kernels pass theirs), as in pallas_kernels.export_for_cuda."""
+    with gpu_lowering_context():
+        return jax.export.export(jax.jit(fn), platforms=["cuda"],
+                                 disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*args)
+
+
+def _aval(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def _layer_args(cfg, selector):
+    """Abstract arguments of the fused program for one sparse layer of `cfg`."""
+    params = jax.eval_shape(lambda: init_params(cfg))["layers"][2]
+    H, G, D = cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+    meta = jax.eval_shape(functools.partial(selector.prepare, 2), _aval((B, H, CAPACITY, D), "float32"),
+                          _aval((B,), "int32"))
+    K, _ = jax.eval_shape(lambda: paged.init_pages(cfg, NUM_PAGES, P))[2]
+    mask = jax.eval_shape(lambda: sparse.init_mask(cfg.num_layers, NUM_PAGES, H, P))
+    i32 = lambda *shape: _aval(shape, "int32")
+    return (params, meta, _aval((B, cfg.hidden_size), cfg.dtype), _aval((B, G, D), cfg.dtype),
+            _aval((B, G, D), cfg.dtype), _aval((B, H, D), cfg.dtype), i32(B), i32(B), K, K, mask, i32(),
+            i32(B, CAPACITY // P), _aval((B,), "bool"))
+
+
+@pytest.mark.parametrize("dtype,backend", [("bfloat16", "mosaic"), ("float32", "xla")])
+def test_fused_sparse_paged_layer_exports_for_cuda(dtype, backend):
+    if backend == "mosaic" and not mosaic_attention.MOSAIC_AVAILABLE:
+        pytest.skip(f"jax {jax.__version__} has no Mosaic GPU Pallas")
+    cfg = tiny_config("llama", head_dim=64, dtype=dtype)
+    selector = get_selector("oracle")
+
+    def layer(params, meta, x, q, query, k_new, pos, now_cached, K, V, mask, layer_i, table, fetchable):
+        return decode_program.fused(cfg, selector, CAPACITY, False, params, None, meta, x, q, query, k_new, pos,
+                                    now_cached, K, V, mask, layer_i, table, fetchable)
+
+    with dispatch.backend(backend):  # read at trace time: _export jits afresh
+        exported = _export(layer, *_layer_args(cfg, selector))
+    assert exported.platforms == ("cuda",)
+    kv_index, remote, x = exported.out_avals[-3:]  # after the metadata's leaves
+    assert x.shape == (B, cfg.hidden_size) and remote.shape == (B * cfg.num_kv_heads,)
+    assert kv_index.shape[0] == B * cfg.num_kv_heads
+    module = exported.mlir_module()
+    if backend == "mosaic":  # one sparse attention launch; top-k and split_reorder by Triton
+        assert module.count(MOSAIC_CALL) == 1 and module.count(TRITON_CALL) >= 2
+    else:
+        assert MOSAIC_CALL not in module and TRITON_CALL not in module
