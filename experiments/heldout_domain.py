@@ -19,10 +19,14 @@ jkv.eval.fidelity) is measured at max_ratio 0.2 (no budget floor) on
   - code: the evaluation half of the stdlib files (unseen files; code is in the mixes, not the defaults),
 against Oracle on the same samples (the paired gap). Training time is logged ("trained in").
 --split validation scores other windows of the same texts, each halfway between two evaluation
-windows (disjoint from them at 1K and 2K): fits are chosen there, then reported once on --split eval.
+windows (disjoint from them at 1K and 2K), for choosing among fits before reporting once on --split
+eval (the third run, docs/selection.md 'Joint fits', fixed its two fits in advance and chose none).
 
     nice -n 10 python experiments/heldout_domain.py --lengths 2048,1024 --samples 16 --hata-steps 150 \
         --hata-cache /tmp/hd2/proj --csv experiments/results/heldout_domain_{k}.csv
+    # the joint fits on the same windows, Oracle paired from an earlier run's rows:
+    nice -n 19 python experiments/heldout_domain.py --lengths 2048 --samples 16 --selectors infinigen_joint,hata_joint \
+        --pair-with experiments/results/heldout_domain_{k}_broad.csv --hata-cache /tmp/hd3/proj --csv /tmp/hd3/hd_{k}.csv
 """
 from __future__ import annotations
 
