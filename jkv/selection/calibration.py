@@ -114,3 +114,16 @@ def mixed_calibration_windows(model, windows=MIX_WINDOWS, steps: int = MIX_STEPS
     sources = {"corpus": calibration_tokens(model, need["corpus"]), "code": code_ids}
     return [collect_calibration(model, span, prompt_len, steps)
             for span, (_, prompt_len) in zip(mix_spans(sources, windows, steps), windows)]
+
+
+def joint_windows(corpus: list, broad: list, windows=MIX_WINDOWS) -> list:
+    """The joint calibration (docs/selection.md, 'Held-out domain'): `corpus` (calibration_windows,
+    `jkv train-hata`'s default 1024 + 192 windows) and `broad` (mixed_calibration_windows over
+    `windows`) less its ("corpus", 1024) window, whose tokens are corpus window 0's, alternating
+    corpus and broad windows so that training on them interleaved sees both lengths and domains
+    throughout: for 4 corpus windows and MIX_WINDOWS, 7 windows of 192 queries."""
+    if len(broad) != len(windows):
+        raise ValueError(f"broad has {len(broad)} windows but windows={windows} names {len(windows)}")
+    rest = [w for spec, w in zip(windows, broad) if tuple(spec) != ("corpus", 1024)]
+    pairs = [w for pair in zip(corpus, rest) for w in pair]
+    return pairs + list(corpus[len(rest):]) + list(rest[len(corpus):])

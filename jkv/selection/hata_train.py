@@ -115,16 +115,10 @@ def _head_loss(w, log_beta, q, positions, K, config):
     return rank + config.balance_weight * balance
 
 
-def train_projection(calibration: Calibration, config: HATATrainConfig = HATATrainConfig(),
-                     projection: np.ndarray | None = None) -> tuple[np.ndarray, list[float]]:
-    """Fit hash projections on calibration queries/keys -> (f32[L, H_kv, D, bits], loss per step)."""
-    queries, positions, keys = stack_calibration(calibration)
-    num_keys, num_queries = keys.shape[2], queries.shape[2]
-    sample = config.key_sample if 0 < config.key_sample < num_keys else num_keys
-    query_sample = config.query_sample if 0 < config.query_sample < num_queries else num_queries
-    if projection is None:
-        projection = init_projection(calibration, config.bits, config.seed)
-    params = {"w": jnp.asarray(projection), "log_beta": jnp.full(projection.shape[:2], math.log(config.bits / 8.0))}
+def _trainer(config: HATATrainConfig):
+    """-> (init(projection) -> (params, opt_state), step(params, state, rng, queries, positions, keys)
+    -> (params, state, loss)): one Adam over the projection and per-head log_beta. The step is
+    jitted per window shape (key and query samples drawn from that window)."""
     head_loss = functools.partial(_head_loss, config=config)
     per_head = jax.vmap(jax.vmap(head_loss, in_axes=(0, 0, 0, None, 0)), in_axes=(0, 0, 0, None, 0))
 
@@ -138,6 +132,9 @@ def train_projection(calibration: Calibration, config: HATATrainConfig = HATATra
 
     @jax.jit
     def step(p, state, rng, queries, positions, keys):
+        num_keys, num_queries = keys.shape[2], queries.shape[2]
+        sample = config.key_sample if 0 < config.key_sample < num_keys else num_keys
+        query_sample = config.query_sample if 0 < config.query_sample < num_queries else num_queries
         key_rng, query_rng = jax.random.split(rng)
         key_index = jnp.sort(jax.random.choice(key_rng, num_keys, (sample,), replace=False))
         query_index = jax.random.choice(query_rng, num_queries, (query_sample,), replace=False)
@@ -146,7 +143,22 @@ def train_projection(calibration: Calibration, config: HATATrainConfig = HATATra
         updates, state = optimizer.update(grads, state, p)
         return optax.apply_updates(p, updates), state, loss
 
-    state = optimizer.init(params)
+    def init(projection):
+        params = {"w": jnp.asarray(projection),
+                  "log_beta": jnp.full(projection.shape[:2], math.log(config.bits / 8.0))}
+        return params, optimizer.init(params)
+
+    return init, step
+
+
+def train_projection(calibration: Calibration, config: HATATrainConfig = HATATrainConfig(),
+                     projection: np.ndarray | None = None) -> tuple[np.ndarray, list[float]]:
+    """Fit hash projections on calibration queries/keys -> (f32[L, H_kv, D, bits], loss per step)."""
+    queries, positions, keys = stack_calibration(calibration)
+    if projection is None:
+        projection = init_projection(calibration, config.bits, config.seed)
+    init, step = _trainer(config)
+    params, state = init(projection)
     losses = []
     rng = jax.random.key(config.seed)
     for i in range(config.train_steps):
@@ -158,20 +170,42 @@ def train_projection(calibration: Calibration, config: HATATrainConfig = HATATra
 
 
 def train_projection_windows(calibrations: list[Calibration], config: HATATrainConfig = HATATrainConfig(),
-                             projection: np.ndarray | None = None) -> tuple[np.ndarray, list[float]]:
-    """Fit on several calibration windows in turn: `config.train_steps` steps on each, every
-    window starting from the previous one's projection (Adam restarted) -> (projection, losses
-    of all steps). One 1K window holds 192 decode queries per head for 256·64 weights per head;
+                             projection: np.ndarray | None = None,
+                             interleave: bool = False) -> tuple[np.ndarray, list[float]]:
+    """Fit on several calibration windows -> (projection, losses of all steps), `config.train_steps`
+    steps per window either way.
+
+    In turn (interleave=False): every window starting from the previous one's projection (Adam
+    restarted). One 1K window holds 192 decode queries per head for 256·64 weights per head;
     more windows show the hash more distinct queries and keys. SmolLM2-135M, fidelity @1K,
     ratio 0.2 (experiments/sel_ab.py, docs/selection.md): 4 windows × 150 steps KL 0.0091 ->
-    0.0071 on samples 0-15, while 1 window × 450 steps gave 0.0086."""
+    0.0071 on samples 0-15, while 1 window × 450 steps gave 0.0086. In turn, the last windows
+    weigh most: trained on windows of mixed lengths the hash fits the last length best.
+
+    Interleaved: one Adam run of len(calibrations) · train_steps steps, step i on window
+    i mod len(calibrations), so no window comes last (docs/selection.md, 'Held-out domain')."""
     if not calibrations:
         raise ValueError("calibrations must hold at least one Calibration window")
-    losses: list[float] = []
-    for calibration in calibrations:
-        projection, window_losses = train_projection(calibration, config, projection)
-        losses += window_losses
-    return projection, losses
+    if not interleave:
+        losses: list[float] = []
+        for calibration in calibrations:
+            projection, window_losses = train_projection(calibration, config, projection)
+            losses += window_losses
+        return projection, losses
+    stacked = [stack_calibration(c) for c in calibrations]
+    if projection is None:
+        projection = init_projection(calibrations[0], config.bits, config.seed)
+    init, step = _trainer(config)
+    params, state = init(projection)
+    losses = []
+    rng = jax.random.key(config.seed)
+    total = config.train_steps * len(stacked)
+    for i in range(total):
+        params, state, loss = step(params, state, jax.random.fold_in(rng, i), *stacked[i % len(stacked)])
+        losses.append(float(loss))
+        if i % 100 == 0 or i == total - 1:
+            log.info("hata step %d/%d (window %d) loss %.4f", i, total, i % len(stacked), losses[-1])
+    return np.asarray(params["w"]), losses
 
 
 def recall_at_k(projection: np.ndarray, calibration: Calibration, top_ratio: float = 0.2,
@@ -206,10 +240,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--decode-steps", type=int, default=192, help="teacher-forced decode steps (queries)")
     parser.add_argument("--windows", type=int, default=4,
                         help="disjoint calibration windows of prompt + decode tokens, trained on in turn")
-    parser.add_argument("--calibration", choices=("corpus", "mix"), default="corpus",
+    parser.add_argument("--calibration", choices=("corpus", "mix", "joint"), default="corpus",
                         help="corpus: --windows windows of the documentation corpus (--prompt-tokens + "
-                             "--decode-steps each); mix: calibration.MIX_WINDOWS, prose and code at 1K and "
-                             "2K with --decode-steps queries each (docs/selection.md, 'Held-out domain')")
+                             "--decode-steps each), trained in turn; mix: calibration.MIX_WINDOWS, prose and "
+                             "code at 1K and 2K with --decode-steps queries each, in turn; joint: both "
+                             "(calibration.joint_windows), interleaved (docs/selection.md, 'Held-out domain')")
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--bits", type=int, default=256)
     parser.add_argument("--learning-rate", type=float, default=2e-2)
@@ -223,18 +258,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from models import load_model
 
-    from jkv.selection.calibration import MIX_WINDOWS, calibration_windows, mixed_calibration_windows
+    from jkv.selection.calibration import MIX_WINDOWS, calibration_windows, joint_windows, mixed_calibration_windows
 
     config = HATATrainConfig(bits=args.bits, train_steps=args.train_steps, learning_rate=args.learning_rate,
                              seed=args.seed, target=args.target)
     model = load_model(args.model)
     if args.calibration == "mix":
         windows = mixed_calibration_windows(model, MIX_WINDOWS, args.decode_steps)
+    elif args.calibration == "joint":
+        windows = joint_windows(calibration_windows(model, args.windows, args.prompt_tokens, args.decode_steps),
+                                mixed_calibration_windows(model, MIX_WINDOWS, args.decode_steps))
     else:
         windows = calibration_windows(model, args.windows, args.prompt_tokens, args.decode_steps)
     splits = [window.split(0.75) for window in windows]  # each window's last 25% of queries held out
     initial = init_projection(splits[0][0], config.bits, config.seed)
-    projection, losses = train_projection_windows([train for train, _ in splits], config, initial)
+    projection, losses = train_projection_windows([train for train, _ in splits], config, initial,
+                                                  interleave=args.calibration == "joint")
     sparse = range(2, model.cfg.num_layers)
     before = float(np.mean([recall_at_k(initial, held_out, layers=sparse) for _, held_out in splits]))
     after = float(np.mean([recall_at_k(projection, held_out, layers=sparse) for _, held_out in splits]))
@@ -242,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
                                         "calibration": args.calibration,
                                         "loss_first": losses[0],
                                         "loss_last": losses[-1], "recall_random": before, "recall_trained": after})
-    last = losses[-config.train_steps:]  # windows differ in data, so compare within the last one
+    # Windows differ in data, so compare within the last one (interleaved: its every len(windows)-th step).
+    last = losses[len(windows) - 1::len(windows)] if args.calibration == "joint" else losses[-config.train_steps:]
     print(f"HATA weights -> {args.out}: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(windows)} window(s) "
           f"(last window {last[0]:.4f} -> {last[-1]:.4f}), "
           f"held-out recall@20% {before:.3f} (random) -> {after:.3f} (trained)")

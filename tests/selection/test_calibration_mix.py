@@ -9,7 +9,7 @@ from tests.selection.tiny import shared_tiny_model
 
 from jkv.corpus import code_text, stdlib_sources
 from jkv.selection import get_selector
-from jkv.selection.calibration import MIX_STEPS, MIX_WINDOWS, collect_calibration, mix_spans
+from jkv.selection.calibration import MIX_STEPS, MIX_WINDOWS, collect_calibration, joint_windows, mix_spans
 from jkv.selection.hata_train import add_parser
 from jkv.selection.infinigen import InfiniGenConfig, fit_skew
 
@@ -72,5 +72,30 @@ def test_train_hata_calibration_flag():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
     assert parser.parse_args(["train-hata", "--out", "/tmp/x", "--calibration", "mix"]).calibration == "mix"
+    assert parser.parse_args(["train-hata", "--out", "/tmp/x", "--calibration", "joint"]).calibration == "joint"
     with pytest.raises(SystemExit):
         parser.parse_args(["train-hata", "--out", "/tmp/x", "--calibration", "licences"])
+
+
+def test_joint_windows_alternate_corpus_and_broad_without_the_duplicate_corpus_1k_window():
+    corpus = ["c0", "c1", "c2", "c3"]
+    broad = [f"{name}{n}" for name, n in MIX_WINDOWS]  # code1024, corpus1024, code2048, corpus2048
+    assert joint_windows(corpus, broad) == ["c0", "code1024", "c1", "code2048", "c2", "corpus2048", "c3"]
+    assert joint_windows(["c0"], broad) == ["c0", "code1024", "code2048", "corpus2048"]
+    with pytest.raises(ValueError, match="broad has 3 windows"):
+        joint_windows(corpus, broad[:3])
+
+
+def test_fit_skew_matches_the_full_svd_for_few_and_many_query_rows():
+    # The reduced SVD (many rows) must give the same rotation as the full one; with fewer rows
+    # than the head dimension only the full SVD has all D right singular vectors.
+    rng = np.random.default_rng(6)
+    head_dim, partial_ratio = 16, 0.5
+    for rows in (3, 200):
+        queries = rng.normal(size=(rows, 2, head_dim)) * np.linspace(0.2, 2.0, head_dim)
+        keys = rng.normal(size=(50, 1, head_dim))
+        q = queries.reshape(-1, head_dim)
+        rotation = np.linalg.svd(q, full_matrices=True)[2].T
+        importance = np.abs(q @ rotation).mean(0) * np.abs(keys[:, 0] @ rotation).mean(0)
+        channels = np.sort(np.argsort(-importance, kind="stable")[:8])
+        np.testing.assert_allclose(fit_skew(queries, keys, partial_ratio)[0], rotation[:, channels], atol=1e-6)

@@ -80,3 +80,58 @@ def test_cli_parser_and_config_validation():
         HATATrainConfig(bits=48)
     with pytest.raises(ValueError, match="target='mse' must be"):
         HATATrainConfig(target="mse")
+
+
+def test_interleaved_training_is_one_adam_run_visiting_windows_in_rotation(monkeypatch):
+    # Windows of different lengths (N keys) so each step's window can be told by its key count.
+    from jkv.selection import hata_train
+
+    model = shared_tiny_model()
+    rng = np.random.default_rng(4)
+    a = collect_calibration(model, list(rng.integers(3, 301, size=40)), 32, 8)
+    b = collect_calibration(model, list(rng.integers(3, 301, size=60)), 48, 12)
+    real_trainer = hata_train._trainer
+    inits, seen = [], []
+
+    def recording_trainer(config):
+        init, step = real_trainer(config)
+
+        def recording_init(projection):
+            inits.append(projection)
+            return init(projection)
+
+        def recording_step(params, state, rng, queries, positions, keys):
+            seen.append(keys.shape[2])
+            return step(params, state, rng, queries, positions, keys)
+
+        return recording_init, recording_step
+
+    monkeypatch.setattr(hata_train, "_trainer", recording_trainer)
+    config = HATATrainConfig(bits=32, train_steps=3, key_sample=0, query_sample=0)
+    projection, losses = train_projection_windows([a, b], config, interleave=True)
+    assert len(inits) == 1  # one optimizer state over all windows, not one per window
+    assert seen == [40, 60] * 3 and len(losses) == 6
+    assert projection.shape == (4, 2, 16, 32)
+
+
+def test_interleaved_training_on_one_window_is_plain_training(calibration):
+    config = HATATrainConfig(bits=32, train_steps=5)
+    initial = init_projection(calibration, config.bits, config.seed)
+    alone, alone_losses = train_projection(calibration, config, initial)
+    rotated, rotated_losses = train_projection_windows([calibration], config, initial, interleave=True)
+    np.testing.assert_array_equal(alone, rotated)
+    assert alone_losses == rotated_losses
+
+
+def test_interleaved_training_improves_recall_on_every_window():
+    model = shared_tiny_model()
+    rng = np.random.default_rng(5)
+    windows = [collect_calibration(model, list(rng.integers(3, 301, size=n)), n - 32, 32) for n in (120, 200)]
+    splits = [w.split(0.75) for w in windows]
+    config = HATATrainConfig(bits=64, train_steps=60, learning_rate=1e-2)
+    initial = init_projection(splits[0][0], config.bits, config.seed)
+    projection, _ = train_projection_windows([train for train, _ in splits], config, initial, interleave=True)
+    for _, held_out in splits:
+        before = recall_at_k(initial, held_out, layers=range(2, 4))
+        after = recall_at_k(projection, held_out, layers=range(2, 4))
+        assert after > before + 0.02, (before, after)
