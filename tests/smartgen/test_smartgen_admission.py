@@ -3,6 +3,7 @@ running batch at a step boundary (different pool capacities: the selector metada
 on join and on leave), produces the tokens the static `generate()` gives, and a cancel mid-batch
 frees its KV on both sides while the other request continues. Leak checks after every test."""
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -68,12 +69,16 @@ class Recorder:
         return [t for r, t in self.events if r == rid]
 
 
-def run_until(decode, cond, max_steps=500):
-    for _ in range(max_steps):
+def run_until(decode, cond, timeout=120.0):
+    """Step the decode worker until cond() holds. Bounded by wall time, not a step count: a step
+    returns early when something arrives, so under load a fixed count ran out before a slow
+    hand-off (1 Mbit/s pushes) landed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         if cond():
             return
         decode.step(wait=0.05)
-    raise AssertionError("condition not reached")
+    raise AssertionError(f"condition not reached within {timeout} s")
 
 
 def test_a_request_submitted_mid_decode_joins_the_running_batch(decode, requests, workers):
