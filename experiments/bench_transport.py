@@ -280,7 +280,7 @@ def main() -> int:
                          ratio=achieved / target))
     end = machine_info()
     print(f"after the run: {describe_machine(end)}")
-    rows = [dict(r, cpu_model=info["cpu_model"], cpu_count=info["cpu_count"], loadavg_start=info["loadavg_1m"],
+    rows = [dict(r, cpu_model=info["cpu_model"], cpu_count=info["cores"], loadavg_start=info["loadavg_1m"],
                  loadavg_end=end["loadavg_1m"]) for r in rows]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

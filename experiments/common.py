@@ -49,23 +49,9 @@ def add_out_arg(parser: argparse.ArgumentParser, default: str | os.PathLike = RE
     parser.add_argument(flag, default=str(default), help=f"output {what} (default {default})")
 
 
-def machine_info() -> dict:
-    """CPU model, core count and load average (1, 5, 15 min) of this machine, for the header of a
-    timed benchmark: ratios measured side by side survive load, absolute rates do not."""
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
-    return dict(cpu_model=model, cpu_count=os.cpu_count(), loadavg_1m=load[0], loadavg_5m=load[1],
-                loadavg_15m=load[2])
-
-
 def describe_machine(info: dict) -> str:
-    return (f"cpu: {info['cpu_model']} x{info['cpu_count']}; load average {info['loadavg_1m']:.2f} "
-            f"{info['loadavg_5m']:.2f} {info['loadavg_15m']:.2f}")
+    return (f"cpu: {info['cpu_model']} x{info['cores']} ({info['vector_extensions'] or 'no listed vector extensions'}); "
+            f"load average {info['loadavg_1m']:.2f} {info['loadavg_5m']:.2f} {info['loadavg_15m']:.2f}")
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -76,8 +62,8 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def machine_info() -> dict:
-    """CPU model, its vector extensions, cores and the 1-minute load average, for result rows:
-    a ratio measured on one machine says little about another without them."""
+    """CPU model, its vector extensions, cores and the load average (1, 5, 15 min), for result rows
+    and benchmark headers: a ratio measured on one machine says little about another without them."""
     model, flags = "unknown", set()
     try:
         for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -92,5 +78,6 @@ def machine_info() -> dict:
         model = platform.processor() or platform.machine()
     vector = [f for f in ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
                           "amx_tile", "amx_bf16", "asimd", "sve") if f in flags]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     return {"cpu_model": model, "vector_extensions": " ".join(vector), "cores": os.cpu_count(),
-            "loadavg_1m": round(os.getloadavg()[0], 2)}
+            "loadavg_1m": round(load[0], 2), "loadavg_5m": round(load[1], 2), "loadavg_15m": round(load[2], 2)}
