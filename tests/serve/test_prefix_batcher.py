@@ -151,18 +151,24 @@ def test_a_request_admitted_mid_prefill_of_its_prefix_shares_only_the_written_pa
         b.stop()
 
 
+def _two_rounds_of_three_system_prompts(b, reference, tag):
+    """Three 4-page system prompts asked twice each, every answer checked against the reference:
+    on a 20-page pool each admission evicts cached pages of earlier prompts."""
+    rng = np.random.default_rng(1)
+    systems = [_prompt(rng, 4 * PAGE + 3) for _ in range(3)]
+    for round_ in range(2):
+        for s, system in enumerate(systems):
+            prompt = system + [5 + round_, 7 + s]
+            _assert_same(_answer(collect(submit(b, f"{tag}{round_}{s}", prompt, _greedy(40), logprobs=1))),
+                         reference(prompt, 40), f"round {round_} system {s}")
+
+
 def test_eviction_under_page_pressure_keeps_tokens_right(model, reference):
     """A pool of 20 pages: every admission must evict cached pages of earlier prompts."""
     metrics = ServerMetrics()
     b = _start(model, metrics, max_slots=2, num_pages=21)
     try:
-        rng = np.random.default_rng(1)
-        systems = [_prompt(rng, 4 * PAGE + 3) for _ in range(3)]
-        for round_ in range(2):
-            for s, system in enumerate(systems):
-                prompt = system + [5 + round_, 7 + s]
-                _assert_same(_answer(collect(submit(b, f"e{round_}{s}", prompt, _greedy(40), logprobs=1))),
-                             reference(prompt, 40), f"round {round_} system {s}")
+        _two_rounds_of_three_system_prompts(b, reference, "e")
         assert _metric(metrics, "jkv_prefix_cache_evictions_total", {"tier": "device"}) > 0
         _idle_and_leak_free(b)
     finally:
@@ -175,13 +181,7 @@ def test_the_host_tier_takes_evicted_pages_and_serves_them_back_with_the_same_to
     metrics = ServerMetrics()
     b = _start(model, metrics, max_slots=2, num_pages=21, prefix_cache_host_bytes=64 << 20)
     try:
-        rng = np.random.default_rng(1)
-        systems = [_prompt(rng, 4 * PAGE + 3) for _ in range(3)]
-        for round_ in range(2):
-            for s, system in enumerate(systems):
-                prompt = system + [5 + round_, 7 + s]
-                _assert_same(_answer(collect(submit(b, f"h{round_}{s}", prompt, _greedy(40), logprobs=1))),
-                             reference(prompt, 40), f"round {round_} system {s}")
+        _two_rounds_of_three_system_prompts(b, reference, "h")
         assert _metric(metrics, "jkv_prefix_cache_host_writes_total") > 0
         assert _metric(metrics, "jkv_prefix_cache_hit_tokens_total", {"tier": "host"}) >= 4 * PAGE
         assert _metric(metrics, "jkv_prefix_cache_pages", {"tier": "host"}) > 0
