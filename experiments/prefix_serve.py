@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from experiments.common import RESULTS, add_model_arg, add_out_arg, add_seed_arg, machine_info, write_csv  # noqa: E402
+from experiments.serve_load import stream_request  # noqa: E402
 from experiments.serve_load import Server, print_report, summarize  # noqa: E402
 
 TOPICS = ["a paged KV cache", "continuous batching", "speculative decoding", "tensor parallelism",
@@ -58,29 +59,8 @@ async def chat_stream(client: httpx.AsyncClient, url: str, messages: list[dict],
     """One streamed chat completion: per-content-chunk times, the answer text and usage."""
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    times, text, usage, error = [], [], None, None
-    try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                obj = json.loads(line[6:])
-                if "error" in obj:
-                    error = obj["error"]["message"]
-                elif obj.get("usage"):
-                    usage = obj["usage"]
-                elif obj["choices"] and obj["choices"][0]["delta"].get("content"):
-                    times.append(time.perf_counter() - t0)
-                    text.append(obj["choices"][0]["delta"]["content"])
-    except httpx.HTTPError as e:
-        error = f"{type(e).__name__}: {e}"
-    if error or not times or usage is None:
-        return {"ok": False, "error": error or "no tokens / no usage"}
-    return {"ok": True, "times": times, "e2e": time.perf_counter() - t0, "text": "".join(text),
-            "prompt_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+    return await stream_request(client, url, "/v1/chat/completions", body,
+                                lambda choice: choice["delta"].get("content"))
 
 
 async def shared_system(client, url, args, rng: random.Random, offset: int = 0) -> list[dict]:

@@ -82,13 +82,13 @@ class Server:
                 self.proc.kill()
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+async def stream_request(client: httpx.AsyncClient, url: str, path: str, body: dict, piece) -> dict:
+    """One streamed OpenAI request: per-chunk times of the chunks `piece(choice)` finds text in,
+    the text and usage (the shared reader of serve_load and prefix_serve)."""
     t0 = time.perf_counter()
-    times, usage, error = [], None, None
+    times, text, usage, error = [], [], None, None
     try:
-        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        async with client.stream("POST", url + path, json=body) as r:
             if r.status_code != 200:
                 return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
             async for line in r.aiter_lines():
@@ -99,14 +99,21 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: s
                     error = obj["error"]["message"]
                 elif obj.get("usage"):
                     usage = obj["usage"]
-                elif obj["choices"] and obj["choices"][0]["text"]:
+                elif obj["choices"] and piece(obj["choices"][0]):
                     times.append(time.perf_counter() - t0)
+                    text.append(piece(obj["choices"][0]))
     except httpx.HTTPError as e:
         error = f"{type(e).__name__}: {e}"
     if error or not times or usage is None:
         return {"ok": False, "error": error or "no tokens / no usage"}
-    return {"ok": True, "times": times, "e2e": time.perf_counter() - t0, "prompt_tokens": usage["prompt_tokens"],
-            "output_tokens": usage["completion_tokens"]}
+    return {"ok": True, "times": times, "e2e": time.perf_counter() - t0, "text": "".join(text),
+            "prompt_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    return await stream_request(client, url, "/v1/completions", body, lambda choice: choice["text"])
 
 
 async def run_load(url: str, model: str, rate: float, n: int, max_tokens: int, seed: int) -> tuple[list[dict], float]:
