@@ -67,10 +67,6 @@ class LLM:
             tp = tensor_parallel
         else:
             tp = model.tensor_parallel if isinstance(model, Model) else 1
-        if disaggregation is not None and tp != 1:
-            raise ValueError(f"tensor_parallel={tp} is not supported with disaggregation yet (its "
-                             "prefill workers load the model at tensor_parallel=1); use tensor_parallel=1, or "
-                             "the colocated engine (disaggregation=None)")
         if isinstance(model, Model):
             self.model = model if tensor_parallel is None else model.with_tensor_parallel(tensor_parallel)
         else:
