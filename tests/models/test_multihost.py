@@ -58,6 +58,7 @@ def one_process_tokens():
     return [r.token_ids for r in res]
 
 
+@pytest.mark.slow  # two jax processes compiling the same programs: ~1 CPU-minute
 def test_two_processes_form_one_replica_and_generate_the_one_process_tokens(ranks, one_process_tokens):
     assert [r["rank"] for r in ranks] == [0, 1]
     for r in ranks:
@@ -67,12 +68,14 @@ def test_two_processes_form_one_replica_and_generate_the_one_process_tokens(rank
     assert len({tuple(t) for t in one_process_tokens}) == 2 and len(set(one_process_tokens[1])) > 3
 
 
+@pytest.mark.slow  # two jax processes compiling the same programs: ~1 CPU-minute
 def test_the_kv_cache_is_split_by_kv_head_across_both_processes(ranks):
     for r in ranks:
         assert r["kv_spec"] == "P(None, 'tensor')" and r["kv_processes"] == [0, 1]
         assert r["kv_local_shards"] == 2  # each process holds its 2 devices' heads only
 
 
+@pytest.mark.slow  # two jax processes compiling the same programs: ~1 CPU-minute
 def test_a_batch_that_differs_on_one_rank_is_refused_by_every_rank(ranks):
     for r in ranks:
         assert r["refused"] is not None and "ranks [1] of a 2-process replica got a different batch than rank 0" \
