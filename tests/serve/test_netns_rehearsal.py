@@ -2,8 +2,9 @@
 `--role prefill` servers and one `jkv decode-worker` each in its own network namespace, joined by
 tbf-shaped veths to one bridge (`transport.netns.StarNetwork`), every role bound to its namespace's
 address only (nothing on loopback crosses roles), served to the official openai client from the
-root namespace. Killing one prefill namespace's process is survived: the router drops it, and new
-requests run on the other. Needs root ('ip netns'); skipped with the reason otherwise."""
+root namespace. The second prefill role runs at --tensor-parallel 2, the decode role at 1. Killing
+the first prefill namespace's process is survived: the router drops it, and new requests run on the
+TP 2 one with the same greedy text. Needs root ('ip netns'); skipped with the reason otherwise."""
 import signal
 import subprocess
 import sys
@@ -85,9 +86,12 @@ def test_router_two_prefills_and_a_decode_in_separate_namespaces_survive_a_kille
     servers = []
     with StarNetwork(["router", "prefill-a", "prefill-b", "decode"], rate=LINK) as net:
         try:
+            # prefill-b runs at TP 2 on 2 CPU devices; the decode role at TP 1 (the KV crosses whole-head)
             prefills = [NsServer(net, name, "serve", ["--role", "prefill", *common, "--worker-name", name,
-                                                      "--transport-listen", f"{net.addr[name]}:0", "--lease-s", "60"],
-                                 env) for name in ("prefill-a", "prefill-b")]
+                                                      "--transport-listen", f"{net.addr[name]}:0", "--lease-s", "60",
+                                                      "--tensor-parallel", str(tp)],
+                                 dict(env, XLA_FLAGS=f"--xla_force_host_platform_device_count={tp}"))
+                        for name, tp in (("prefill-a", 1), ("prefill-b", 2))]
             servers += prefills
             for p in prefills:
                 p.wait_ready()
@@ -121,7 +125,8 @@ def test_router_two_prefills_and_a_decode_in_separate_namespaces_survive_a_kille
             victim.proc.wait(10)
             wait_for(lambda: not next(u for u in health(router.url)["upstreams"] if u["url"] == victim.url)["healthy"],
                      what="the router dropping the killed prefill instance")
-            for _ in range(3):  # served by the surviving namespace
+            assert health(survivor.url)["handshake"]["config"]["tensor_parallel"] == 2
+            for _ in range(3):  # served by the surviving namespace: prefill TP 2 -> decode TP 1
                 r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
                                               extra_body={"ignore_eos": True})
                 assert r.choices[0].text == want
