@@ -22,12 +22,14 @@ import os
 import time
 from typing import Sequence, Union
 
+import jax
 from tqdm import tqdm
 
 from models import DEFAULT_MODEL, Model, load_model
 
 from .disagg.config import Disaggregation
 from .engine import DEFAULT_PREFILL_CHUNK, DenseEngine, Request
+from .multihost import agree_on_batch
 from .outputs import RequestOutput
 from .sampling import SamplingParams
 
@@ -67,16 +69,16 @@ class LLM:
             tp = tensor_parallel
         else:
             tp = model.tensor_parallel if isinstance(model, Model) else 1
-        if disaggregation is not None and tp != 1:
-            raise ValueError(f"tensor_parallel={tp} is not supported with disaggregation yet (its "
-                             "prefill workers load the model at tensor_parallel=1); use tensor_parallel=1, or "
-                             "the colocated engine (disaggregation=None)")
         if isinstance(model, Model):
             self.model = model if tensor_parallel is None else model.with_tensor_parallel(tensor_parallel)
         else:
             self.model = load_model(model, dtype=dtype, tensor_parallel=tp)
         self.tokenizer = self.model.tokenizer
         self.max_batch_size = max_batch_size
+        if disaggregation is not None and jax.process_count() > 1:
+            raise ValueError(f"disaggregation is not supported in a multi-host replica ({jax.process_count()} "
+                             "processes): run the colocated engine (disaggregation=None), or one process per "
+                             "prefill/decode role")
         if disaggregation is not None and enable_prefix_caching:
             raise ValueError("enable_prefix_caching is for the colocated engine; drop it or disaggregation=")
         if disaggregation is not None:  # this process decodes; prefill runs in worker processes
@@ -133,6 +135,8 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; give one or one per prompt")
         t0 = time.perf_counter()
         requests = [Request(str(next(_ids)), p, self.encode_prompt(p), sp) for p, sp in zip(prompts, params)]
+        # a multi-host replica (jkv/multihost.py): every rank steps the same batch, or none does
+        agree_on_batch([(r.prompt_token_ids, r.params) for r in requests])
         outputs: list[RequestOutput] = []
         chunks = range(0, len(requests), self.max_batch_size)
         for i in tqdm(chunks, desc="generate", disable=not use_tqdm):

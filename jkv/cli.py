@@ -56,15 +56,31 @@ def add_generate(sub):
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable: one batch)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="multi-host replica: rank 0's address; every rank runs this command with the same prompts "
+                        "and --tensor-parallel up to the global device count (env JKV_COORDINATOR_ADDRESS; "
+                        "docs/scale.md)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: ranks in the replica "
+                                                                   "(env JKV_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, default=None, help="multi-host: this process's rank, 0 prints "
+                                                                "(env JKV_PROCESS_ID)")
 
 
 def run_generate(args):
+    from .multihost import MultiHost, initialize
+
+    mh = MultiHost.from_values(args.coordinator_address, args.num_processes, args.process_id)
+    if mh is not None:
+        initialize(mh)  # before the model touches a device
     from .api import LLM
 
     sp = _sampling(args)
     llm = LLM(args.model, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
     prompts = [[{"role": "user", "content": p}] if args.chat else p for p in args.prompt]
-    for o in llm.generate(prompts, sp):
+    outputs = llm.generate(prompts, sp)
+    if mh is not None and mh.process_id != 0:  # every rank holds the same outputs; rank 0 prints them
+        return 0
+    for o in outputs:
         m = o.metrics
         if args.json:
             print(json.dumps(dict(text=o.text, token_ids=o.token_ids, finish_reason=o.finish_reason,

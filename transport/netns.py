@@ -102,6 +102,89 @@ class VethLink:
         self.close()
 
 
+class StarNetwork:
+    """Several namespaces on one shaped switch: a bridge in the calling (root) namespace holds
+    ``host_addr``, and each named namespace a veth to it with ``addr[name]`` on one /24, shaped by
+    ``tbf`` at ``rate`` on both ends (so every path between two namespaces crosses two shaped
+    links). The caller reaches every namespace through the bridge (e.g. a client talking to a
+    router); the namespaces reach each other and the caller. Deleted on exit like `VethLink`::
+
+        with StarNetwork(["router", "prefill-a", "decode"], rate="1gbit") as net:
+            subprocess.Popen(net.exec_in("router") + [...,"--host", net.addr["router"]])
+    """
+
+    def __init__(self, names: list[str], rate: str | float | None = None, *, burst: str = "1mb",
+                 latency: str = "50ms"):
+        if not names or len(set(names)) != len(names) or len(names) > 200:
+            raise ValueError(f"names={names!r} must be 1..200 distinct namespace labels")
+        self.rate_bps = None if rate is None else parse_bandwidth(rate)
+        self.burst, self.latency = burst, latency
+        tag = f"{os.getpid() % 100000}{secrets.token_hex(2)}"
+        self.bridge = f"jkbr{tag}"[:15]
+        subnet = f"10.{secrets.randbelow(200) + 20}.{secrets.randbelow(250)}"
+        self.host_addr = f"{subnet}.254"
+        self.names = list(names)
+        self.ns = {n: f"jkvt{i}s{tag}" for i, n in enumerate(names)}
+        self.addr = {n: f"{subnet}.{i + 1}" for i, n in enumerate(names)}
+        self._dev = {n: (f"jsa{i}x{tag}"[:15], f"jsb{i}x{tag}"[:15]) for i, n in enumerate(names)}
+        self._created: list[str] = []
+        self._bridge_made = False
+
+    def exec_in(self, name: str) -> list[str]:
+        """Command prefix that runs a program inside namespace ``name``."""
+        if name not in self.ns:
+            raise ValueError(f"name={name!r} is not one of {self.names}")
+        return ["ip", "netns", "exec", self.ns[name]]
+
+    def _shape(self, dev: str, ns: str | None) -> None:
+        if self.rate_bps is None:
+            return
+        where = ["-n", ns] if ns else []
+        subprocess.run(["tc", *where, "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                        f"{int(self.rate_bps)}bit", "burst", self.burst, "latency", self.latency],
+                       check=True, capture_output=True, text=True, timeout=10)
+
+    def __enter__(self) -> "StarNetwork":
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            self._bridge_made = True
+            _ip("addr", "add", f"{self.host_addr}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for name in self.names:
+                ns, (inner, outer) = self.ns[name], self._dev[name]
+                _ip("netns", "add", ns)
+                self._created.append(ns)
+                _ip("link", "add", inner, "type", "veth", "peer", "name", outer)
+                _ip("link", "set", inner, "netns", ns)
+                _ip("-n", ns, "addr", "add", f"{self.addr[name]}/24", "dev", inner)
+                _ip("-n", ns, "link", "set", inner, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("link", "set", outer, "master", self.bridge)
+                _ip("link", "set", outer, "up")
+                self._shape(inner, ns)
+                self._shape(outer, None)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            stderr = getattr(e, "stderr", "") or ""
+            self.close()
+            raise RuntimeError(f"setting up the star network failed: {e} {stderr.strip()}") from None
+        return self
+
+    def close(self) -> None:
+        for inner, outer in self._dev.values():  # a veth still in the root namespace goes too
+            _ip("link", "del", outer, check=False)
+        for ns in self._created:
+            r = _ip("netns", "del", ns, check=False)
+            if r.returncode != 0:
+                log.warning("could not delete namespace %s: %s", ns, r.stderr.strip())
+        self._created.clear()
+        if self._bridge_made:
+            _ip("link", "del", self.bridge, check=False)
+            self._bridge_made = False
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(prog="python -m transport.netns", description=__doc__.split("\n")[0])

@@ -41,7 +41,7 @@ class LocalPrefillWorkers:
 
     def __init__(self, count: int, model_spec: str, selector_file: str, *, secret: str, transport: str = "tcp",
                  bandwidth=None, lease_s: float = 300.0, timeout_s: float = 5.0, start_timeout: float = 300.0,
-                 dtype: str = "float32", max_blocks: int | None = None):
+                 dtype: str = "float32", max_blocks: int | None = None, tensor_parallel: int = 1):
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
         self.start_timeout = start_timeout
@@ -51,7 +51,7 @@ class LocalPrefillWorkers:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         self._env["PYTHONPATH"] = root + os.pathsep + self._env.get("PYTHONPATH", "")
         self._args = ["--model", model_spec, "--selector-file", selector_file, "--transport", transport,
-                      "--lease-s", str(lease_s), "--timeout-s", str(timeout_s), "--dtype", dtype, "--exit-with-parent"]
+                      "--lease-s", str(lease_s), "--timeout-s", str(timeout_s), "--dtype", dtype, "--tensor-parallel", str(tensor_parallel), "--exit-with-parent"]
         if max_blocks is not None:
             self._args += ["--max-blocks", str(max_blocks)]
         if bandwidth is not None:
@@ -156,7 +156,8 @@ class DisaggregatedEngine:
                 self.workers = LocalPrefillWorkers(config.prefill_workers, spec, path, secret=secret,
                                                    transport=config.transport, bandwidth=config.bandwidth,
                                                    lease_s=config.lease_s, timeout_s=config.timeout_s,
-                                                   dtype=model.cfg.dtype, max_blocks=config.transfer.max_blocks)
+                                                   dtype=model.cfg.dtype, max_blocks=config.transfer.max_blocks,
+                                                   tensor_parallel=getattr(model, "tensor_parallel", 1))
                 addresses = self.workers.addresses
             self.decode.connect(addresses)
         except BaseException:

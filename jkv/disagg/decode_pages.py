@@ -29,11 +29,20 @@ new K, V are computed on the device and written there (`write_new`): no host->de
 Uploads go in power-of-two pieces, so every byte counted is a row (no padding crosses) and a few
 compiled programs serve every batch size.
 
+Tensor parallelism (`sharding=Model.kv_sharding`): the pages are split by KV head over the decode
+model's mesh and the mask is replicated on it. Rows arrive whole-head from the wire (every head,
+global order: the prefill side may run any degree), and `land`'s one program scatters each row into
+the shard that holds its head; `land` and `write_new` pin their outputs to these layouts, so the
+cache never drifts to another (a drift would recompile the step programs and move the cache).
+
 Threads: everything runs on the decode worker's engine thread (plan, land, write, gather, free);
 the host shadows it reads (`LiveRequest.on_device`, `landed`) belong to that thread too.
 """
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -50,14 +59,32 @@ def _pow2_pieces(n: int) -> list[int]:
     return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
 
 
+@functools.lru_cache(maxsize=4)
+def _pinned_programs(sharding):
+    """(mask sharding, set_page_masks, land_rows, write_new_token) with their outputs pinned: the
+    pages to `sharding` (split by KV head), the mask replicated on its mesh. Cached per sharding, so
+    a fresh decode worker on the same mesh reuses the compiled programs."""
+    mask_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    pages_out = (sharding, sharding, mask_sharding)
+    return (mask_sharding, jax.jit(sparse._set_page_masks, donate_argnums=(0,), out_shardings=mask_sharding),
+            jax.jit(sparse._land_rows, donate_argnums=(0, 1, 2), out_shardings=pages_out),
+            jax.jit(sparse._write_new_token, donate_argnums=(0, 1, 2), out_shardings=pages_out))
+
+
 class DecodePages:
-    def __init__(self, model_cfg, page_cfg: PageConfig | None = None, dtype=None):
+    def __init__(self, model_cfg, page_cfg: PageConfig | None = None, dtype=None, sharding=None):
+        """sharding: the decode model's `kv_sharding` (None: one device, no tensor parallelism)."""
         if page_cfg is None:
             page_cfg = PageConfig.for_tokens(DEFAULT_DECODE_TOKENS)
-        self.cache = PagedKVCache(model_cfg, page_cfg, dtype)
+        self.cache = PagedKVCache(model_cfg, page_cfg, dtype, sharding=sharding)
         self.num_kv_heads, self.head_dim = model_cfg.num_kv_heads, model_cfg.head_dim
         self.mask = sparse.init_mask(model_cfg.num_layers, page_cfg.num_pages, model_cfg.num_kv_heads,
                                      page_cfg.page_size)
+        self._set_masks, self._land_rows, self._write_new = (sparse.set_page_masks, sparse.land_rows,
+                                                             sparse.write_new_token)
+        if sharding is not None:
+            mask_sharding, self._set_masks, self._land_rows, self._write_new = _pinned_programs(sharding)
+            self.mask = jax.device_put(self.mask, mask_sharding)
         self.row_bytes = 2 * model_cfg.head_dim * self.cache.dtype.itemsize  # one K row and one V row
         self.h2d_bytes = dict.fromkeys(CAUSES, 0)
 
@@ -79,7 +106,7 @@ class DecodePages:
         pages[:len(new)] = new
         padded = np.full((width, P), PAD, np.int8)
         padded[:len(new)] = values
-        self.mask = sparse.set_page_masks(self.mask, jnp.asarray(pages), jnp.asarray(padded))
+        self.mask = self._set_masks(self.mask, jnp.asarray(pages), jnp.asarray(padded))
 
     def free(self, rid) -> int:
         """Return the request's pages (idempotent); their mask is set again by the next `plan`."""
@@ -128,7 +155,7 @@ class DecodePages:
             s = slice(at, at + size)
             at += size
             K, V = self.cache.kv[layer]
-            K, V, self.mask = sparse.land_rows(
+            K, V, self.mask = self._land_rows(
                 K, V, self.mask, np.int32(layer), pages[s].astype(np.int32), heads[s].astype(np.int32),
                 slots[s].astype(np.int32), k[s], v[s], np.full(size, LOCAL, np.int8))
             self._set_layer(layer, K, V)
@@ -141,7 +168,7 @@ class DecodePages:
     def write_new(self, layer: int, table, positions, k, v) -> None:
         """The step's new K, V (device [B, H_kv, D]) at positions i32[B]; their mask flips to 1."""
         K, V = self.cache.kv[layer]
-        K, V, self.mask = sparse.write_new_token(K, V, self.mask, np.int32(layer), table, positions, k, v)
+        K, V, self.mask = self._write_new(K, V, self.mask, np.int32(layer), table, positions, k, v)
         self._set_layer(layer, K, V)
 
     def stats(self) -> dict[str, int]:

@@ -142,7 +142,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
                              "profile: create one with `jkv profile` and pass it")
         cfg = model.cfg
         self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # host staging (L2)
-        self.pages = DecodePages(cfg, page_config)  # device pages + KV mask (L1), in the model's dtype
+        # device pages + KV mask (L1), in the model's dtype, split by KV head over the model's mesh
+        self.pages = DecodePages(cfg, page_config, sharding=model.kv_sharding)
         self.programs = decode_program.programs_for(cfg, selector)
         # agreed with every prefill worker in the handshake, before any KV crosses (handshake.py)
         self.config = role_config(model, "decode", selector, max_blocks=transfer.max_blocks)

@@ -25,14 +25,17 @@ Fields, in the order they are checked (the first mismatch is reported):
     page_size        tokens per page of the receiving KV cache; None today: KV lands in
                      per-request contiguous host pools addressed by token row (the paged device
                      cache of [kvstore] declares its page size here)
-    tensor_parallel  the TP degree of the role's model (`Model.tensor_parallel`; the SmartGen roles
-                     refuse > 1 today, docs/scale.md; [scale] item 2 lets them differ)
+    tensor_parallel  the TP degree of the role's model (`Model.tensor_parallel`): declared (and shown
+                     on /health), never compared. The wire carries whole KV heads in global order
+                     (head_order), each side gathers/re-shards onto its own mesh, so a prefill at
+                     TP 2 feeds a decode at TP 1 and the reverse (docs/scale.md)
     selector         the sparse-attention selector (prefill ships its metadata to decode)
     compression      the KV compression format: container version and stage registry
     weights          a fingerprint of the weights (checked last: a different model or dtype
                      changes it too, and those fields name the cause better)
 
-A None on either side means "this side adapts to the peer" and is never a mismatch.
+A None on either side means "this side adapts to the peer" and is never a mismatch. `role` and
+`tensor_parallel` are declared only (`DECLARED_ONLY`).
 
 Weights fingerprint: a hash of every parameter's path, shape and dtype plus `SAMPLE_VALUES` values
 at evenly spaced flat positions, computed once per loaded model and cached. Sampled, not a full
@@ -72,11 +75,12 @@ _FIX = {
     "head_order": SAME_RELEASE,
     "max_blocks": "start both roles with the same --max-blocks",
     "page_size": "start both roles with the same KV page size",
-    "tensor_parallel": "start both roles with the same tensor-parallel degree",
     "selector": "start both roles with the same --selector (or --selector-file)",
     "compression": SAME_RELEASE,
     "weights": "both roles must load the same checkpoint file with the same --dtype",
 }
+
+DECLARED_ONLY = ("role", "tensor_parallel")  # in the handshake, never a mismatch
 
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

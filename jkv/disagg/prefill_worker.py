@@ -536,6 +536,9 @@ def main(argv=None) -> int:
 def add_args(p):
     p.add_argument("--model", required=True, help='model name/path, or "tiny:llama:0"')
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard the weights and KV cache over N devices; any degree works with any decode "
+                        "side's (the KV crosses as whole heads; docs/scale.md)")
     p.add_argument("--selector-file", required=True, help="selector saved by the decode side (save_selector)")
     p.add_argument("--name", default="prefill-0")
     p.add_argument("--listen", default=None, help="host:port, or main|bulk host:port pair (default 127.0.0.1 on "
@@ -555,7 +558,7 @@ def run_from_args(args) -> int:
     if not secret:
         print("error: set JKV_SECRET to the deployment's shared secret (>= 8 bytes)", file=sys.stderr)
         return 2
-    model = load_model_spec(args.model, args.dtype)
+    model = load_model_spec(args.model, args.dtype, tensor_parallel=args.tensor_parallel)
     selector = load_selector(args.selector_file)
     worker = PrefillWorker(model, selector, args.name, secret=secret, backend=args.transport,
                            bandwidth=args.bandwidth, lease_s=args.lease_s, timeout=args.timeout_s,

@@ -125,11 +125,9 @@ class ServeConfig:
             raise ValueError(f"--disaggregation is for --role all or decode, not role={self.role!r}")
         if self.tensor_parallel < 1:
             raise ValueError(f"tensor_parallel={self.tensor_parallel} must be >= 1 (1: one device)")
-        if self.tensor_parallel != 1 and (self.role != "all" or self.disaggregated):
-            what = "--disaggregation" if self.role == "all" else f"--role {self.role}"
-            raise ValueError(f"--tensor-parallel {self.tensor_parallel} is supported with --role all (the colocated "
-                             f"engine) only, not {what}: the SmartGen prefill and decode workers run at "
-                             "--tensor-parallel 1 (docs/scale.md)")
+        if self.tensor_parallel != 1 and self.role == "router":
+            raise ValueError(f"--tensor-parallel {self.tensor_parallel} is for the roles that load a model (all, "
+                             "prefill, decode), not --role router")
         if self.prefill_restarts < 0:
             raise ValueError(f"prefill_restarts={self.prefill_restarts} must be >= 0 (0: never restart)")
         if self.disagg.timeout_s <= 0:
@@ -191,9 +189,10 @@ _TABLE = {
     "model": (str, "registered name, Hugging Face directory or .gguf file (role all)"),
     "served_model_name": (str, "the model id clients send and /v1/models lists (default: --model)"),
     "dtype": (str, "weights/activations dtype: float32, bfloat16 or float16"),
-    "tensor_parallel": (int, "role all: shard the weights and the KV cache over this many devices (attention "
-                             "heads, MLP and vocabulary split over a (\"data\", \"tensor\") mesh; "
-                             "docs/scale.md)"),
+    "tensor_parallel": (int, "shard the weights and the KV cache over this many devices (attention heads, MLP "
+                             "and vocabulary split over a (\"data\", \"tensor\") mesh; docs/scale.md); a prefill "
+                             "and a decode role may run different degrees (the KV crosses as whole heads); "
+                             "--role all --disaggregation starts its local prefill workers at the same degree"),
     "max_slots": (int, "decode slots = the continuous batch size; more requests queue"),
     "max_model_len": (int, "max prompt + generated tokens per request; sets the per-slot KV length"),
     "kv_layout": (str, "role all: paged = one paged KV cache shared by all requests (memory and decode "

@@ -103,7 +103,7 @@ def _secret() -> str:
 def _load(cfg: ServeConfig):
     from models import load_model_spec
 
-    model = load_model_spec(cfg.model, cfg.dtype)
+    model = load_model_spec(cfg.model, cfg.dtype, tensor_parallel=cfg.tensor_parallel)
     ctx = model.cfg.max_position_embeddings
     max_len = cfg.max_model_len
     if max_len > ctx:

@@ -152,30 +152,51 @@ def test_tensor_parallel_one_keeps_the_single_device_path():
     assert m.with_tensor_parallel(1) is m
 
 
-def test_llm_refuses_tensor_parallelism_with_disaggregation():
-    from jkv import LLM
-    from jkv.disagg.config import Disaggregation
-
-    with pytest.raises(ValueError, match=r"tensor_parallel=2 is not supported with disaggregation"):
-        LLM(tiny_model("llama", 0), tensor_parallel=2, disaggregation=Disaggregation())
-
-
-@pytest.mark.parametrize("argv, match", [
-    (["--tensor-parallel", "0"], r"tensor_parallel=0 must be >= 1"),
-    (["--tensor-parallel", "2", "--role", "prefill"], r"--tensor-parallel 2 is supported with --role all .* not "
-                                                       r"--role prefill"),
-    (["--tensor-parallel", "2", "--disaggregation", "full"], r"not --disaggregation"),
-])
-def test_serve_refuses_tensor_parallelism_outside_the_colocated_engine(argv, match):
+def _serve_config(argv):
     import argparse
 
     from jkv.serving.config import add_serve_arguments, config_from_args
 
     p = argparse.ArgumentParser()
     add_serve_arguments(p)
+    return config_from_args(p.parse_args(argv))
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tensor-parallel", "0"], r"tensor_parallel=0 must be >= 1"),
+    (["--tensor-parallel", "2", "--role", "router", "--upstream", "http://a:8000"], r"not --role router"),
+])
+def test_serve_refuses_a_degree_below_one_or_on_the_router(argv, match):
     with pytest.raises(ValueError, match=match):
-        config_from_args(p.parse_args(argv))
-    assert config_from_args(p.parse_args(["--tensor-parallel", "2"])).tensor_parallel == 2
+        _serve_config(argv)
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["--role", "prefill"], ["--disaggregation", "full"],
+    ["--role", "decode", "--prefill-worker", "127.0.0.1:7100|127.0.0.1:7101", "--strategy", "sequential"],
+])
+def test_every_role_that_loads_a_model_takes_a_degree(argv):
+    """The SmartGen roles too: prefill and decode may run different degrees
+    (tests/smartgen/test_smartgen_tensor_parallel.py)."""
+    assert _serve_config(["--tensor-parallel", "2", *argv]).tensor_parallel == 2
+
+
+def test_local_prefill_workers_start_at_the_decode_models_degree(monkeypatch):
+    from jkv.disagg import cluster
+
+    started = []
+    monkeypatch.setattr(cluster.LocalPrefillWorkers, "_spawn", lambda self, i: started.append(self._args))
+    monkeypatch.setattr(cluster.LocalPrefillWorkers, "_wait_ready", staticmethod(lambda i, proc, t: "a|b"))
+    cluster.LocalPrefillWorkers(1, "tiny:qwen2:0", "sel.pkl", secret="s" * 8, tensor_parallel=2)
+    args = started[0]
+    assert args[args.index("--tensor-parallel") + 1] == "2"
+    import argparse
+
+    from jkv.disagg.prefill_worker import add_args
+
+    p = argparse.ArgumentParser()
+    add_args(p)  # the worker process parses what it was given
+    assert p.parse_args(args).tensor_parallel == 2
 
 
 def test_jkv_generate_refuses_a_degree_above_the_devices(capsys):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jkv.disagg.decode_worker import DecodeWorker
-from jkv.disagg.handshake import RoleConfig, role_config, weights_fingerprint
+from jkv.disagg.handshake import DECLARED_ONLY, RoleConfig, role_config, weights_fingerprint
 from jkv.disagg.prefill_worker import PrefillWorker
 from jkv.disagg.selectors import build_selector
 from jkv.transfer.plan import TransferConfig
@@ -28,7 +28,6 @@ OTHER = {
     "head_order": ("shard-local", "same jkv release"),
     "max_blocks": (64, "--max-blocks"),
     "page_size": (32, "page size"),
-    "tensor_parallel": (2, "tensor-parallel"),
     "selector": ("quest", "--selector"),
     "compression": ("container-v9/00000000", "same jkv release"),
     "weights": ("0123456789abcdef", "same checkpoint"),
@@ -41,7 +40,22 @@ def selector(model):
 
 
 def test_every_compared_field_has_a_case():
-    assert set(OTHER) == {f.name for f in dataclasses.fields(RoleConfig)} - {"role"}
+    assert set(OTHER) == {f.name for f in dataclasses.fields(RoleConfig)} - set(DECLARED_ONLY)
+
+
+def test_different_tensor_parallel_degrees_connect(model, selector):
+    """TP is declared, not compared: the KV crosses whole-head, each side lays it out on its own
+    mesh (tests/smartgen/test_smartgen_tensor_parallel.py runs such pairs end to end)."""
+    decode = role_config(model, "decode", selector, max_blocks=16, tensor_parallel=1)
+    prefill = role_config(model, "prefill", selector, max_blocks=16, tensor_parallel=2)
+    assert decode.mismatch(prefill.as_dict()) is None and prefill.mismatch(decode.as_dict()) is None
+    server = Endpoint("prefill-0", secret=SECRET, config_check=prefill.check())
+    client = Endpoint("decode-0", secret=SECRET, config_check=decode.check())
+    try:
+        assert client.connect(server.listen()).name == "prefill-0"
+    finally:
+        client.close()
+        server.close()
 
 
 @pytest.mark.parametrize("field", list(OTHER))
