@@ -180,3 +180,14 @@ def test_a_cache_too_large_for_32_bit_offsets_is_refused():
     with pytest.raises(ValueError, match="32-bit offsets"):
         jax.eval_shape(pg.paged_gather_pallas, huge, huge, jax.ShapeDtypeStruct((1, 4), jnp.int32),
                        jax.ShapeDtypeStruct((8, 16), jnp.int32))
+
+
+def test_dispatch_sends_a_cache_too_large_for_the_kernel_to_the_reference(monkeypatch, caplog):
+    monkeypatch.setattr(pg, "paged_gather_pallas", lambda *a, **kw: pytest.fail("the kernel took a 2^31 cache"))
+    dispatch._log_fallback.cache_clear()  # logged once per process: make this test see it
+    huge = jax.ShapeDtypeStruct((2**17, 8, 16, 128), jnp.bfloat16)
+    with dispatch.backend(KERNEL_BACKEND), caplog.at_level("INFO", logger="pallas_kernels.dispatch"):
+        k_sel, _ = jax.eval_shape(dispatch.paged_gather, huge, huge, jax.ShapeDtypeStruct((1, 4), jnp.int32),
+                                  jax.ShapeDtypeStruct((8, 16), jnp.int32))
+    assert k_sel.shape == (1, 8, 16, 128)
+    assert "32-bit offsets" in caplog.text and "XLA reference" in caplog.text
