@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
-from pallas_kernels import dispatch, mosaic_attention as ma  # noqa: E402
+from pallas_kernels import dispatch, mosaic_attention as ma, paged_gather as pg  # noqa: E402
 from pallas_kernels import sparse_attention as sa, split_reorder as sr, topk  # noqa: E402
 from pallas_kernels._common import compiler_params  # noqa: E402
 
@@ -64,9 +64,10 @@ class Case:
 
 
 def kernel_cases() -> list[Case]:
-    """Every kernel configuration the tests lower (tests/kernels/test_gpu_lowering.py) and the
-    Mosaic attention kernels (selected rows and pages) at decode sizes, in bf16 / f16 and in
-    f32 (3xbf16 products) at both head dims f32 takes (64, 128: the SMEM-tightest)."""
+    """Every kernel configuration the tests lower (tests/kernels/test_gpu_lowering.py: top-k,
+    split/reorder, Triton attention, the paged gather) and the Mosaic attention kernels (selected
+    rows and pages) at decode sizes, in bf16 / f16 and in f32 (3xbf16 products) at both head dims
+    f32 takes (64, 128: the SMEM-tightest)."""
     cases = []
     for rows, n, k, dtype in [(64, 32_768, 6_554, BF16), (8, 131_072, 26_215, F32), (3, 1000, 77, F32)]:
         cases.append(Case("topk_select", f"R={rows} N={n} k={k} {jnp.dtype(dtype).name}",
@@ -110,6 +111,14 @@ def kernel_cases() -> list[Case]:
         cases.append(Case("paged_decode_attention[mosaic]",
                           f"B={batch} H_kv={kv_heads} G={group} P={page_size} pages={pages} "
                           f"D={head_dim} {jnp.dtype(dtype).name}", _mosaic_paged, avals))
+    for page_size, head_dim, k, dtype in [(16, 128, 2_048, BF16), (16, 64, 6_554, F32),
+                                          (64, 96, 100, jnp.float16)]:
+        batch, kv_heads, num_pages, pages = 8, 8, 4096, 512
+        cache = S((num_pages, kv_heads, page_size, head_dim), dtype)
+        cases.append(Case("paged_gather[triton]",
+                          f"B={batch} H_kv={kv_heads} P={page_size} pages={pages} k={k} D={head_dim} "
+                          f"{jnp.dtype(dtype).name}", _paged_gather,
+                          (cache, cache, S((batch, pages), I32), S((batch * kv_heads, k), I32))))
     return cases
 
 
@@ -131,6 +140,14 @@ def program_cases() -> list[Case]:
     for backend in ("mosaic", "pallas", "xla"):
         cases.append(Case(f"sparse_decode_layer[{backend}]", f"{geometry} B=8 N=4096 k=20%",
                           sparse_fn, sparse_avals, backend=backend))
+    # the SmartGen decode worker's fused layer on the paged cache (jkv/disagg/decode_program.py),
+    # as a Hopper runs it: oracle select + Triton top-k, Triton split/reorder and paged gather,
+    # Mosaic attention
+    paged_sparse_fn, paged_sparse_avals = dp.sparse_paged_decode_layer_program(cfg, batch=8, page_size=16,
+                                                                               capacity=4096)
+    cases.append(Case("sparse_paged_decode_layer[mosaic]",
+                      f"{geometry} B=8 P=16 pages=2049 table=256 oracle k=20%",
+                      paged_sparse_fn, paged_sparse_avals, backend="mosaic"))
     return cases
 
 
@@ -156,6 +173,10 @@ def _mosaic_attention(q, ks, vs, c):
 
 def _mosaic_paged(q, kp, vp, table, lengths):
     return ma.paged_decode_attention_partials_mosaic(q, kp, vp, table, lengths)
+
+
+def _paged_gather(kp, vp, table, index):
+    return pg.paged_gather_pallas(kp, vp, table, index)
 
 
 def _smem_overflow(x, y):

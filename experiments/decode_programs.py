@@ -12,8 +12,8 @@ there; `small_config()` is a random-weight model with SmolLM2-135M's layer geome
 9 query / 3 KV heads, head dim 64, FFN 1536) but 4 layers and a 4,096-token vocabulary, small
 enough to travel to a GPU machine (weights ~40 MB in bf16) and to compile in seconds.
 
-The sparse layer reads the ops through `pallas_kernels.dispatch`, so the backend active when it is
-traced (Mosaic / Triton / XLA) is what it compiles. It attends over the selected prefix of the
+The sparse layers read the ops through `pallas_kernels.dispatch`, so the backend active when they
+are traced (Mosaic / Triton / XLA) is what they compile. It attends over the selected prefix of the
 cache only (the step's own new k/v is written separately, as in jkv.selection.sparse_decode).
 """
 from __future__ import annotations
@@ -24,6 +24,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jkv.disagg import decode_program
+from jkv.kvcache import sparse
+from jkv.selection import get_selector
 from models import paged, transformer as tfm
 from models.config import ModelConfig
 from models.model import tiny_config
@@ -130,3 +133,39 @@ def sparse_decode_layer_program(cfg: ModelConfig, batch: int = 8, n_max: int = 4
         jax.ShapeDtypeStruct((batch, n_max), jnp.int8),
     )
 
+
+
+def sparse_paged_decode_layer_program(cfg: ModelConfig, batch: int = 8, page_size: int = 16,
+                                      capacity: int = 4096, selector: str = "oracle"
+                                      ) -> tuple[Callable, tuple]:
+    """The decode worker's fused sparse layer on the paged cache (`decode_program.fused`, what
+    `LayerPrograms.fused` jits; a selected layer, not a dense one). Arguments, as the worker
+    passes them: (layer_params, metadata (the selector's, f32 [B, H_kv, capacity, D] keys for
+    oracle), x [B, hidden], q, query [B, H, D], k_new [B, H_kv, D], pos i32[B], now_cached i32[B],
+    K, V [num_pages, H_kv, P, D], mask i8[L, num_pages, H_kv, P], layer i32[], table
+    i32[B, capacity / P], fetchable bool[B]) -> (metadata, kv_index i32[B*H_kv, k], remote_count
+    i32[B*H_kv], x [B, hidden]). num_pages = B * capacity / P + 1 (the null page): every request
+    can hold `capacity` tokens. k = 20% of capacity (the selector's max_ratio)."""
+    chosen = get_selector(selector)
+    h_kv, head_dim = cfg.num_kv_heads, cfg.head_dim
+    max_pages = capacity // page_size
+    num_pages = batch * max_pages + 1
+    dtype = jnp.dtype(cfg.dtype)
+
+    def aval(shape, dt=dtype):
+        return jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
+
+    def layer(params, meta, x, q, query, k_new, pos, now_cached, K, V, mask, layer_i, table, fetchable):
+        return decode_program.fused(cfg, chosen, capacity, False, params, None, meta, x, q, query, k_new, pos,
+                                    now_cached, K, V, mask, layer_i, table, fetchable)
+
+    layer_avals = jax.eval_shape(lambda p: p["layers"][0], param_avals(cfg))
+    meta = jax.eval_shape(lambda K, n: chosen.prepare(cfg.num_layers - 1, K, n),
+                          aval((batch, h_kv, capacity, head_dim), jnp.float32), aval((batch,), jnp.int32))
+    pages = aval((num_pages, h_kv, page_size, head_dim))
+    mask = jax.eval_shape(lambda: sparse.init_mask(cfg.num_layers, num_pages, h_kv, page_size))
+    ids = aval((batch,), jnp.int32)
+    heads = aval((batch, cfg.num_heads, head_dim))
+    return layer, (layer_avals, meta, aval((batch, cfg.hidden_size)), heads, heads,
+                   aval((batch, h_kv, head_dim)), ids, ids, pages, pages, mask, aval((), jnp.int32),
+                   aval((batch, max_pages), jnp.int32), aval((batch,), jnp.bool_))

@@ -11,10 +11,12 @@
     merge_partials((o1, lse1), (o2, lse2)) -> (o, lse)
     paged_decode_attention_partials(q: [B, H, D], k_pages, v_pages: [num_pages, H_kv, P, D],
         page_table: i32[B, max_pages], lengths: i32[B]) -> (out f32[B, H, D], lse f32[B, H])
+    paged_gather(k_pages, v_pages: [num_pages, H_kv, P, D], page_table: i32[B, max_pages],
+        kv_index: i32[B*H_kv, k]) -> (k_sel, v_sel: [B, H_kv, k, D])
 
 Backends: "mosaic" (Hopper+: sparse attention by the Mosaic GPU kernel of `mosaic_attention`,
 bf16 / f16 and f32 (the latter as 3xbf16 products, ~16 mantissa bits: see that module), the
-other ops by the Triton kernels; shapes the Mosaic kernel does not take (a head dim whose rows
+other ops (top-k, split/reorder, the paged gather) by the Triton kernels; shapes the Mosaic kernel does not take (a head dim whose rows
 are not a multiple of 128 bytes, f32 at a head dim other than 64 or 128, a query group over 64)
 fall back to Triton, paged attention to the XLA reference, with one log line per reason),
 "pallas" (compiled
@@ -38,7 +40,7 @@ from typing import Iterator
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_attention, sparse_attention
+from pallas_kernels import mosaic_attention, paged_gather as paged_gather_mod, sparse_attention
 from pallas_kernels import split_reorder as split_reorder_mod, topk
 from pallas_kernels._common import TRITON_AVAILABLE
 from pallas_kernels.sparse_attention import merge_partials
@@ -54,6 +56,7 @@ __all__ = [
     "get_backend",
     "merge_partials",
     "paged_decode_attention_partials",
+    "paged_gather",
     "resolved_backend",
     "set_backend",
     "sparse_decode_attention",
@@ -145,6 +148,12 @@ def _kernel_mode() -> bool | None:
 def _log_mosaic_fallback(op: str, reason: str, fallback: str) -> None:
     # Once per (op, reason): a fallback is a per-shape fact, not a per-call event.
     log.info("%s: Mosaic kernel does not take this call (%s); using %s", op, reason, fallback)
+
+
+@functools.cache
+def _log_fallback(op: str, reason: str, fallback: str) -> None:
+    # Once per (op, reason), as above, for a Triton kernel that does not take a call.
+    log.info("%s: the Triton kernel does not take this call (%s); using %s", op, reason, fallback)
 
 
 def _check_k(k: int) -> int:
@@ -288,3 +297,31 @@ def paged_decode_attention_partials(
     return mosaic_attention.paged_decode_attention_partials_reference(
         q, k_pages, v_pages, page_table, lengths, scale=scale
     )
+
+
+def paged_gather(
+    k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array, kv_index: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The selected rows of the paged KV cache in selection order: (k_sel, v_sel) [B, H_kv, k, D].
+    Row r = b*H_kv + h of kv_index i32[B*H_kv, k] names token positions t of request b, read
+    from page page_table[b, t // P], slot t % P, head h of k_pages / v_pages
+    [num_pages, H_kv, P, D]; a -1 reads the null page 0 (see `paged_gather` module docstring).
+    The Triton kernel on a GPU backend, the XLA reference under "xla"."""
+    if k_pages.ndim != 4 or v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"{k_pages.shape=} / {v_pages.shape=} ({k_pages.dtype}, {v_pages.dtype}) "
+                         "must be one shape [num_pages, H_kv, P, D] and one dtype")
+    if page_table.ndim != 2 or not jnp.issubdtype(page_table.dtype, jnp.integer):
+        raise ValueError(f"page_table {page_table.shape} {page_table.dtype} must be i32[B, max_pages]")
+    rows = page_table.shape[0] * k_pages.shape[1]
+    if kv_index.ndim != 2 or kv_index.shape[0] != rows or not jnp.issubdtype(kv_index.dtype, jnp.integer):
+        raise ValueError(f"kv_index {kv_index.shape} {kv_index.dtype} must be i32[B*H_kv = {rows}, k]")
+    interpret = _kernel_mode()
+    if interpret is not None:
+        try:
+            paged_gather_mod.check_cache_size(k_pages)
+        except ValueError as exc:
+            _log_fallback("paged gather", str(exc), "the XLA reference")
+        else:
+            return paged_gather_mod.paged_gather_pallas(k_pages, v_pages, page_table, kv_index,
+                                                        interpret=interpret)
+    return paged_gather_mod.paged_gather_reference(k_pages, v_pages, page_table, kv_index)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jkv.kvbuffers.geometry import LOCAL, PAD, REMOTE
+from pallas_kernels import dispatch
 
 NULL_PAGE = 0
 
@@ -87,18 +88,13 @@ def mask_rows(mask, layer, table, fetchable):
 
 
 def gather_selected(K, V, table, kv_index):
-    """The selected rows from the pages, in selection order.
+    """The selected rows from the pages, in selection order, by `dispatch.paged_gather` (the
+    Pallas Triton gather on a GPU backend, an XLA gather on CPU).
 
     K, V: [num_pages, H_kv, P, D]; table: i32[B, max_pages]; kv_index: i32[B*H_kv, k] (-1 past a
     row's valid prefix: read from the null page, never attended) -> K_sel, V_sel [B, H_kv, k, D]
     and valid i32[B, H_kv]."""
-    B, max_pages = table.shape
-    H, P = K.shape[1], K.shape[2]
-    index = kv_index.reshape(B, H, -1)
-    safe = jnp.maximum(index, 0)
-    page = jnp.take_along_axis(table[:, None, :], jnp.clip(safe // P, 0, max_pages - 1), axis=2)
-    page = jnp.where(index >= 0, page, NULL_PAGE)
-    heads = jnp.arange(H, dtype=jnp.int32)[None, :, None]
-    slot = safe % P
-    valid = (index >= 0).sum(axis=2).astype(jnp.int32)
-    return K[page, heads, slot], V[page, heads, slot], valid
+    B, H = table.shape[0], K.shape[1]
+    K_sel, V_sel = dispatch.paged_gather(K, V, table, kv_index)
+    valid = (kv_index.reshape(B, H, -1) >= 0).sum(axis=2).astype(jnp.int32)
+    return K_sel, V_sel, valid

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental import pallas as pl
 
+from pallas_kernels import paged_gather as pg
 from pallas_kernels import sparse_attention as sa
 from pallas_kernels import split_reorder as sr
 from pallas_kernels import topk
@@ -80,6 +81,22 @@ def test_sparse_attention_lowers(group, dtype, head_dim):
         _spec((rows, k, head_dim), dtype),
         _spec((rows,), I32),
         launches=1,
+    )
+
+
+@pytest.mark.parametrize(
+    "page_size,head_dim,dtype,k", [(16, 128, jnp.bfloat16, 2_048), (16, 64, jnp.float32, 6_554), (64, 96, jnp.float16, 100)]
+)
+def test_paged_gather_lowers(page_size, head_dim, dtype, k):
+    batch, kv_heads, num_pages, max_pages = 8, 8, 4096, 512
+    cache = _spec((num_pages, kv_heads, page_size, head_dim), dtype)
+    _assert_lowers(
+        lambda kp, vp, t, i: pg.paged_gather_pallas(kp, vp, t, i),
+        cache,
+        cache,
+        _spec((batch, max_pages), I32),
+        _spec((batch * kv_heads, k), I32),
+        launches=1,  # K and V in one launch
     )
 
 

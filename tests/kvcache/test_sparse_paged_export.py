@@ -4,8 +4,8 @@ the device → split_reorder against the paged KV mask → gather of the selecte
 with the selector inside it, not only the kernels.
 
 Under dispatch backend "mosaic" (what "auto" picks on Hopper) a bf16 model with head dim 64 takes
-the Mosaic GPU sparse attention kernel and the Triton top-k and split kernels: the test counts
-their custom calls, so a silent fall back to XLA fails it. Under "xla" (CPU) the module has no
+the Mosaic GPU sparse attention kernel and the Triton top-k, split and paged-gather kernels: the
+test counts their custom calls, so a silent fall back to XLA fails it. Under "xla" (CPU) the module has no
 custom call. Parameters, pages and metadata travel as abstract values (no weights baked in).
 """
 import functools
@@ -25,6 +25,7 @@ from pallas_kernels._common import gpu_lowering_context
 B, NUM_PAGES, P, CAPACITY = 4, 64, 16, 256
 MOSAIC_CALL = "@mosaic_gpu_v2("
 TRITON_CALL = "__gpu$xla.gpu.triton"
+GATHER_KERNEL = 'name = "paged_gather"'  # the Triton call's backend config names its kernel
 
 
 def _export(fn, *args):
@@ -71,7 +72,8 @@ def test_fused_sparse_paged_layer_exports_for_cuda(dtype, backend):
     assert x.shape == (B, cfg.hidden_size) and remote.shape == (B * cfg.num_kv_heads,)
     assert kv_index.shape[0] == B * cfg.num_kv_heads
     module = exported.mlir_module()
-    if backend == "mosaic":  # one sparse attention launch; top-k and split_reorder by Triton
-        assert module.count(MOSAIC_CALL) == 1 and module.count(TRITON_CALL) >= 2
+    if backend == "mosaic":  # one sparse attention launch; top-k, split_reorder, gather by Triton
+        assert module.count(MOSAIC_CALL) == 1 and module.count(TRITON_CALL) >= 3
+        assert module.count(GATHER_KERNEL) == 1  # the rows come from the pages by the gather kernel
     else:
         assert MOSAIC_CALL not in module and TRITON_CALL not in module
