@@ -52,7 +52,7 @@ DEFAULT_DECODE_TOKENS = 16384  # device KV tokens of the default pool (--num-pag
 MAX_PIECE = 4096  # rows per upload piece: a 4 x 512-token batch of 3 KV heads lands in 2 pieces
 
 
-def _pow2_pieces(n: int) -> list[int]:
+def upload_pieces(n: int) -> list[int]:
     """n as MAX_PIECE pieces, then the rest as a sum of distinct powers of two, largest first
     (upload piece sizes: each one of the log2(MAX_PIECE) + 1 sizes `warm_up` compiles)."""
     rest = n % MAX_PIECE
@@ -136,7 +136,7 @@ class DecodePages:
         dtype = self.cache.dtype
         k, v = np.asarray(k, dtype), np.asarray(v, dtype)
         at = 0
-        for size in _pow2_pieces(len(pages)):
+        for size in upload_pieces(len(pages)):
             s = slice(at, at + size)
             at += size
             K, V = self.cache.kv[layer]
