@@ -386,11 +386,12 @@ class DecodeWorker(OwnerSide, FetchLanes):
     def _warm_up(self, lives) -> None:
         """Compile what a decode step of `lives` runs (one batch of their N_cap): the landing
         programs and the layer programs of its shape class (decode_program.py, decode_pages.py),
-        so no step compiles. Once per process and shape class; later calls only look it up."""
+        so no step compiles; the three-program path only while a member may still fetch. Once per
+        process and shape class; later calls only look it up."""
         self.pages.warm_up()
         self.programs.warm_up(self.model, self.pages, len(lives), max(lv.kv.capacity for lv in lives),
                               dense_layer_count(self.selector, self.model.cfg.num_layers),
-                              lookahead=self.transfer.layer_lookahead and not self.selector.is_dense,
+                              remote=any(lv.fetchable for lv in lives), lookahead=self.transfer.layer_lookahead and not self.selector.is_dense,
                               hint=self._hint)
 
     def _decode_step(self) -> None:
