@@ -71,6 +71,7 @@ LONG_FILES = (
     "tests/serve/test_batcher.py",
     "tests/serve/test_paged_batcher.py",
     "tests/smartgen/test_smartgen_api.py",
+    "tests/smartgen/test_smartgen_compiles.py",
     "tests/serve/test_supervision.py",
     "tests/serve/test_server_api.py",
     "tests/serve/test_config_shutdown.py",

@@ -43,11 +43,27 @@ def stack(selector, cfg, lives, capacity: int) -> list:
     return out
 
 
-def _stack_layer(selector, layer: int, lives, lengths, shape):
+def empty(selector, cfg, layer: int, batch: int, capacity: int):
+    """A selected layer's batched metadata for `batch` requests at N_cap = capacity, all zeros:
+    the shapes and dtypes `stack` gives that layer (the decode programs' warm-up compiles with it)."""
+    H, D = cfg.num_kv_heads, cfg.head_dim
+    lengths = jnp.ones(batch, jnp.int32)
+    if not needs_metadata(selector):
+        return selector.prepare(layer, jnp.zeros((batch, H, capacity, D), jnp.float32), lengths)
+    leaves, treedef = _zero_leaves(selector, layer, lengths, (batch, H, capacity, D))
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(x) for x in leaves])
+
+
+def _zero_leaves(selector, layer: int, lengths, shape):
+    """(zeroed numpy leaves, treedef) of `selector.prepare(layer, K[shape], lengths)`."""
     spec = jax.ShapeDtypeStruct(shape, jnp.float32)
     target = jax.eval_shape(functools.partial(selector.prepare, layer), spec, lengths)
     leaves_t, treedef = jax.tree_util.tree_flatten(target)
-    leaves = [np.zeros(t.shape, t.dtype) for t in leaves_t]
+    return [np.zeros(t.shape, t.dtype) for t in leaves_t], treedef
+
+
+def _stack_layer(selector, layer: int, lives, lengths, shape):
+    leaves, treedef = _zero_leaves(selector, layer, lengths, shape)
     for b, lv in enumerate(lives):
         if lv.recomputed and layer not in lv.meta:
             K = jnp.asarray(lv.kv.kv[0][layer][None])

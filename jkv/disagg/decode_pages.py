@@ -26,8 +26,11 @@ Only these copies move KV host->device, and `land` counts them by cause into the
 `h2d_bytes` (totals): "arrived" (block writes and "ckv" frames), "fetched" (on-demand and
 lookahead replies), "other" (a prompt recomputed here after its owner failed). The step's own
 new K, V are computed on the device and written there (`write_new`): no host->device bytes.
-Uploads go in power-of-two pieces, so every byte counted is a row (no padding crosses) and a few
-compiled programs serve every batch size.
+Uploads go in power-of-two pieces of at most MAX_PIECE rows, so every byte counted is a row (no
+padding crosses) and a fixed set of compiled programs (one per piece size, 1 .. MAX_PIECE) serves
+every batch size. `warm_up` compiles them all before the first step: which sizes a step needs
+depends on what arrived and what was fetched, so compiling on first use put compiles inside
+smartgen's first decode step (its TTST).
 
 Tensor parallelism (`sharding=Model.kv_sharding`): the pages are split by KV head over the decode
 model's mesh and the mask is replicated on it. Rows arrive whole-head from the wire (every head,
@@ -54,9 +57,17 @@ CAUSES = ("arrived", "fetched", "other")
 DEFAULT_DECODE_TOKENS = 16384  # device KV tokens of the default pool (--num-pages overrides)
 
 
-def _pow2_pieces(n: int) -> list[int]:
-    """n as a sum of distinct powers of two, largest first (upload piece sizes)."""
-    return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
+MAX_PIECE = 4096  # rows per upload piece: a 4 x 512-token batch of 3 KV heads lands in 2 pieces
+
+
+def upload_pieces(n: int) -> list[int]:
+    """n as MAX_PIECE pieces, then the rest as a sum of distinct powers of two, largest first
+    (upload piece sizes: each one of the log2(MAX_PIECE) + 1 sizes `warm_up` compiles)."""
+    rest = n % MAX_PIECE
+    return [MAX_PIECE] * (n // MAX_PIECE) + [1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1]
+
+
+_warm_landing: set = set()  # (K, V, mask) avals whose landing programs are compiled (this process)
 
 
 @functools.lru_cache(maxsize=4)
@@ -151,7 +162,7 @@ class DecodePages:
         dtype = self.cache.dtype
         k, v = np.asarray(k, dtype), np.asarray(v, dtype)
         at = 0
-        for size in _pow2_pieces(len(pages)):
+        for size in upload_pieces(len(pages)):
             s = slice(at, at + size)
             at += size
             K, V = self.cache.kv[layer]
@@ -159,6 +170,24 @@ class DecodePages:
                 K, V, self.mask, np.int32(layer), pages[s].astype(np.int32), heads[s].astype(np.int32),
                 slots[s].astype(np.int32), k[s], v[s], np.full(size, LOCAL, np.int8))
             self._set_layer(layer, K, V)
+
+    def warm_up(self) -> int:
+        """Compile the landing program for every upload piece size (1, 2, 4 .. MAX_PIECE rows) of
+        this cache's shapes, ahead of time (nothing runs, nothing is written). Once per process
+        for a shape. Returns the number of programs compiled."""
+        K, V = self.cache.kv[0]
+        key = (K.shape, K.dtype, self.mask.shape, self._land_rows)  # the TP-pinned program is its own
+        if key in _warm_landing:
+            return 0
+        D, count = self.head_dim, 0
+        for b in range(MAX_PIECE.bit_length()):
+            rows = [jax.ShapeDtypeStruct((1 << b,), jnp.int32)] * 3
+            kv = [jax.ShapeDtypeStruct((1 << b, D), K.dtype)] * 2
+            self._land_rows.lower(K, V, self.mask, np.int32(0), *rows, *kv,
+                                   jax.ShapeDtypeStruct((1 << b,), jnp.int8)).compile()
+            count += 1
+        _warm_landing.add(key)
+        return count
 
     def _set_layer(self, layer, K, V) -> None:
         kv = self.cache.kv

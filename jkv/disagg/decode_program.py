@@ -25,6 +25,13 @@ kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CP
 
 Programs are jitted once per (model, selector) and shared by every layer (the layer's params,
 selector state and pages are arguments); `capacity` and `dense` are static.
+
+Warm-up (`LayerPrograms.warm_up`): a step compiles nothing. Each program's shapes follow the
+batch's shape class (B, N_cap) and the layer kind (dense or selected), so the worker compiles
+every program a step of that class can run when the class first appears (requests handed in,
+a membership change), not on first use: smartgen's first step is the first to run `select`,
+`split` and `attend` (every other mode has everything local by then and runs `fused`), so
+compiling them there went straight into its time to second token.
 """
 from __future__ import annotations
 
@@ -32,8 +39,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jkv.disagg import decode_metadata
 from jkv.kvcache import sparse
+from jkv.sampling import sample_or_argmax
 from jkv.selection.base import all_tokens_index
 from models import transformer as tfm
 from pallas_kernels import dispatch
@@ -89,7 +99,65 @@ class LayerPrograms:
         self.split = _split
         self.attend = jax.jit(functools.partial(attend, cfg))
         self.fused = jax.jit(functools.partial(fused, cfg, selector), static_argnames=("capacity", "dense"))
+        self._warm: set = set()  # shape classes warm_up has compiled
 
+    def warm_up(self, model, pages, batch: int, capacity: int, dense_below: int, *, remote: bool = True,
+                lookahead: bool = False, hint=None) -> bool:
+        """Compile every program a decode step of `batch` requests at N_cap = `capacity` runs, for
+        each layer kind present (dense below `dense_below`, selected from it): the model's embed,
+        qkv and logits, the new token's page write, `fused` and the selected-row count; with
+        `remote` (a member may still fetch) also select, split and attend; with `lookahead` the
+        next layer's hint (`hint`, or the selector's own select). The layer programs are compiled
+        ahead of time from shapes; the rest runs once on zeros (reads only: pages and mask are
+        not written). False when this class was warm already. Dispatch backend: the one in force
+        now (see the module docstring)."""
+        K, V = pages.cache.kv[0]
+        key = (batch, capacity, K.shape, K.dtype, pages.mask.shape, remote, lookahead, hint is not None,
+               attention_fn() is None)
+        if key in self._warm:
+            return False
+        cfg = self.cfg
+        i32 = np.zeros(batch, np.int32)
+        x = model.embed(i32)
+        q, k, v = model.qkv(0, x, i32)
+        table = jnp.asarray(np.zeros((batch, -(-capacity // pages.page_size)), np.int32))  # host->device copies
+        pos = jnp.asarray(i32)  # compile a small program per shape too
+        sparse.write_new_token.lower(K, V, pages.mask, np.int32(0), table, pos, k, v).compile()
+        step = dict(model=model, pages=pages, capacity=capacity, x=x, q=q, k=k, table=table, pos=pos)
+        if dense_below > 0:  # one layer of each kind: the programs are shared by every layer
+            self._warm_kind(0, True, remote, **step)
+        if dense_below < cfg.num_layers:
+            self._warm_kind(dense_below, False, remote, **step)
+            if lookahead:  # the lookahead thread's selection of the next layer
+                meta, lengths = decode_metadata.empty(self.selector, cfg, dense_below, batch, capacity), i32 + 1
+                np.asarray(hint(dense_below, q, meta, lengths) if hint is not None
+                           else self.selector.select(dense_below, q, meta, lengths))
+        rows = jnp.asarray(np.zeros(batch * cfg.num_kv_heads, np.int32))  # per layer, stacked once a step
+        np.asarray(jnp.stack([rows] * cfg.num_layers))
+        sample_or_argmax(model.logits(x), np.zeros(batch, np.float32), i32, np.ones(batch, np.float32),
+                         np.zeros(batch, np.uint32), i32)  # greedy: a sampled batch compiles its sampler
+        self._warm.add(key)
+        return True
+
+    def _warm_kind(self, layer: int, dense: bool, remote: bool, model, pages, capacity, x, q, k, table,
+                   pos) -> None:
+        """`warm_up`'s layer programs for the kind of `layer`, called as `_decode_layer` calls them."""
+        sel, batch = self.selector, x.shape[0]
+        K, V = pages.cache.kv[layer]
+        meta = None if dense else decode_metadata.empty(sel, self.cfg, layer, batch, capacity)
+        query = q if dense else sel.decode_query(layer, q, lambda: q)
+        args = dict(capacity=capacity, dense=dense, state=None if dense else sel.layer_state(layer),
+                    meta=meta, query=query, k_new=k, pos=pos, now_cached=pos)
+        fetchable, params = jax.ShapeDtypeStruct((batch,), jnp.bool_), model.layer_params(layer)
+        fused = self.fused.lower(**args, params=params, x=x, q=q, K=K, V=V, mask=pages.mask, layer=np.int32(layer),
+                                 table=table, fetchable=fetchable)
+        fused.compile()
+        kv_index = fused.out_info[1]
+        selected_rows.lower(kv_index).compile()
+        if remote:
+            self.select.lower(**args).compile()
+            self.split.lower(pages.mask, np.int32(layer), table, fetchable, kv_index).compile()
+            self.attend.lower(params, x, q, K, V, table, kv_index).compile()
 
 _split = jax.jit(split)
 
@@ -104,3 +172,6 @@ def programs_for(cfg, selector) -> LayerPrograms:
 def valid_rows(kv_index) -> jax.Array:
     """Selected entries per row: i32[B*H_kv] (-1 marks the unused tail)."""
     return (kv_index >= 0).sum(axis=1).astype(jnp.int32)
+
+
+selected_rows = jax.jit(valid_rows)

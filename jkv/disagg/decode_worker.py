@@ -75,7 +75,6 @@ import queue
 import threading
 import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -101,7 +100,6 @@ __all__ = ["CAPACITY_BUCKET", "DecodeWorker", "RequestFailed"]
 
 log = logging.getLogger(__name__)
 
-_selected_rows = jax.jit(decode_program.valid_rows)
 
 
 
@@ -212,6 +210,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
                 lives.append(lv)
             self._pending.extend(lives)
             self._hand_in(lives)
+            self._warm_up(self._running + lives)  # while the prompts prefill
             self._await_handoffs(lives)
             self._admit(lives)
             while len(outputs) < len(lives):
@@ -316,6 +315,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
             lives.append(lv)
         self._pending.extend(lives)
         self._hand_in(lives)
+        if lives:
+            self._warm_up(self._running + self._pending)  # the batch they will likely join, while they prefill
 
     def _admit(self, arrived) -> None:
         """Step boundary: requests whose hand-off arrived join the running set (their first token
@@ -380,6 +381,19 @@ class DecodeWorker(OwnerSide, FetchLanes):
         self._running = list(members)
         self._batch_meta = (decode_metadata.stack(self.selector, self.model.cfg, self._running,
                                                   max(lv.kv.capacity for lv in members)) if members else None)
+        if members:
+            self._warm_up(members)  # nothing to do unless a request joined or left unforeseen
+
+    def _warm_up(self, lives) -> None:
+        """Compile what a decode step of `lives` runs (one batch of their N_cap): the landing
+        programs and the layer programs of its shape class (decode_program.py, decode_pages.py),
+        so no step compiles; the three-program path only while a member may still fetch. Once per
+        process and shape class; later calls only look it up."""
+        self.pages.warm_up()
+        self.programs.warm_up(self.model, self.pages, len(lives), max(lv.kv.capacity for lv in lives),
+                              dense_layer_count(self.selector, self.model.cfg.num_layers),
+                              remote=any(lv.fetchable for lv in lives), lookahead=self.transfer.layer_lookahead and not self.selector.is_dense,
+                              hint=self._hint)
 
     def _decode_step(self) -> None:
         """One decode step of the running set (one token per request), then the step boundary:
@@ -456,7 +470,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
             hit = LayerLookahead.hits(delivered, np.asarray(kv_index))
             remote_rows = remote_rows + hit
             clock.count("prefetch_hit_n", hit.sum())
-        st.selected.append(_selected_rows(kv_index))
+        st.selected.append(decode_program.selected_rows(kv_index))
         st.step_remote += remote_rows.reshape(B, H).sum(axis=1)
         clock.count("remote_n", remote_rows.sum())
         st.x.block_until_ready()
