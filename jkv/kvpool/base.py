@@ -121,6 +121,17 @@ class Reachability:
         with self._lock:
             return not self._dead or time.monotonic() >= self._dead_until
 
+    @property
+    def reachable(self) -> bool:
+        """False while the pool counts as dead (no network touched: callers skip it cheaply)."""
+        return self._usable()
+
+    @property
+    def errors(self) -> int:
+        """Failed operations so far (timeouts, refused or lost connections, refusals)."""
+        with self._lock:
+            return self._errors
+
     def _mark_failed(self, op: str, exc: Exception) -> None:
         with self._lock:
             self._errors += 1
