@@ -28,7 +28,6 @@ verification; the counters are guarded by `_lock`.
 """
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -44,7 +43,6 @@ from jkv.kvpool.hashing import ChunkKey, ChunkNamespace
 log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 30.0
-KNOWN_KEYS = 1 << 16  # keys remembered as held by the pool (skips re-writing a page loaded from it)
 SCHEMES = ("redis://", "rediss://", "unix://", "jkvpool://")
 
 
@@ -99,7 +97,6 @@ class RemoteTier:
         self._lock = threading.Lock()
         self._skip_until = 0.0
         self._last_warning = -float("inf")
-        self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._failures = 0  # timeouts the engine saw and pages failing verification
         self.loaded_pages = 0  # pages read back and verified (the engine counts the ones it used)
         self.lookups = 0  # prefetches started
@@ -111,21 +108,21 @@ class RemoteTier:
     def errors(self) -> int:
         """Failed or timed-out L3 operations plus pages failing verification."""
         with self._lock:
-            return self._failures + getattr(self.pool, "errors", 0)
+            return self._failures + getattr(self.pool, "errors", 0) + getattr(self.pool, "corrupt", 0)
 
     def _usable(self) -> bool:
         with self._lock:
             skip = time.monotonic() < self._skip_until
         return not skip and getattr(self.pool, "reachable", True)
 
-    def _failed(self, what: str) -> None:
-        """Count a failure, skip L3 for retry_after_s, forget which keys the pool holds (it may
-        have restarted empty), warn at most once per WARN_EVERY_S."""
+    def _failed(self, what: str, skip: bool = True) -> None:
+        """Count a failure, skip L3 for retry_after_s (unless the pool is fine and only an entry
+        was bad: `skip=False`), warn at most once per WARN_EVERY_S."""
         now = time.monotonic()
         with self._lock:
             self._failures += 1
-            self._skip_until = now + self.retry_after_s
-            self._known.clear()
+            if skip:
+                self._skip_until = now + self.retry_after_s
             warn = now - self._last_warning >= WARN_EVERY_S
             if warn:
                 self._last_warning = now
@@ -150,7 +147,11 @@ class RemoteTier:
         """Loader thread: the verified leading run of keys' pages (each page_shape, dtype)."""
         buffers = [np.empty(self.page_shape, self.dtype) for _ in keys]
         errors_before = getattr(self.pool, "errors", 0)
-        metas = self.pool.get_many([self._key(k) for k in keys], buffers)
+        try:
+            metas = self.pool.get_many([self._key(k) for k in keys], buffers)
+        except ValueError as e:  # an entry larger than a page: not this cache's page, whatever it is
+            self._failed(f"a stored entry does not fit a page ({e}); not used", skip=False)
+            return []
         if getattr(self.pool, "errors", 0) > errors_before:  # the pool counted the failure itself
             self._failed(f"lookup of {len(keys)} pages failed (see the KV pool's warning)")
             return []
@@ -160,13 +161,11 @@ class RemoteTier:
                 break  # a miss: the pool never wrote it, evicted it, or it failed the CRC (pool logs that)
             if tuple(meta.shape) != self.page_shape or meta.dtype != self.dtype.name:
                 self._failed(f"a page under {keys[n].hex()} is {meta.dtype}{list(meta.shape)}, not the cache's "
-                             f"{self.dtype.name}{list(self.page_shape)}; not used")
+                             f"{self.dtype.name}{list(self.page_shape)}; not used", skip=False)
                 break
             n += 1
         with self._lock:
             self.loaded_pages += n
-            for k in keys[:n]:
-                self._remember(k)
         return buffers[:n]
 
     def collect(self, prefetch: Prefetch) -> list[np.ndarray] | None:
@@ -189,17 +188,6 @@ class RemoteTier:
         return prefetch.outcome
 
     # ---------------------------------------------------------------- writes (write-back's remote stage)
-    def known(self, key: bytes) -> bool:
-        """True if this server wrote or read `key` in the pool recently (a hint: skip re-writing)."""
-        with self._lock:
-            return key in self._known
-
-    def _remember(self, key: bytes) -> None:
-        self._known[key] = None
-        self._known.move_to_end(key)
-        while len(self._known) > KNOWN_KEYS:
-            self._known.popitem(last=False)
-
     def put_pages(self, data: np.ndarray, keys: list[bytes]) -> int:
         """Write data[i] ([L, 2, H_kv, P, D]) under keys[i]; returns how many were stored. While
         L3 is skipped after a failure nothing is sent."""
@@ -210,14 +198,13 @@ class RemoteTier:
             errors_before = getattr(self.pool, "errors", 0)
             if self.pool.put(self._key(k), np.ascontiguousarray(data[i])):
                 stored += 1
-                with self._lock:
-                    self._remember(k)
             elif getattr(self.pool, "errors", 0) > errors_before:
                 self._failed("write of a page failed (see the KV pool's warning)")
                 break
         return stored
 
     def close(self) -> None:
-        """Stop the loader threads (a read in flight ends within the op timeout) and close the pool."""
-        self._loader.shutdown(wait=False, cancel_futures=True)
+        """Stop the loader threads (waits for a read in flight: at most the op timeout) and close
+        the pool."""
+        self._loader.shutdown(wait=True, cancel_futures=True)
         self.pool.close()

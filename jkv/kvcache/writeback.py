@@ -13,8 +13,9 @@ copied it to host memory, then drops it.
 
 Bounds: each stage holds at most `max_pages` pages (device snapshots in the host stage, host arrays
 in the remote stage). A job that does not fit is dropped, its pages counted in `dropped` (a later
-request recomputes them: a write-back is an optimisation, never needed for correct tokens). L3 puts
-of a key the remote tier is known to hold are skipped (`RemoteTier.known`).
+request recomputes them: a write-back is an optimisation, never needed for correct tokens). A page
+that came from L3 and is evicted again is written again: that refreshes it in the pool's LRU, and
+no stale "the pool has it" list can outlive a pool that restarted empty.
 
 Which tiers get a page: both, when it leaves the device (write-through from L1 eviction). L3 is
 then a superset of what L2 held, so an L2 eviction loses nothing and needs no hook into the host
@@ -123,15 +124,12 @@ class WriteBack:
                 self.host_writes += stored
         if self.remote is None:
             return
-        todo = [i for i, k in enumerate(keys) if not self.remote.known(k)]
-        if not todo:
-            return
         with self._cond:
-            if self._closed or self._remote_pages + len(todo) > self.max_pages:
-                self.dropped["remote"] += len(todo)
+            if self._closed or self._remote_pages + len(keys) > self.max_pages:
+                self.dropped["remote"] += len(keys)
                 return
-            self._remote_jobs.append((data[todo], [keys[i] for i in todo]))
-            self._remote_pages += len(todo)
+            self._remote_jobs.append((data, keys))
+            self._remote_pages += len(keys)
             self._cond.notify_all()
 
     def _write_remote(self, data: np.ndarray, keys: list[bytes]):
