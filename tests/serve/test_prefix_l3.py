@@ -62,6 +62,10 @@ def _remote_hits(metrics):
     return _metric(metrics, "jkv_prefix_cache_hit_tokens_total", {"tier": "remote"})
 
 
+def _warned(caplog):
+    return any(r.levelno == logging.WARNING and "recompute" in r.getMessage() for r in caplog.records)
+
+
 def _finish(b):
     _idle_and_leak_free(b)
     assert b.kv.writeback.flush(30) and b.kv.writeback.pending_pages == 0
@@ -127,7 +131,7 @@ def test_redis_killed_or_stopped_mid_run_means_recompute_within_the_op_timeout_t
             run_concurrently_through(redis_server.stop)  # killed
         errors = _metric(metrics, "jkv_prefix_cache_l3_errors_total")
         assert errors > 0
-        assert any("prefix cache L3" in r.getMessage() for r in caplog.records), "no warning about L3"
+        assert _warned(caplog), "no warning about L3"
         redis_server.start()  # the same port, empty
         recovered("the restart")
 
@@ -135,7 +139,7 @@ def test_redis_killed_or_stopped_mid_run_means_recompute_within_the_op_timeout_t
         with caplog.at_level(logging.WARNING, logger="jkv"):
             run_concurrently_through(lambda: stop_process(redis_server.proc.pid))  # stopped: answers never come
         assert _metric(metrics, "jkv_prefix_cache_l3_errors_total") > errors
-        assert any("prefix cache L3" in r.getMessage() for r in caplog.records)
+        assert _warned(caplog)  # the tier's own warning is rate-limited (30 s); the pool's says it went away
         os.kill(redis_server.proc.pid, signal.SIGCONT)
         recovered("SIGCONT")
         assert waits and max(waits) < TIMEOUT + 0.5, f"a request waited {max(waits):.2f} s for L3 (timeout {TIMEOUT})"
