@@ -21,8 +21,12 @@ from jkv.kvcache import kv_bytes_per_token
 from jkv.serving.metrics import ServerMetrics
 from tests.kvpool.redis_server import MISSING_REASON, REDIS_SERVER, RedisServer
 from tests.stop_process import stop_process
+import test_prefix_batcher
 from test_prefix_batcher import PAGE, _answer, _assert_same, _greedy, _idle_and_leak_free, _metric, _prompt, _start
-from test_prefix_batcher import model, reference  # noqa: F401  (fixtures)
+
+# the tiny model and the reference engine without prefix caching (module-scoped: this module gets its own)
+model = test_prefix_batcher.model
+reference = test_prefix_batcher.reference
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason=MISSING_REASON)
 
