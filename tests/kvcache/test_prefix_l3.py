@@ -99,10 +99,25 @@ def _close(*caches):
 
 
 def test_evicted_pages_reach_l3_and_load_bit_exact_into_another_servers_cache(redis_server):
-    a, b = _cache(redis_server.url), _cache(redis_server.url, pages=5)
+    _check_shared_l3(redis_server.url)
+    assert redis.Redis.from_url(redis_server.url).dbsize() == 2
+
+
+def test_a_jkv_pool_server_is_an_l3_too(monkeypatch):
+    from tests.kvpool.pool_server import SECRET, PoolServerProcess
+
+    monkeypatch.setenv("JKV_SECRET", SECRET)
+    server = PoolServerProcess().start()
+    try:
+        _check_shared_l3("jkvpool://" + server.address)
+    finally:
+        server.stop()
+
+
+def _check_shared_l3(url):
+    a, b = _cache(url), _cache(url, pages=5)
     try:
         want = _write_prompt_to_l3(a)
-        assert redis.Redis.from_url(redis_server.url).dbsize() == 2
         assert _load(b) == 2 * P  # b never computed the prompt: both pages come from Redis
         _check_pages(b, "b", want)
         stats = b.stats()
