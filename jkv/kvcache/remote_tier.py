@@ -115,12 +115,12 @@ class RemoteTier:
             skip = time.monotonic() < self._skip_until
         return not skip and getattr(self.pool, "reachable", True)
 
-    def _failed(self, what: str, skip: bool = True) -> None:
-        """Count a failure, skip L3 for retry_after_s (unless the pool is fine and only an entry
-        was bad: `skip=False`), warn at most once per WARN_EVERY_S."""
+    def _failed(self, what: str, skip: bool = True, counted: bool = False) -> None:
+        """Count a failure (unless the pool `counted` it already), skip L3 for retry_after_s (unless
+        the pool is fine and only an entry was bad: `skip=False`), warn at most once per WARN_EVERY_S."""
         now = time.monotonic()
         with self._lock:
-            self._failures += 1
+            self._failures += not counted
             if skip:
                 self._skip_until = now + self.retry_after_s
             warn = now - self._last_warning >= WARN_EVERY_S
@@ -153,7 +153,7 @@ class RemoteTier:
             self._failed(f"a stored entry does not fit a page ({e}); not used", skip=False)
             return []
         if getattr(self.pool, "errors", 0) > errors_before:  # the pool counted the failure itself
-            self._failed(f"lookup of {len(keys)} pages failed (see the KV pool's warning)")
+            self._failed(f"lookup of {len(keys)} pages failed (see the KV pool's warning)", counted=True)
             return []
         n = 0
         for meta in metas:
@@ -199,7 +199,7 @@ class RemoteTier:
             if self.pool.put(self._key(k), np.ascontiguousarray(data[i])):
                 stored += 1
             elif getattr(self.pool, "errors", 0) > errors_before:
-                self._failed("write of a page failed (see the KV pool's warning)")
+                self._failed("write of a page failed (see the KV pool's warning)", counted=True)
                 break
         return stored
 

@@ -404,6 +404,11 @@ class PagedBatcher(ContinuousBatcher):
         with self._lock:
             self._n_running -= 1
 
+    def _cancel(self, request_id: str):
+        if self._prefetch is not None and self._prefetch[0].request_id == request_id:
+            self._prefetch = None  # a queued request's L3 read: its buffers go with it (the read ends on its own)
+        super()._cancel(request_id)
+
     def _fail_all(self, message: str):
         self._prefetch = None
         for slot, run in enumerate(self._slots):

@@ -116,8 +116,12 @@ def test_redis_killed_or_stopped_mid_run_means_recompute_within_the_op_timeout_t
         queues = [submit(b, f"o{i}", p, _greedy(MAX_TOKENS), logprobs=1) for i, p in enumerate(prompts[:2])]
         outage()
         queues += [submit(b, f"o{i}", p, _greedy(MAX_TOKENS), logprobs=1) for i, p in enumerate(prompts[2:], 2)]
+        cancelled = submit(b, "gone", SYSTEMS[0][:PAGE] + _prompt(rng, 3 * PAGE), _greedy(MAX_TOKENS))
+        b.cancel("gone")  # queued, maybe with its L3 read in flight: it ends and holds nothing
         for i, (p, q) in enumerate(zip(prompts, queues)):
             _assert_same(_answer(collect(q)), reference(p, MAX_TOKENS), f"request {i} during the outage")
+        assert collect(cancelled)[-1].finish_reason in ("cancelled", "length")
+        _idle_and_leak_free(b)
 
     def recovered(tag):
         """Requests until pages come back from Redis again (it restarted empty or was stopped: the
