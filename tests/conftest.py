@@ -70,6 +70,7 @@ LONG_FILES = (
     "tests/kernels/test_gpu_check.py",
     "tests/serve/test_batcher.py",
     "tests/serve/test_paged_batcher.py",
+    "tests/serve/test_prefix_l3.py",
     "tests/smartgen/test_smartgen_api.py",
     "tests/smartgen/test_smartgen_compiles.py",
     "tests/serve/test_supervision.py",

@@ -3,18 +3,18 @@
 misses in device pages but hits here gets them copied back instead of recomputed.
 
 One page's payload is its KV over all layers, `[L, 2, H_kv, P, D]` in the cache's dtype (K then V),
-stored under `ChunkKey(namespace, -1, page_key)`: the kvpool scheme, so the same bytes could go to a
-remote pool. The pool verifies length and CRC32C on every read, so a hit is never wrong bytes.
+stored under `ChunkKey(namespace, -1, page_key)`: the kvpool scheme, so the same bytes go to the
+remote tier (L3, `remote_tier.py`). The pool verifies length and CRC32C on every read, so a hit is
+never wrong bytes.
 
-Threads: `spill` runs on the thread that allocates pages (the engine thread: the allocator's
-eviction hook, before the evicted pages are handed out and overwritten), `load` on the thread that
-admits the request; both read or replace `PagedKVCache.kv`, which only that thread touches. The
-spill is synchronous (one gather and one device-to-host copy per eviction batch).
+Threads: writes are asynchronous (`writeback.py`: the allocator's eviction hook on the engine thread
+only dispatches a `gather_pages` snapshot; a background thread copies it to host and puts it
+here); `load` runs on the thread that admits the request and replaces `PagedKVCache.kv`, which
+only that thread touches.
 """
 from __future__ import annotations
 
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -22,8 +22,6 @@ import numpy as np
 
 from jkv.kvpool.base import KVPool
 from jkv.kvpool.hashing import ChunkKey, ChunkNamespace
-
-log = logging.getLogger(__name__)
 
 
 @jax.jit
@@ -47,26 +45,15 @@ def _bucket(n: int) -> int:
 
 
 class HostTier:
-    """Spill evicted pages to `pool`, load cached ones back (see the module docstring)."""
+    """Probe and load back pages the write-back put in `pool` (see the module docstring)."""
 
     def __init__(self, pool: KVPool, namespace: ChunkNamespace):
         self.pool = pool
         self.namespace = namespace
-        self.writes = 0  # pages written to the host pool
         self.hits = 0  # pages loaded back into device pages
 
     def _key(self, digest: bytes) -> ChunkKey:
         return ChunkKey(self.namespace, -1, digest)
-
-    def spill(self, cache, evicted: list[tuple[int, bytes]]) -> None:
-        """Copy evicted (page, key) pairs of `cache` to the pool (before the pages are reused)."""
-        pages = [p for p, _ in evicted]
-        idx = np.zeros(_bucket(len(pages)), np.int32)
-        idx[:len(pages)] = pages
-        data = np.asarray(gather_pages(cache, idx))
-        for i, (_, key) in enumerate(evicted):
-            if self.pool.put(self._key(key), np.ascontiguousarray(data[i])):
-                self.writes += 1
 
     def available(self, keys: list[bytes]) -> int:
         """How many of `keys`, from the first, the pool holds (a probe: no copy, no recency)."""
@@ -83,12 +70,27 @@ class HostTier:
         buffers = [np.empty(page_shape, dtype) for _ in keys]
         metas = self.pool.get_many([self._key(k) for k in keys], buffers)
         n = next((i for i, m in enumerate(metas) if m is None or m.nbytes != buffers[i].nbytes), len(keys))
-        if n == 0:
-            return cache, 0
-        rows = _bucket(n)
-        idx = np.zeros(rows, np.int32)
-        idx[:n] = pages[:n]
-        data = np.zeros((rows, *page_shape), dtype)
-        data[:n] = buffers[:n]
         self.hits += n
-        return scatter_pages(cache, idx, data), n
+        return load_pages(cache, pages[:n], buffers[:n]), n
+
+
+def load_pages(cache, pages: list[int], buffers: list[np.ndarray]):
+    """Write host page payloads buffers[i] ([L, 2, H_kv, P, D]) into pages[i] of the donated cache
+    (one scatter program; rows padded to a power of two with the null page); returns the new cache."""
+    n = len(pages)
+    if n == 0:
+        return cache
+    rows = _bucket(n)
+    idx = np.zeros(rows, np.int32)
+    idx[:n] = pages
+    data = np.zeros((rows, *buffers[0].shape), buffers[0].dtype)
+    data[:n] = buffers
+    return scatter_pages(cache, idx, data)
+
+
+def gather_snapshot(cache, pages: list[int]):
+    """Dispatch a gather of `pages` of `cache` (no wait): a device array [R, L, 2, H_kv, P, D], R =
+    len(pages) padded to a power of two (rows past len(pages) read the null page)."""
+    idx = np.zeros(_bucket(len(pages)), np.int32)
+    idx[:len(pages)] = pages
+    return gather_pages(cache, idx)

@@ -36,9 +36,11 @@ from jkv.kvpool.hashing import ChunkNamespace
 from models.config import ModelConfig
 from models.paged import init_pages
 
-from .host_tier import HostTier
+from .host_tier import HostTier, gather_snapshot, load_pages
 from .pages import NULL_PAGE, OutOfPages, PageAllocator, PageConfig
 from .prefix import extend_page_keys, shareable_pages
+from .remote_tier import RemoteTier
+from .writeback import WriteBack
 
 MIN_TABLE_PAGES = 4
 
@@ -65,12 +67,17 @@ class PagedKVCache:
 
     def __init__(self, model_cfg: ModelConfig, page_cfg: PageConfig | None = None, dtype=None,
                  prefix_namespace: ChunkNamespace | None = None, host_pool: KVPool | None = None,
-                 sharding=None):
+                 sharding=None, remote_pool: KVPool | None = None, remote_timeout_s: float = 1.0,
+                 writeback_pages: int | None = None):
         """prefix_namespace: turns prefix caching on; pages are keyed in it (`prefix.prefix_namespace`:
         model, dtype and page size; its chunk_tokens must equal page_cfg.page_size). host_pool: the
         L2 tier (`host_tier.HostTier`): evicted cached pages are written there and loaded back on a
-        hit (needs prefix_namespace). sharding: `Model.kv_sharding` under tensor parallelism (pages
-        split by KV head), else None."""
+        hit (needs prefix_namespace). remote_pool: the L3 tier (`remote_tier.RemoteTier`, every
+        operation bounded by remote_timeout_s): evicted pages are written there too, and pages
+        missing in L1 and L2 are read from it (`prefetch_remote`, then `reserve_prefix(remote=)`).
+        Writes to L2 and L3 leave the engine thread (`writeback.WriteBack`, at most
+        writeback_pages pages queued per stage). sharding: `Model.kv_sharding` under tensor
+        parallelism (pages split by KV head), else None."""
         self.model_cfg = model_cfg
         self.page_cfg = page_cfg if page_cfg is not None else PageConfig()
         self.dtype = jnp.dtype(dtype if dtype is not None else model_cfg.dtype)
@@ -81,11 +88,19 @@ class PagedKVCache:
         self.kv = init_pages(model_cfg, self.page_cfg.num_pages, self.page_cfg.page_size, self.dtype, sharding)
         self.allocator = PageAllocator(self.page_cfg.num_pages)
         self.host: HostTier | None = None
+        self.remote: RemoteTier | None = None
+        self.writeback: WriteBack | None = None
+        if (host_pool is not None or remote_pool is not None) and prefix_namespace is None:
+            raise ValueError("host_pool and remote_pool are tiers of the prefix cache: pass prefix_namespace too")
         if host_pool is not None:
-            if prefix_namespace is None:
-                raise ValueError("host_pool is the prefix cache's second tier: pass prefix_namespace too")
             self.host = HostTier(host_pool, prefix_namespace)
-            self.allocator.on_evict = lambda evicted: self.host.spill(self.kv, evicted)
+        if remote_pool is not None:
+            self.remote = RemoteTier(remote_pool, prefix_namespace, self.page_shape, self.dtype, remote_timeout_s,
+                                     where=getattr(remote_pool, "url", None) or getattr(remote_pool, "address", ""))
+        if self.host is not None or self.remote is not None:
+            self.writeback = WriteBack(prefix_namespace, host_pool, self.remote,
+                                       **({} if writeback_pages is None else {"max_pages": writeback_pages}))
+            self.allocator.on_evict = self._write_back
         self._pages: dict[Hashable, list[int]] = {}
         self._lengths: dict[Hashable, int] = {}
         self._keys: dict[Hashable, list[bytes]] = {}  # prefix keys of the request's leading full pages
@@ -93,6 +108,7 @@ class PagedKVCache:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (shareable part)
         self.prefix_hits = 0  # of those, tokens whose KV came from cached device pages
         self.prefix_hits_host = 0  # ... and from the host tier
+        self.prefix_hits_remote = 0  # ... and from the remote tier
         self._lock = threading.Lock()
 
     @property
@@ -106,6 +122,17 @@ class PagedKVCache:
     @property
     def page_size(self) -> int:
         return self.page_cfg.page_size
+
+    @property
+    def page_shape(self) -> tuple[int, ...]:
+        """One page's payload in the host and remote tiers: (L, 2, H_kv, P, D)."""
+        cfg = self.model_cfg
+        return (cfg.num_layers, 2, cfg.num_kv_heads, self.page_size, cfg.head_dim)
+
+    def _write_back(self, evicted: list[tuple[int, bytes]]) -> None:
+        """The allocator's eviction hook (the allocating thread, before the pages are reused):
+        dispatch a snapshot of the evicted pages and hand it to the write-back (no wait)."""
+        self.writeback.submit(gather_snapshot(self.kv, [p for p, _ in evicted]), [k for _, k in evicted])
 
     # ------------------------------------------------------------ per request
     def reserve(self, request_id: Hashable, n_tokens: int) -> list[int]:
@@ -125,13 +152,33 @@ class PagedKVCache:
             self._lengths[request_id] = max(self._lengths.get(request_id, 0), int(n_tokens))
             return new
 
-    def reserve_prefix(self, request_id: Hashable, prompt, n_tokens: int) -> int:
+    def prompt_keys(self, prompt) -> list[bytes]:
+        """Keys of the prompt's shareable full pages (`prefix.shareable_pages`)."""
+        return extend_page_keys([], prompt, self.prefix_namespace, limit=shareable_pages(len(prompt), self.page_size))
+
+    def prefetch_remote(self, prompt):
+        """Start reading from L3 the prompt's shareable pages after those L1 and L2 hold now (a
+        `remote_tier.Prefetch`, or None when there is nothing to read); never blocks. Pass what
+        `self.remote.collect` gives for it to `reserve_prefix(remote=)`."""
+        if self.remote is None or not self.prefix_caching:
+            return None
+        keys = self.prompt_keys(prompt)
+        with self._lock:
+            start = self.allocator.cached_run(keys)
+            if self.host is not None:
+                start += self.host.available(keys[start:])
+        return self.remote.prefetch(keys, start)
+
+    def reserve_prefix(self, request_id: Hashable, prompt, n_tokens: int, remote=None) -> int:
         """Start a new request: share its prompt's cached leading full pages, allocate pages for the
         rest of n_tokens tokens; returns the tokens whose KV is already in its pages (a multiple of
         the page size, always < len(prompt): compute starts there).
 
-        prompt: i32[N] token ids. Without prefix caching this is `reserve` and returns 0. Raises
-        `OutOfPages` with nothing held (the shared pages are released again) when the pool is short.
+        prompt: i32[N] token ids. remote: (start, payloads) read from L3 for the prompt's shareable
+        keys[start:start + len(payloads)] (`prefetch_remote`), each [L, 2, H_kv, P, D]; they are
+        used when L1 and L2 reach at least `start` (else there is a gap and they are not). Without
+        prefix caching this is `reserve` and returns 0. Raises `OutOfPages` with nothing held (the
+        shared pages are released again) when the pool is short.
         """
         if request_id in self._pages:
             raise ValueError(f"request {request_id!r} already holds pages; reserve_prefix starts a new request")
@@ -139,32 +186,40 @@ class PagedKVCache:
             self.reserve(request_id, n_tokens)
             return 0
         P = self.page_size
-        keys = extend_page_keys([], prompt, self.prefix_namespace, limit=shareable_pages(len(prompt), P))
+        keys = self.prompt_keys(prompt)
         with self._lock:
             shared = self.allocator.match(keys)
             in_host = self.host.available(keys[len(shared):]) if self.host is not None else 0
             need = self.page_cfg.pages_for(max(n_tokens, len(prompt))) - len(shared)
             try:
-                new = self.allocator.allocate(max(need, 0))  # may spill evicted pages to the host tier
+                new = self.allocator.allocate(max(need, 0))  # may write evicted pages back (L2, L3)
             except OutOfPages as e:
                 self.allocator.decref(shared)
                 raise OutOfPages(e.needed + len(shared), e.free + len(shared), e.capacity) from None
             loaded = 0
             if in_host:  # the next pages come back from L2 instead of being recomputed
-                cfg = self.model_cfg
-                shape = (cfg.num_layers, 2, cfg.num_kv_heads, P, cfg.head_dim)
-                self.kv, loaded = self.host.load(self.kv, keys[len(shared):len(shared) + in_host], new, shape,
-                                                 self.dtype)
-                for i in range(loaded):
-                    self.allocator.cache_page(new[i], keys[len(shared) + i])
+                self.kv, loaded = self.host.load(self.kv, keys[len(shared):len(shared) + in_host], new,
+                                                 self.page_shape, self.dtype)
+            from_remote = 0
+            if remote is not None:  # ... and the ones after them from L3, if they connect
+                start, payloads = remote
+                have = len(shared) + loaded
+                if start <= have < start + len(payloads):
+                    use = payloads[have - start:len(keys) - start]
+                    self.kv = load_pages(self.kv, new[loaded:loaded + len(use)], use)
+                    from_remote = len(use)
+            for i in range(loaded + from_remote):
+                self.allocator.cache_page(new[i], keys[len(shared) + i])
+            hit = len(shared) + loaded + from_remote
             self._pages[request_id] = shared + new
             self._lengths[request_id] = max(int(n_tokens), len(prompt))
             self._keys[request_id] = keys
-            self._committed[request_id] = len(shared) + loaded
+            self._committed[request_id] = hit
             self.prefix_queries += len(keys) * P
             self.prefix_hits += len(shared) * P
             self.prefix_hits_host += loaded * P
-            return (len(shared) + loaded) * P
+            self.prefix_hits_remote += from_remote * P
+            return hit * P
 
     def commit_pages(self, request_id: Hashable, tokens) -> int:
         """Offer the request's full pages to the prefix cache: tokens (i32[N]) are the tokens whose
@@ -209,6 +264,14 @@ class PagedKVCache:
             for request_id, pages in self._pages.items():
                 self._committed[request_id] = len(pages)  # what they hold now is private
             return self.allocator.clear_cache()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish the write-back (at most `timeout` seconds), stop its threads and the L3 loader,
+        close the L3 pool. Idempotent; the device pages and the counters stay readable."""
+        if self.writeback is not None:
+            self.writeback.close(timeout)
+        if self.remote is not None:
+            self.remote.close()
 
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._pages
@@ -285,7 +348,14 @@ class PagedKVCache:
                        prefix_evictions=self.allocator.evictions)
         if self.host is not None:
             pool = self.host.pool.stats()
-            out.update(prefix_hit_tokens_host=self.prefix_hits_host, prefix_host_writes=self.host.writes,
+            out.update(prefix_hit_tokens_host=self.prefix_hits_host, prefix_host_writes=self.writeback.host_writes,
                        prefix_host_pages=pool.entries, prefix_host_bytes=pool.bytes_used,
                        prefix_host_evictions=pool.evictions)
+        if self.remote is not None:  # own counters only: a scrape never waits on the remote pool
+            out.update(prefix_hit_tokens_remote=self.prefix_hits_remote, prefix_remote_writes=self.writeback.remote_writes,
+                       prefix_remote_lookups=self.remote.lookups, prefix_l3_errors=self.remote.errors)
+        if self.writeback is not None:
+            out.update(prefix_writeback_pending_pages=self.writeback.pending_pages,
+                       prefix_writeback_dropped_host=self.writeback.dropped["host"],
+                       prefix_writeback_dropped_remote=self.writeback.dropped["remote"])
         return out

@@ -274,6 +274,16 @@ class PageAllocator:
                 pages.append(page)
         return pages
 
+    def cached_run(self, keys: Iterable[Hashable]) -> int:
+        """How many of `keys`, from the first, are cached (a probe: no reference, no recency)."""
+        n = 0
+        with self._lock:
+            for key in keys:
+                if key not in self._page_of:
+                    break
+                n += 1
+        return n
+
     def clear_cache(self) -> int:
         """Forget every cached key: evictable pages go to the free list, pages requests still hold
         become plain pages (freed when released). Returns how many keys were dropped."""

@@ -116,10 +116,28 @@ class Reachability:
         self._retry_after_s = retry_after_s
         self._lock = threading.Lock()
         self._hits = self._misses = self._puts = self._rejected = self._errors = 0
+        self._corrupt = 0  # entries that failed verification (served as misses)
 
     def _usable(self) -> bool:
         with self._lock:
             return not self._dead or time.monotonic() >= self._dead_until
+
+    @property
+    def reachable(self) -> bool:
+        """False while the pool counts as dead (no network touched: callers skip it cheaply)."""
+        return self._usable()
+
+    @property
+    def errors(self) -> int:
+        """Failed operations so far (timeouts, refused or lost connections, refusals)."""
+        with self._lock:
+            return self._errors
+
+    @property
+    def corrupt(self) -> int:
+        """Entries that failed verification so far (each was a miss, never a hit)."""
+        with self._lock:
+            return self._corrupt
 
     def _mark_failed(self, op: str, exc: Exception) -> None:
         with self._lock:
@@ -162,6 +180,8 @@ class Reachability:
         if meta is None or not verified(key, meta, payload):
             log.warning("KV pool %s sent %s failing verification; treated as a miss",
                         self._where, key.name)
+            with self._lock:
+                self._corrupt += 1
             return None
         check_fits(key, meta, view, index)
         view[:meta.nbytes] = payload

@@ -21,6 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from jkv.kvpool.base import (ChunkMeta, KVPool, Payload, PoolStats, Reachability, buffer_views,
                              checked_put)
@@ -38,18 +40,23 @@ class RedisKVPool(Reachability, KVPool):
     socket_timeout_s: per-operation timeout; a slower answer counts as a dead pool.
     retry_after_s: how long to treat the pool as dead after a failure before trying again.
     ttl_s: optional expiry for stored chunks (None: rely on the server's maxmemory policy).
+    retries: redis-py's own retries of a failed command (None: its default, 3 with backoff, so one
+    operation may take 4x socket_timeout_s); 0 makes socket_timeout_s the bound of an operation.
     """
 
     def __init__(self, url: str, *, socket_timeout_s: float = 1.0, retry_after_s: float = 2.0,
-                 ttl_s: int | None = None):
+                 ttl_s: int | None = None, retries: int | None = None):
         if socket_timeout_s <= 0 or retry_after_s < 0:
             raise ValueError(f"{socket_timeout_s=} must be > 0 and {retry_after_s=} >= 0")
         if ttl_s is not None and ttl_s < 1:
             raise ValueError(f"{ttl_s=} must be None or >= 1 second")
         self.url = url
+        if retries is not None and retries < 0:
+            raise ValueError(f"{retries=} must be None (redis-py's default) or >= 0")
+        extra = {} if retries is None else {"retry": Retry(NoBackoff(), retries)}
         self._client = redis.Redis.from_url(url, socket_timeout=socket_timeout_s,
                                             socket_connect_timeout=socket_timeout_s,
-                                            decode_responses=False)
+                                            decode_responses=False, **extra)
         self._ttl_s = ttl_s
         self._init_bookkeeping(url, retry_after_s)
 

@@ -66,7 +66,9 @@ class BatcherConfig:
     enable_prefix_caching: share cached full pages of equal leading tokens between requests and
     skip their prefill (the slot layout ignores it); prefix_cache_host_bytes: with prefix caching,
     keep evicted cached pages in a host-memory LRU of this many bytes and load them back on a hit
-    (0: no host tier)."""
+    (0: no host tier); prefix_cache_l3: with prefix caching, URL of a remote pool (redis://host:port
+    or jkvpool://ADDRESS) that evicted pages are written to and missing ones read from, every
+    operation bounded by prefix_cache_l3_timeout seconds (None: no remote tier)."""
 
     max_slots: int = 8
     max_model_len: int = 1024
@@ -76,8 +78,18 @@ class BatcherConfig:
     prefill_chunk: int = 512
     enable_prefix_caching: bool = True
     prefix_cache_host_bytes: int = 0
+    prefix_cache_l3: str | None = None
+    prefix_cache_l3_timeout: float = 0.5
 
     def __post_init__(self):
+        if not self.prefix_cache_l3_timeout > 0:
+            raise ValueError(f"prefix_cache_l3_timeout={self.prefix_cache_l3_timeout} must be > 0 seconds")
+        if self.prefix_cache_l3 is not None:
+            from ..kvcache.remote_tier import SCHEMES
+
+            if not self.prefix_cache_l3.startswith(SCHEMES):
+                raise ValueError(f"prefix_cache_l3={self.prefix_cache_l3!r} must start with one of "
+                                 f"{', '.join(SCHEMES)} (e.g. redis://127.0.0.1:6379/0)")
         if self.prefix_cache_host_bytes < 0:
             raise ValueError(f"prefix_cache_host_bytes={self.prefix_cache_host_bytes} must be >= 0 (0: no host tier)")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -44,6 +44,8 @@ class ServeConfig:
     prefill_chunk: int = 512
     enable_prefix_caching: bool = True
     prefix_cache_host_bytes: int = 0
+    prefix_cache_l3: str | None = None
+    prefix_cache_l3_timeout: float = 0.5
     default_max_tokens: int = 256
     max_request_bytes: int = 4 * 1024 * 1024
     upstream: tuple[str, ...] = ()
@@ -140,7 +142,8 @@ class ServeConfig:
         return BatcherConfig(self.max_slots, max_model_len, kv_layout=self.kv_layout, page_size=self.page_size,
                              num_pages=self.num_pages, prefill_chunk=self.prefill_chunk,
                              enable_prefix_caching=self.enable_prefix_caching,
-                             prefix_cache_host_bytes=self.prefix_cache_host_bytes)
+                             prefix_cache_host_bytes=self.prefix_cache_host_bytes,
+                             prefix_cache_l3=self.prefix_cache_l3, prefix_cache_l3_timeout=self.prefix_cache_l3_timeout)
 
     @property
     def model_name(self) -> str:
@@ -213,6 +216,12 @@ _TABLE = {
     "prefix_cache_host_bytes": (int, "paged, with prefix caching: bytes of host memory for a second tier of the "
                                      "prefix cache; cached pages evicted from the device are kept there (LRU) and "
                                      "copied back on a hit instead of recomputed (0: no host tier)"),
+    "prefix_cache_l3": (str, "paged, with prefix caching: a remote third tier shared by servers, redis://host:port[/db] "
+                             "(Redis or Valkey) or jkvpool://ADDRESS (a `jkv pool` server; secret in $JKV_SECRET); "
+                             "pages evicted from the device are written there in the background and a prompt's "
+                             "pages missing in device and host memory are read from it; when it fails or is slow "
+                             "requests recompute (jkv_prefix_cache_l3_errors_total) and it is retried later"),
+    "prefix_cache_l3_timeout": (float, "seconds one L3 operation may take; a request never waits longer for L3"),
     "default_max_tokens": (int, "max_tokens for chat requests that do not set it (capped by the context)"),
     "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
                                "(all roles, the router included)"),

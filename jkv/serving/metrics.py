@@ -69,7 +69,7 @@ class ServerMetrics:
     def watch_prefix_cache(self, read_stats):
         """Prefix-cache metrics of a paged engine, read at scrape time from `read_stats()` (a
         `PagedKVCache.stats()` dict). Registered only when prefix caching is on. Tier "device" is
-        L1 (the paged cache's own pages); the label leaves room for the host and remote tiers."""
+        L1 (the paged cache's own pages), "host" L2 and "remote" L3 when configured."""
         self.registry.register(_PrefixCacheCollector(read_stats))
 
     def observe_token(self, token_times: list[float]):
@@ -119,6 +119,8 @@ class _PrefixCacheCollector:
         hits.add_metric(["device"], stats["prefix_hit_tokens"])
         if "prefix_hit_tokens_host" in stats:  # the host tier (L2) is configured
             hits.add_metric(["host"], stats["prefix_hit_tokens_host"])
+        if "prefix_hit_tokens_remote" in stats:  # the remote tier (L3) is configured
+            hits.add_metric(["remote"], stats["prefix_hit_tokens_remote"])
         evictions = CounterMetricFamily("jkv_prefix_cache_evictions", "cached prefix pages evicted to make room "
                                         "for new pages, by tier", labels=["tier"])
         evictions.add_metric(["device"], stats["prefix_evictions"])
@@ -135,6 +137,27 @@ class _PrefixCacheCollector:
             host_bytes = GaugeMetricFamily("jkv_prefix_cache_host_bytes", "bytes of KV pages held by the host tier")
             host_bytes.add_metric([], stats["prefix_host_bytes"])
             out = [writes, host_bytes]
+        if "prefix_l3_errors" in stats:
+            l3_errors = CounterMetricFamily("jkv_prefix_cache_l3_errors", "remote tier (L3) operations that failed or "
+                                            "timed out, and pages read from it that failed verification: each made "
+                                            "requests recompute instead of load")
+            l3_errors.add_metric([], stats["prefix_l3_errors"])
+            remote_writes = CounterMetricFamily("jkv_prefix_cache_remote_writes", "cached prefix pages evicted from "
+                                                "the device and written to the remote tier")
+            remote_writes.add_metric([], stats["prefix_remote_writes"])
+            lookups = CounterMetricFamily("jkv_prefix_cache_remote_lookups", "L3 reads started (one per admitted "
+                                          "request whose prompt has pages L1 and L2 lack)")
+            lookups.add_metric([], stats["prefix_remote_lookups"])
+            out += [l3_errors, remote_writes, lookups]
+        if "prefix_writeback_pending_pages" in stats:
+            pending = GaugeMetricFamily("jkv_prefix_cache_writeback_pending_pages", "evicted pages queued for or "
+                                        "being written to the host and remote tiers")
+            pending.add_metric([], stats["prefix_writeback_pending_pages"])
+            dropped = CounterMetricFamily("jkv_prefix_cache_writeback_dropped", "evicted pages not written back, by "
+                                          "tier: its queue was full, or the remote tier unreachable", labels=["tier"])
+            dropped.add_metric(["host"], stats["prefix_writeback_dropped_host"])
+            dropped.add_metric(["remote"], stats["prefix_writeback_dropped_remote"])
+            out += [pending, dropped]
         evictable = GaugeMetricFamily("jkv_prefix_cache_evictable_pages", "cached prefix pages no request holds: "
                                       "counted as free (jkv_kv_pages_free), evicted least recently used first")
         evictable.add_metric([], stats["prefix_evictable_pages"])

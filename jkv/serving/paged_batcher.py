@@ -32,9 +32,14 @@ cached pages stay in the allocator's LRU and are evicted only when admission nee
 waiting / page-budget rules above count them as free. A request with `prefix_cache=False` (the
 server sets it for requests that ask for log-probs, so their numbers never depend on the cache's
 state) and a prompt-scoring request (`prompt_logprobs`, written whole) compute their whole prompt
-and only offer their pages. With `prefix_cache_host_bytes` an evicted page is copied to a host LRU
-first (jkv/kvcache/host_tier.py, on the engine thread), and a later prompt that misses in device
-pages but hits there gets it copied back instead of recomputed.
+and only offer their pages. With `prefix_cache_host_bytes` (L2) and/or `prefix_cache_l3` (a remote
+pool, L3) an evicted page is written there in the background (jkv/kvcache/writeback.py: the engine
+thread only dispatches a snapshot of the pages), and a later prompt that misses in device pages but
+hits there gets it copied back instead of recomputed. L3 reads never block the engine: for the
+request at the head of the queue a prefetch of the pages L1 and L2 lack is started, the request
+stays queued (the running requests keep stepping) until it answers or its op timeout
+(`prefix_cache_l3_timeout`) passes, and then it is admitted with what arrived (nothing, on a
+failure or timeout: it recomputes; jkv/kvcache/remote_tier.py).
 
 Schedule, per engine iteration: drain inbox → admit (reserve pages, take a seat) → prefill chunks of
 up to `prefill_chunk` tokens, oldest admitted request first, until `prefill_chunk` prompt tokens are
@@ -50,8 +55,10 @@ the logits at the chunk's last token.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import threading
+import time
 
 import jax
 import numpy as np
@@ -113,6 +120,7 @@ class PagedBatcher(ContinuousBatcher):
         self._prefilling: collections.deque[int] = collections.deque()  # seats still prefilling, oldest first
         self._next_key = 0
         self._blocked: str | None = None  # request id last logged as waiting for pages
+        self._prefetch = None  # (request, remote_tier.Prefetch or None): the L3 read for the head of the queue
 
     # ------------------------------------------------------------ any thread
     def check_request(self, prompt_len: int, max_tokens: int):
@@ -142,7 +150,7 @@ class PagedBatcher(ContinuousBatcher):
     def start(self):
         if self._thread is not None:
             raise RuntimeError("the engine is already started")
-        self.kv = self._new_cache()
+        self.kv = self._new_cache(tiers=True)
         if self.metrics is not None:
             self.metrics.watch_kv_cache(self)
             if self.prefix_namespace is not None:
@@ -172,14 +180,29 @@ class PagedBatcher(ContinuousBatcher):
                           np.ones(B, np.float32), z.astype(np.uint32), z)
         jax.block_until_ready(logits)
 
-    def _new_cache(self) -> PagedKVCache:
-        host = None
-        if self.prefix_namespace is not None and self.config.prefix_cache_host_bytes:
+    def _new_cache(self, tiers: bool = False) -> PagedKVCache:
+        """The paged cache; with tiers, its host (L2) and remote (L3) tiers as configured (warm-up's
+        scratch cache has none: it must not start write-back threads or connect to a pool)."""
+        host = remote = None
+        cfg = self.config
+        if tiers and self.prefix_namespace is not None and cfg.prefix_cache_host_bytes:
             from ..kvpool import HostKVPool
 
-            host = HostKVPool(self.config.prefix_cache_host_bytes)
+            host = HostKVPool(cfg.prefix_cache_host_bytes)
+        if tiers and self.prefix_namespace is not None and cfg.prefix_cache_l3:
+            from ..kvcache.remote_tier import open_remote_pool
+
+            remote = open_remote_pool(cfg.prefix_cache_l3, cfg.prefix_cache_l3_timeout,
+                                      retry_after_s=max(1.0, 2 * cfg.prefix_cache_l3_timeout))
         return PagedKVCache(self.model.cfg, self.page_cfg, prefix_namespace=self.prefix_namespace, host_pool=host,
-                            sharding=self.model.kv_sharding)
+                            sharding=self.model.kv_sharding, remote_pool=remote,
+                            remote_timeout_s=cfg.prefix_cache_l3_timeout)
+
+    def stop(self, timeout: float = 30.0):
+        super().stop(timeout)
+        self._prefetch = None
+        if self.kv is not None:
+            self.kv.close()
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (thread-safe; pages held by running requests stay theirs)."""
@@ -198,12 +221,18 @@ class PagedBatcher(ContinuousBatcher):
             n = len(req.prompt_token_ids)
             key = f"{req.request_id}#{self._next_key}"  # unique even if a client reuses request ids
             total = n if req.prompt_only else n + req.params.max_tokens
+            from_cache = req.prompt_logprobs is None and req.prefix_cache  # else computed from position 0
+            remote = None
+            if from_cache and self.kv.remote is not None:
+                remote = self._remote_pages(req)
+                if remote is False:
+                    return  # its L3 read is in flight: admit it (and those behind it, FIFO) later
             try:
-                if req.prompt_logprobs is not None or not req.prefix_cache:  # computed from position 0
+                if not from_cache:
                     self.kv.reserve(key, total)
                     cached = 0
                 else:
-                    cached = self.kv.reserve_prefix(key, req.prompt_token_ids, total)
+                    cached = self.kv.reserve_prefix(key, req.prompt_token_ids, total, remote=remote)
             except OutOfPages as e:
                 self.kv.free(key)  # drop the empty entry the failed reserve left
                 if self._blocked != req.request_id:  # once per request, not once per step
@@ -212,6 +241,7 @@ class PagedBatcher(ContinuousBatcher):
                              e.needed, e.free, self.kv.pages_in_use)
                 return
             self._next_key += 1
+            self._prefetch = None
             self._waiting.popleft()
             p = req.params
             seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**31))
@@ -224,6 +254,24 @@ class PagedBatcher(ContinuousBatcher):
                 self._n_waiting -= 1
                 self._n_running += 1
             self._set_gauges()
+
+    def _remote_pages(self, req: EngineRequest):
+        """The head request's pages from L3 as reserve_prefix's `remote` argument ((start, payloads)
+        or None), or False while its read is in flight. The first call starts the read; with
+        nothing else running the engine waits on it in short slices (so it still sees new
+        requests and cancels), never past the read's deadline (the L3 op timeout)."""
+        if self._prefetch is None or self._prefetch[0] is not req:
+            self._prefetch = (req, self.kv.prefetch_remote(req.prompt_token_ids))
+        pre = self._prefetch[1]
+        if pre is None:
+            return None
+        payloads = self.kv.remote.collect(pre)
+        if payloads is None and self._n_running == 0:
+            concurrent.futures.wait([pre.future], timeout=max(0.0, min(0.02, pre.deadline - time.monotonic())))
+            payloads = self.kv.remote.collect(pre)
+        if payloads is None:
+            return False
+        return pre.start, payloads
 
     def _prefill_some(self, budget: int):
         """Prefill chunks, oldest admitted request first, while `budget` prompt tokens last.
@@ -356,7 +404,13 @@ class PagedBatcher(ContinuousBatcher):
         with self._lock:
             self._n_running -= 1
 
+    def _cancel(self, request_id: str):
+        if self._prefetch is not None and self._prefetch[0].request_id == request_id:
+            self._prefetch = None  # a queued request's L3 read: its buffers go with it (the read ends on its own)
+        super()._cancel(request_id)
+
     def _fail_all(self, message: str):
+        self._prefetch = None
         for slot, run in enumerate(self._slots):
             if run is not None:
                 self.kv.free(run.key)

@@ -3,6 +3,8 @@ allocator (states, LRU eviction only under pressure, the eviction hook, duplicat
 the chained page keys (the kvpool scheme), `PagedKVCache.reserve_prefix` / `commit_pages`, and a
 property test that random reuse never hands a request a page whose content is not its own tokens'
 and never leaks a page."""
+import threading
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -201,6 +203,18 @@ def test_random_reuse_never_shares_a_page_holding_other_tokens_and_never_leaks(o
     assert cache.pages_free == cache.allocator.capacity and cache.pages_cached == 0
 
 
+def _zero_donated(kv):
+    import functools
+
+    import jax
+
+    @functools.partial(jax.jit, donate_argnums=(0,))
+    def zero(kv):
+        return tuple((K * 0, V * 0) for K, V in kv)
+
+    return zero(kv)
+
+
 def test_an_evicted_page_goes_to_the_host_tier_and_comes_back_bit_exact():
     import jax.numpy as jnp
     import numpy as np
@@ -219,9 +233,12 @@ def test_an_evicted_page_goes_to_the_host_tier_and_comes_back_bit_exact():
     first = cache.pages_of("a")[0]
     want = [(np.asarray(K[first]), np.asarray(V[first])) for K, V in cache.kv]
     cache.free("a")
-    cache.reserve("x", 3 * P)  # needs every page: both cached pages are evicted and spilled
-    assert cache.allocator.evictions == 2 and cache.host.writes == 2 and pool.stats().entries == 2
-    cache.kv = tuple((K.at[:].set(0), V.at[:].set(0)) for K, V in cache.kv)  # the device copies are gone
+    cache.reserve("x", 3 * P)  # needs every page: both cached pages are evicted and written back
+    # the device copies are overwritten (donated) before the background write-back need have copied them: it
+    # works on a snapshot dispatched at eviction
+    cache.kv = _zero_donated(cache.kv)
+    assert cache.writeback.flush(30) and cache.writeback.pending_pages == 0
+    assert cache.allocator.evictions == 2 and cache.writeback.host_writes == 2 and pool.stats().entries == 2
     cache.free("x")
     assert cache.reserve_prefix("b", prompt, len(prompt)) == 2 * P  # both pages from the host tier
     loaded = cache.pages_of("b")[0]
@@ -232,3 +249,5 @@ def test_an_evicted_page_goes_to_the_host_tier_and_comes_back_bit_exact():
     assert cache.pages_cached == 2  # loaded pages are device-cached again
     cache.free("b")
     cache.allocator.check()
+    cache.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("jkv-prefix-writeback")]

@@ -29,7 +29,8 @@ SAMPLES = {
     "worker_name": ("p-7", DECODE), "prefill_restarts": ("2", DECODE),
     "kv_layout": ("slots", []), "page_size": ("32", DECODE), "num_pages": ("200", DECODE),
     "prefill_chunk": ("256", DECODE), "enable_prefix_caching": ("false", DECODE),
-    "prefix_cache_host_bytes": ("1048576", DECODE),
+    "prefix_cache_host_bytes": ("1048576", DECODE), "prefix_cache_l3": ("redis://127.0.0.1:6379/0", DECODE),
+    "prefix_cache_l3_timeout": ("2.5", DECODE),
     "tensor_parallel": ("2", []),
     "transport_advertise": ("jkv-prefill-a:7100|jkv-prefill-a:7101", ["--role", "prefill"]), "prefill": ("http://p:2", ROUTER), "decode": ("http://d:2", ROUTER),
 }
@@ -153,3 +154,12 @@ def test_the_decode_batcher_refuses_pages_its_worker_does_not_have(config, match
     with pytest.raises(ValueError, match=match):
         DisaggBatcher(model, worker, BatcherConfig(4, 256, **config))
     assert page_config(BatcherConfig(4, 256, num_pages=300)) == worker.pages.cache.page_cfg  # what launch builds
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--prefix-cache-l3", "127.0.0.1:6379"], r"prefix_cache_l3='127.0.0.1:6379' must start with one of redis://"),
+    (["--prefix-cache-l3-timeout", "0"], r"prefix_cache_l3_timeout=0.0 must be > 0 seconds"),
+])
+def test_a_bad_l3_url_or_timeout_is_refused_at_start_naming_the_fix(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse(argv)
