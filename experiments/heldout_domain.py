@@ -34,7 +34,9 @@ import argparse
 import csv as csv_module
 import glob
 import logging
+import math
 import os
+import re
 import pickle
 import sys
 import time
@@ -121,16 +123,42 @@ def trained_hata(cals, steps: int, label: str, cache: str | None = None, interle
     return get_selector("hata", projection=projection)
 
 
-def cached_skew(fit, cache: str | None = None) -> InfiniGen:
+def cached_skew(fit, cache: str | None = None, config: InfiniGenConfig | None = None) -> InfiniGen:
     """InfiniGen from `fit()`, its skew f32[L, H_kv, D, d_p] kept in `cache` (.npy) when given and
-    loaded from it when it exists (the broad calibration then need not be collected again)."""
+    loaded from it when it exists (the broad calibration then need not be collected again); a
+    loaded skew gets `config` (default InfiniGenConfig()), which must be the one `fit` used."""
     if cache and os.path.exists(cache):
         log.info("InfiniGen skew loaded from %s", cache)
-        return InfiniGen(InfiniGenConfig(), list(np.load(cache)))
+        return InfiniGen(config or InfiniGenConfig(), list(np.load(cache)))
     selector = fit()
     if cache:
         np.save(cache, np.stack([np.asarray(s) for s in selector.skew]))
     return selector
+
+
+def infinigen_variant(name: str, head_dim: int) -> tuple[str, InfiniGenConfig, str]:
+    """'infinigen_joint_c32_a20_nospec' -> ('joint', config, cache tag): a fit ('default', 'broad',
+    'joint') with InfiniGenConfig knobs as suffixes — cN: N partial channels of head_dim
+    (partial_ratio N/head_dim; the default 0.3 keeps ceil(0.3·64) = 20), aX: alpha X ('ainf': no
+    threshold, every head fetches the full budget), nospec: the true query instead of the
+    speculated one. Raises ValueError on anything else."""
+    parts = name.split("_")
+    if len(parts) < 3 or parts[0] != "infinigen" or parts[1] not in ("broad", "joint"):
+        raise ValueError(f"{name!r}: an InfiniGen variant is infinigen_{{broad,joint}}_<suffix>[_<suffix>...]")
+    knobs = {}
+    for part in parts[2:]:
+        if re.fullmatch(r"c\d+", part) and 0 < int(part[1:]) <= head_dim:
+            knobs["partial_ratio"] = int(part[1:]) / head_dim
+        elif re.fullmatch(r"a(inf|\d+(\.\d+)?)", part):
+            knobs["alpha"] = math.inf if part == "ainf" else float(part[1:])
+        elif part == "nospec":
+            knobs["speculate"] = False
+        else:
+            raise ValueError(f"{name!r}: suffix {part!r} is none of cN (1..{head_dim} channels), aX / ainf, nospec")
+    config = InfiniGenConfig(**knobs)
+    # Only the channel count changes the fitted skew; alpha and speculation are applied online.
+    channels = math.ceil(config.partial_ratio * head_dim)
+    return parts[1], config, f"{parts[1]}" if channels == math.ceil(0.3 * head_dim) else f"{parts[1]}_c{channels}"
 
 
 def main(argv=None):
@@ -144,7 +172,8 @@ def main(argv=None):
     p.add_argument("--hata-windows", type=int, default=4, help="corpus windows (1024+192) of the default HATA")
     p.add_argument("--selectors", default="oracle,infinigen_default,infinigen_mix,infinigen_broad,hata_default,"
                    "hata_broad", help="comma list; also hata_mix (HATA on the small mix, 128 queries), "
-                   "infinigen_joint, hata_joint")
+                   "infinigen_joint, hata_joint, and InfiniGen variants infinigen_{broad,joint}_<suffixes>: "
+                   "c24 (24 partial channels), a20 / ainf (alpha), nospec (true query), e.g. infinigen_joint_c32")
     p.add_argument("--split", choices=("eval", "validation"), default="eval",
                    help="which windows are scored: eval (reported) or validation (where fits are chosen)")
     p.add_argument("--first-sample", type=int, default=0, help="score windows from this one on (a resumed run)")
@@ -236,6 +265,14 @@ def main(argv=None):
                                            cache and f"{cache}_joint_{args.hata_steps}.npy", interleave=True),
     }
     names = args.selectors.split(",")
+    head_dim = model.cfg.head_dim
+    calibrations = {"broad": lambda: [mix()[0]] + broad(), "joint": lambda: [first()] + joint()}
+    for name in names:
+        if name.startswith("infinigen_") and name not in factories:
+            fit, config, tag = infinigen_variant(name, head_dim)
+            factories[name] = (lambda fit=fit, config=config, tag=tag: cached_skew(
+                lambda: mixed_skew(model, config, calibrations[fit]()), cache and f"{cache}_infinigen_{tag}.npy",
+                config))
     unknown = [n for n in names if n not in factories]
     if unknown or ("oracle" not in names and not args.pair_with):
         raise SystemExit(f"--selectors {args.selectors!r}: unknown {unknown} or no 'oracle' (the pairing); "

@@ -71,6 +71,9 @@ def test_infinigen_pools_a_list_of_calibration_windows_per_layer():
 def test_train_hata_calibration_flag():
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
+    # joint is the default (docs/selection.md, 'Fourth run'): served HATA weights come from it.
+    assert parser.parse_args(["train-hata", "--out", "/tmp/x"]).calibration == "joint"
+    assert parser.parse_args(["train-hata", "--out", "/tmp/x", "--calibration", "corpus"]).calibration == "corpus"
     assert parser.parse_args(["train-hata", "--out", "/tmp/x", "--calibration", "mix"]).calibration == "mix"
     assert parser.parse_args(["train-hata", "--out", "/tmp/x", "--calibration", "joint"]).calibration == "joint"
     with pytest.raises(SystemExit):
