@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import concurrent.futures
 import math
 import random
 import sys
@@ -140,7 +140,15 @@ def main(argv=None):
               "--max-model-len", str(args.max_model_len), "--page-size", str(args.page_size),
               "--num-pages", str(args.num_pages)]
     t = time.perf_counter()
-    instances = [Server(common, timeout=1200) for _ in range(2)]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both warm up at once
+        futures = [pool.submit(Server, common, timeout=1200) for _ in range(2)]
+    failed = [f.exception() for f in futures if f.exception()]
+    if failed:  # stop the one that did start before reporting the one that did not
+        for f in futures:
+            if not f.exception():
+                f.result().stop()
+        raise failed[0]
+    instances = [f.result() for f in futures]
     print(f"instances up in {time.perf_counter() - t:.1f}s at {[s.url for s in instances]} "
           f"({args.num_pages} pages of {args.page_size} tokens each)", flush=True)
     rows = []

@@ -58,7 +58,8 @@ def test_a_follow_up_turn_extends_the_previous_requests_keys():
 
 def test_text_parts_read_like_a_string_and_namespaces_separate_chat_completion_and_model():
     parts = chat(0, "What is a page?")
-    parts["messages"][0]["content"] = [{"type": "text", "text": system(0)[:40]}, {"type": "text", "text": system(0)[40:]}]
+    text = system(0)
+    parts["messages"][0]["content"] = [{"type": "text", "text": text[:40]}, {"type": "text", "text": text[40:]}]
     assert keys(parts) == keys(chat(0, "What is a page?"))
     text = prompt_text(chat(0, "q"), CHAT)
     as_completion = keys({"model": "m", "prompt": text}, COMPLETIONS)
