@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jkv.disagg.config import Disaggregation
+from jkv.serving.routing import ROUTING_POLICIES, RoutingConfig
 from jkv.transfer.plan import TransferConfig
 from models import DEFAULT_MODEL
 
@@ -64,6 +65,8 @@ class ServeConfig:
     worker_name: str | None = None
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
+    # the router's choice of upstream: policy (--routing) and cache-aware routing's options
+    routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
     # the SmartGen roles' settings: the decode engine's (role decode, role all disaggregated) and
     # the prefill worker's (selector, transport, bandwidth, lease_s, timeout_s); the model comes
     # from `model`, the prefill worker addresses are disagg.addresses
@@ -226,6 +229,23 @@ _TABLE = {
     "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
                                "(all roles, the router included)"),
     "upstream": (str, "router: URL of a `jkv serve --role all` server (repeatable)"),
+    "routing": (str, "router: least-load (fewest in-flight tokens) or cache-aware (the upstream that holds the "
+                     "longest prefix of the request's text, as the router remembers sending it, unless its load "
+                     "exceeds the least loaded one's by --balance-abs-tokens and --balance-rel; docs/serve.md)",
+                "routing.policy"),
+    "routing_chunk_chars": (int, "router, cache-aware: characters per hashed chunk of a request's text (64: about one "
+                                 "16-token KV page)", "routing.chunk_chars"),
+    "routing_record_chunks": (int, "router, cache-aware: prefix chunks remembered per upstream, least recently used "
+                                   "dropped first; about an instance's prefix-cache tokens x 4 / chunk chars",
+                              "routing.record_chunks"),
+    "routing_min_match": (float, "router, cache-aware: fraction of a request's chunks an upstream must hold for the "
+                                 "prefix to choose it; below it a new prefix goes to the upstream with the smallest "
+                                 "record", "routing.min_match"),
+    "balance_abs_tokens": (int, "router, cache-aware: the prefix's upstream is skipped for the least loaded one "
+                                "when its in-flight tokens exceed that one's by more than this ...",
+                           "routing.balance_abs_tokens"),
+    "balance_rel": (float, "router, cache-aware: ... and are more than this many times that one's",
+                    "routing.balance_rel"),
     "health_interval": (float, "router: seconds between /health checks of each upstream"),
     "health_timeout": (float, "router: seconds before a /health check counts as failed"),
     "upstream_timeout": (float, "router: seconds an upstream may take to answer one request"),
@@ -303,6 +323,8 @@ def add_serve_arguments(p: argparse.ArgumentParser):
             kw.update(nargs="?", const=True, metavar="true|false")
         if name == "role":
             kw["choices"] = ROLES
+        if name == "routing":
+            kw["choices"] = ROUTING_POLICIES
         p.add_argument("--" + name.replace("_", "-"), **kw)
 
 
@@ -350,7 +372,7 @@ def read_config_file(path: str | Path) -> dict:
 
 def config_from_flags(values: dict) -> ServeConfig:
     """ServeConfig from flag name (underscore spelling) -> value, each value put at its flag's field."""
-    kwargs = {"": {}, "disagg": {}, "disagg.transfer": {}}  # keyword arguments of each nested dataclass
+    kwargs = {"": {}, "disagg": {}, "disagg.transfer": {}, "routing": {}}  # keyword arguments of each nested dataclass
     for name, value in values.items():
         flag = FLAGS[name]
         if flag.switch:
@@ -369,7 +391,7 @@ def config_from_flags(values: dict) -> ServeConfig:
         if not renamed:
             raise
         raise ValueError(f"{e} ({'; '.join(renamed)})") from None
-    return ServeConfig(**kwargs[""], disagg=disagg)
+    return ServeConfig(**kwargs[""], disagg=disagg, routing=RoutingConfig(**kwargs["routing"]))
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

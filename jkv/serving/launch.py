@@ -276,13 +276,18 @@ def run_serve(args) -> int:
         from .router import create_router_app
 
         app = create_router_app(cfg)
+        rt = cfg.routing
+        selector = "least in-flight tokens" if rt.policy == "least-load" else (
+            f"cache-aware (prefix chunks of {rt.chunk_chars} characters, {rt.record_chunks} remembered per upstream, "
+            f"min match {rt.min_match:g}, balance threshold {rt.balance_abs_tokens} tokens and {rt.balance_rel:g}x; "
+            "else least in-flight tokens)")
         if cfg.upstream:
-            log.info("router: %d upstreams of kind 'all' %s, selector least in-flight tokens, /health every %.1fs",
-                     len(cfg.upstream), list(cfg.upstream), cfg.health_interval)
+            log.info("router: %d upstreams of kind 'all' %s, selector %s, /health every %.1fs",
+                     len(cfg.upstream), list(cfg.upstream), selector, cfg.health_interval)
         if cfg.decode:
-            log.info("router: disaggregated pool, prefill %s (least in-flight tokens), decode %s (least in-flight "
-                     "tokens), prefill choice sent as header %s, /health every %.1fs", list(cfg.prefill),
-                     list(cfg.decode), "X-JKV-Prefill-Worker", cfg.health_interval)
+            log.info("router: disaggregated pool, prefill %s, decode %s, selector %s in each, prefill choice sent as "
+                     "header %s, /health every %.1fs", list(cfg.prefill), list(cfg.decode), selector,
+                     "X-JKV-Prefill-Worker", cfg.health_interval)
         what = "router"
     sock = _bind(cfg.host, cfg.port)
     host, port = sock.getsockname()[:2]

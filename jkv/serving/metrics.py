@@ -286,6 +286,14 @@ class RouterMetrics:
                                      ["upstream", "kind"], registry=r)
         self.ttft = Histogram("jkv_router_time_to_first_byte_seconds", "request -> first upstream response byte",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.routed = Counter("jkv_router_routed", "upstream choices per pool by what decided them: prefix (the "
+                              "longest cached prefix), cache_size (a new prefix: the emptiest record), load (least "
+                              "in-flight tokens: no prefix to go by, every upstream holds the same, the balance "
+                              "threshold, or --routing least-load)", ["kind", "by"], registry=r)
+        self.record_chunks = Gauge("jkv_router_prefix_record_chunks", "prefix chunk keys the router remembers "
+                                   "sending to each upstream (cache-aware routing)", ["upstream", "kind"], registry=r)
+        self.record_evictions = Counter("jkv_router_prefix_record_evictions", "chunk keys dropped from an upstream's "
+                                        "record (LRU, --routing-record-chunks)", ["upstream", "kind"], registry=r)
 
     def count_request(self, endpoint: str, status: int):
         self.requests.labels("router", endpoint, str(status)).inc()

@@ -3,17 +3,20 @@
 Upstreams have a kind (`UPSTREAM_KINDS`): "all" (a colocated `--role all` server), or a
 disaggregated pool of "prefill" (`--role prefill`) and "decode" (`--role decode`) servers;
 `Router.pick(kind)` is the single place the choice is made. With a pool, each request gets a
-prefill instance (least in-flight tokens) and a decode instance (same rule); it is sent to the
+prefill instance and a decode instance (both by the rule below); it is sent to the
 decode instance with the prefill instance's transport address (from its /health) in the
 `X-JKV-Prefill-Worker` header, and that prefill worker owns the request's KV. The prefill
 instance counts as in flight until the response ends. A prefill instance dying mid-request
 fails its requests on the decode instance, which ends their streams with an error event (500 for
 a non-streaming request); the health check then removes it, and new requests go to the others.
 
-Selection: the healthy upstream of the wanted kind with the fewest in-flight tokens (the sum,
-over requests the router is proxying to it, of estimated prompt tokens + max_tokens x n; the
-router has no tokenizer, so prompt tokens are estimated as UTF-8 bytes / 4). Ties go to the
-one with fewer in-flight requests, then round-robin order.
+Selection (`--routing least-load`): the healthy upstream of the wanted kind with the fewest
+in-flight tokens (the sum, over requests the router is proxying to it, of estimated prompt tokens
++ max_tokens x n; the router has no tokenizer, so prompt tokens are estimated as UTF-8 bytes / 4).
+Ties go to the one with fewer in-flight requests, then round-robin order. `--routing cache-aware`
+(the default) first prefers the upstream holding the longest prefix of the request's text, as the
+router remembers sending it, within a balance threshold of the least loaded one
+(jkv/serving/routing.py); each pool (all, prefill, decode) has its own records.
 
 Health: a background task GETs each upstream's /health every `health_interval`; a failure, a
 `status` other than "ok" (a server with no live prefill worker reports "degraded"), or a
@@ -43,6 +46,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Sequence
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
@@ -52,6 +56,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from . import protocol as P
 from .config import UPSTREAM_KINDS, ServeConfig
 from .metrics import RouterMetrics
+from .routing import PrefixRecord, RoutingConfig, prefix_keys
 from .server import PREFILL_WORKER_HEADER, CountRequests, LimitRequestBody
 
 log = logging.getLogger(__name__)
@@ -78,18 +83,30 @@ class NoUpstreamError(Exception):
 
 
 class Router:
-    """Upstream bookkeeping and selection (pure; the app below does the I/O)."""
+    """Upstream bookkeeping and selection (pure; the app below does the I/O).
 
-    def __init__(self, upstreams: list[Upstream], metrics: RouterMetrics | None = None):
+    With `routing.policy` "cache-aware" each upstream has a `PrefixRecord` of the prefix keys
+    (`jkv.serving.routing.prefix_keys`) of the requests it was picked for; `pick(kind, keys=...)`
+    prefers the one holding the longest run of them (jkv/serving/routing.py says when load wins)."""
+
+    def __init__(self, upstreams: list[Upstream], metrics: RouterMetrics | None = None,
+                 routing: RoutingConfig = RoutingConfig()):
         if not upstreams:
             raise ValueError("a router needs at least one upstream")
         self.upstreams = upstreams
         self.metrics = metrics
+        self.routing = routing
+        self.records = {(u.kind, u.url): PrefixRecord(routing.record_chunks) for u in upstreams}
         self._rr = collections.defaultdict(itertools.count)
         for u in upstreams:
             self._publish(u)
 
-    def pick(self, kind: str = "all", exclude: set[str] = frozenset()) -> Upstream:
+    def record(self, u: Upstream) -> PrefixRecord:
+        return self.records[(u.kind, u.url)]
+
+    def pick(self, kind: str = "all", exclude: set[str] = frozenset(), keys: Sequence[bytes] = ()) -> Upstream:
+        """The upstream of `kind` for a request whose prefix keys are `keys` (empty: by load only);
+        with cache-aware routing the keys are added to the chosen upstream's record."""
         live = [u for u in self.upstreams if u.kind == kind and u.healthy and u.url not in exclude]
         if not live:
             total = sum(u.kind == kind for u in self.upstreams)
@@ -97,7 +114,36 @@ class Router:
                                   f"({total} configured, all failing health checks)")
         turn = next(self._rr[kind])  # rotation per pool, so picks in one pool never skew another's
         n = sum(u.kind == kind for u in self.upstreams)
-        return min(live, key=lambda u: (u.inflight_tokens, u.inflight_requests, (u.order - turn) % n))
+
+        def by_load(u: Upstream):
+            return u.inflight_tokens, u.inflight_requests, (u.order - turn) % n
+
+        least = min(live, key=by_load)
+        if self.routing.policy != "cache-aware" or not keys:
+            chosen, by = least, "load"
+        else:
+            chosen, by = self._by_cache(live, keys, by_load)
+            cfg = self.routing
+            if (chosen.inflight_tokens - least.inflight_tokens > cfg.balance_abs_tokens
+                    and chosen.inflight_tokens > cfg.balance_rel * least.inflight_tokens):
+                chosen, by = least, "load"  # affinity must not queue work behind an idle instance
+            evicted = self.record(chosen).insert(keys)
+            self._publish(chosen)
+            if self.metrics is not None and evicted:
+                self.metrics.record_evictions.labels(chosen.url, kind).inc(evicted)
+        if self.metrics is not None:
+            self.metrics.routed.labels(kind, by).inc()
+        return chosen
+
+    def _by_cache(self, live: list[Upstream], keys: Sequence[bytes], by_load) -> tuple[Upstream, str]:
+        """(upstream, reason) before the balance check: the longest held prefix, else the emptiest record."""
+        matched = {u.url: self.record(u).match(keys) for u in live}
+        best = max(matched.values())
+        if best > 0 and best >= self.routing.min_match * len(keys):
+            holders = [u for u in live if matched[u.url] == best]
+            return min(holders, key=by_load), "prefix" if len(holders) < len(live) else "load"
+        # a new prefix: the instance whose cache holds least of what the router sent it
+        return min(live, key=lambda u: (len(self.record(u)), *by_load(u))), "cache_size"
 
     def acquire(self, u: Upstream, tokens: int):
         u.inflight_tokens += tokens
@@ -112,6 +158,9 @@ class Router:
     def mark(self, u: Upstream, healthy: bool, why: str = ""):
         if u.healthy != healthy:
             if healthy:
+                # it may have restarted with an empty cache: forget what it held rather than send it
+                # traffic for prefixes it no longer has
+                self.record(u).clear()
                 log.warning("upstream %s is healthy again; routing to it", u.url)
             else:
                 log.warning("upstream %s removed from rotation: %s", u.url, why)
@@ -122,6 +171,8 @@ class Router:
         if self.metrics is not None:
             self.metrics.healthy.labels(u.url, u.kind).set(1 if u.healthy else 0)
             self.metrics.inflight_tokens.labels(u.url, u.kind).set(u.inflight_tokens)
+            if self.routing.policy == "cache-aware":
+                self.metrics.record_chunks.labels(u.url, u.kind).set(len(self.record(u)))
 
 
 def estimate_tokens(body: dict, raw_len: int) -> int:
@@ -154,7 +205,7 @@ class _Proxy:
         pools = [(u, "all") for u in cfg.upstream] + [(u, "prefill") for u in cfg.prefill] + \
             [(u, "decode") for u in cfg.decode]
         self.router = Router([Upstream(u, kind, order=sum(k == kind for _, k in pools[:i]))
-                              for i, (u, kind) in enumerate(pools)], self.metrics)
+                              for i, (u, kind) in enumerate(pools)], self.metrics, cfg.routing)
         self.disaggregated = bool(cfg.decode)  # a --prefill/--decode pool takes the requests; --upstream is unused
         self.serving_kind = "decode" if self.disaggregated else "all"
         self.client: httpx.AsyncClient | None = None  # set by the app's lifespan
@@ -180,11 +231,11 @@ class _Proxy:
         kinds = ("prefill", "decode") if self.disaggregated else ("all",)
         return all(any(u.healthy and u.kind == k for u in self.router.upstreams) for k in kinds)
 
-    async def pick_prefill(self, tried: set[str]) -> tuple[Upstream, str]:
-        """Least-loaded healthy prefill instance and its transport address (from its /health)."""
+    async def pick_prefill(self, tried: set[str], keys: Sequence[bytes] = ()) -> tuple[Upstream, str]:
+        """A healthy prefill instance (`Router.pick`) and its transport address (from its /health)."""
         router = self.router
         while True:
-            p = router.pick("prefill", exclude=tried)  # NoUpstreamError when none is left
+            p = router.pick("prefill", exclude=tried, keys=keys)  # NoUpstreamError when none is left
             tried.add(p.url)
             if not p.info.get("transport_address"):
                 try:
@@ -206,11 +257,13 @@ class _Proxy:
         except ValueError as e:
             return P.error_response(f"the request body is not a valid JSON object ({e})", 400, param="body")
         tokens = estimate_tokens(body, len(raw))
+        routing = self.cfg.routing
+        keys = prefix_keys(body, path, routing.chunk_chars) if routing.policy == "cache-aware" else []
         headers = {"content-type": "application/json"}
         held: list[Upstream] = []  # prefill instance (disaggregated pool): released with the response
         if self.disaggregated:
             try:
-                p, address = await self.pick_prefill(set())
+                p, address = await self.pick_prefill(set(), keys)
             except NoUpstreamError as e:
                 return P.error_response(str(e), 503, type_="service_unavailable")
             self.router.acquire(p, tokens)
@@ -223,14 +276,15 @@ class _Proxy:
                 self.router.release(h, tokens)
             held.clear()
 
-        return await self._send(path, raw, headers, tokens, bool(body.get("stream")), release_held)
+        return await self._send(path, raw, headers, tokens, bool(body.get("stream")), release_held, keys)
 
-    async def _send(self, path: str, raw: bytes, headers: dict, tokens: int, stream: bool, release_held):
-        """POST to the least-loaded serving upstream; a refused connection moves on to the next."""
+    async def _send(self, path: str, raw: bytes, headers: dict, tokens: int, stream: bool, release_held,
+                    keys: Sequence[bytes]):
+        """POST to the serving upstream `Router.pick` chooses; a refused connection moves on to the next."""
         router, metrics, tried, t0 = self.router, self.metrics, set(), time.perf_counter()
         while True:
             try:
-                u = router.pick(self.serving_kind, exclude=tried)
+                u = router.pick(self.serving_kind, exclude=tried, keys=keys)
             except NoUpstreamError as e:
                 release_held()
                 return P.error_response(str(e), 503, type_="service_unavailable")

@@ -9,6 +9,7 @@ import yaml
 from jkv.disagg.config import Disaggregation
 from jkv.serving.config import (FLAGS, LIST_OPTIONS, ServeConfig, add_serve_arguments, config_from_args, field_path,
                                 field_value, read_config_file)
+from jkv.serving.routing import RoutingConfig
 from jkv.transfer.plan import TransferConfig
 
 DECODE = ["--role", "decode", "--prefill-worker", "a:1", "--strategy", "sequential"]
@@ -33,6 +34,8 @@ SAMPLES = {
     "prefix_cache_l3_timeout": ("2.5", DECODE),
     "tensor_parallel": ("2", []),
     "transport_advertise": ("jkv-prefill-a:7100|jkv-prefill-a:7101", ["--role", "prefill"]), "prefill": ("http://p:2", ROUTER), "decode": ("http://d:2", ROUTER),
+    "routing": ("least-load", ROUTER), "routing_chunk_chars": ("32", ROUTER), "routing_record_chunks": ("100", ROUTER),
+    "routing_min_match": ("0.5", ROUTER), "balance_abs_tokens": ("512", ROUTER), "balance_rel": ("2.5", ROUTER),
 }
 # fields filled from another one: Disaggregation.bandwidth is also the transfer's Eq. 2 link estimate
 DERIVED = {"disagg.transfer.bandwidth_bps": "bandwidth"}
@@ -99,12 +102,15 @@ def test_the_switch_flag_turns_role_all_disaggregated_and_null_leaves_it_off(tmp
 def test_flags_map_to_distinct_fields_and_no_field_is_repeated_between_levels():
     paths = [field_path(name) for name in FLAGS]
     assert len(set(paths)) == len(paths)
-    serve = {f.name for f in dataclasses.fields(ServeConfig)} - {"disagg"}
+    serve = {f.name for f in dataclasses.fields(ServeConfig)} - {"disagg", "routing"}
     disagg = {f.name for f in dataclasses.fields(Disaggregation)} - {"transfer"}
     transfer = {f.name for f in dataclasses.fields(TransferConfig)}
+    routing = {f.name for f in dataclasses.fields(RoutingConfig)}
     assert not serve & disagg and not serve & transfer and not disagg & transfer, (
         serve & disagg, serve & transfer, disagg & transfer)
+    assert not routing & (serve | disagg | transfer), routing & (serve | disagg | transfer)
     assert ServeConfig().disagg == Disaggregation()  # the serve defaults are the engine's
+    assert ServeConfig().routing == RoutingConfig()
 
 
 @pytest.mark.parametrize("argv, match", [
