@@ -19,6 +19,10 @@ lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval (the compare extr
 pytest.importorskip("transformers", reason="needs transformers (the compare extra)")
 
 MODEL = "smollm2-135m-instruct"
+# Every request here is under 32 tokens. The server's warm-up compiles a SmolLM2 decode program per
+# page-table width up to --max-model-len's (x 2 batch shapes): 128 tokens needs widths 4 and 8, the
+# former 512 also 16 and 32, four more compiles of seconds of CPU each that no request here used.
+MAX_MODEL_LEN = 128
 PER_TOKEN_TOL = 1e-3
 SENTENCES = [
     "The capital of France is Paris", "Water freezes at zero degrees", "The sun rises in the east",
@@ -105,7 +109,8 @@ def starting_server():
     the transformers load below. Same flags as test_min_budget_http's single-process server (the
     default --max-slots), so the run's shared XLA cache (tests/conftest.py) serves one's programs
     to the other."""
-    s = ServerProcess(["--model", MODEL, "--port", "0", "--max-model-len", "512"], ready_timeout=300, wait=False)
+    s = ServerProcess(["--model", MODEL, "--port", "0", "--max-model-len", str(MAX_MODEL_LEN)], ready_timeout=300,
+                      wait=False)
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 
@@ -139,7 +144,7 @@ def test_lm_eval_local_completions_runs_and_matches_transformers(model_server, h
     hf, tok_dir = hf_model_and_tokenizer
     model_args = dict(model=MODEL, base_url=model_server.url + "/v1/completions", tokenizer_backend="huggingface",
                       tokenizer=str(tok_dir), tokenized_requests=True, num_concurrent=4, max_retries=1,
-                      max_length=512)
+                      max_length=MAX_MODEL_LEN)
     out = simple_evaluate(model="local-completions", model_args=model_args, tasks=["jkv_ll", "jkv_gen"],
                           task_manager=TaskManager(include_path=str(write_tasks(tmp_path))), log_samples=True,
                           random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)

@@ -257,7 +257,12 @@ def test_smollm2_multi_turn_chat_with_a_system_prompt_equals_llm_generate():
     turn1 = [system, {"role": "user", "content": "What is the capital of France?"}]
     other = [system, {"role": "user", "content": "Name a large ocean."}]
     metrics = ServerMetrics()
-    b = PagedBatcher(smol, BatcherConfig(max_slots=2, max_model_len=512, page_size=16, prefill_chunk=64), metrics)
+    # 8 pages, the pool LLM's engine sizes itself for these requests (a power of two above the 4 and
+    # 6 pages of turn 1 and turn 2): the batcher's KV then has the reference's shape and its decode
+    # steps run the reference's compiled SmolLM2 programs instead of compiling their own (~10 s of
+    # CPU each). 7 usable pages hold turn 1's cached pages while turn 2 reserves its 6.
+    b = PagedBatcher(smol, BatcherConfig(max_slots=2, max_model_len=512, page_size=16, prefill_chunk=64,
+                                         num_pages=8), metrics)
     b.start()
     try:
         sp = SamplingParams(max_tokens=16)
