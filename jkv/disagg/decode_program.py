@@ -3,7 +3,9 @@
 One layer of a decode step, after `Model.qkv` and the new token's K, V write (`DecodePages.write_new`):
 
     select   append the new key to the selector metadata, select (`Selector.select_traced`; every
-             cached token in a dense layer)                          -> kv_index i32[B*H_kv, k]
+             cached token in a dense layer), minus the rows a token-dropping profile dropped
+             (`sparse.drop_dropped`, only when a request of the batch has one)
+                                                                     -> kv_index i32[B*H_kv, k]
     split    the device KV mask of each row (`sparse.mask_rows`) and `dispatch.split_reorder`
                                                                      -> reordered, remote counts
     attend   gather every selected row from the pages (`sparse.gather_selected`), attention over
@@ -51,12 +53,17 @@ def attention_fn():
     return None if dispatch.resolved_backend() == "xla" else _dispatch_attention
 
 
-def select(selector, H: int, capacity: int, dense: bool, state, meta, query, k_new, pos, now_cached):
-    """-> (meta, kv_index i32[B*H_kv, k]); a dense layer keeps meta (None) and takes every token."""
+def select(selector, H: int, capacity: int, dense: bool, state, meta, query, k_new, pos, now_cached,
+           mask=None, layer=None, table=None, drops: bool = False):
+    """-> (meta, kv_index i32[B*H_kv, k]); a dense layer keeps meta (None) and takes every token.
+    drops: some request of the batch has a token-dropping profile: its DROPPED entries of the
+    device mask (i8[L, num_pages, H_kv, P], with layer and table) leave the selection."""
     if dense:
-        return meta, all_tokens_index(now_cached, H, capacity)
-    meta = selector.append_traced(state, meta, k_new, pos)
-    return meta, selector.select_traced(state, query, meta, now_cached)
+        kv_index = all_tokens_index(now_cached, H, capacity)
+    else:
+        meta = selector.append_traced(state, meta, k_new, pos)
+        kv_index = selector.select_traced(state, query, meta, now_cached)
+    return meta, sparse.drop_dropped(kv_index, mask, layer, table) if drops else kv_index
 
 
 def split(mask, layer, table, fetchable, kv_index):
@@ -72,9 +79,10 @@ def attend(cfg, params, x, q, K, V, table, kv_index):
 
 
 def fused(cfg, selector, capacity: int, dense: bool, params, state, meta, x, q, query, k_new, pos, now_cached,
-          K, V, mask, layer, table, fetchable):
+          K, V, mask, layer, table, fetchable, drops: bool = False):
     """The whole layer: (meta, kv_index, remote_count, x)."""
-    meta, kv_index = select(selector, cfg.num_kv_heads, capacity, dense, state, meta, query, k_new, pos, now_cached)
+    meta, kv_index = select(selector, cfg.num_kv_heads, capacity, dense, state, meta, query, k_new, pos, now_cached,
+                            mask, layer, table, drops)
     _, remote = split(mask, layer, table, fetchable, kv_index)
     return meta, kv_index, remote, attend(cfg, params, x, q, K, V, table, kv_index)
 
@@ -85,10 +93,10 @@ class LayerPrograms:
     def __init__(self, cfg, selector):
         self.cfg, self.selector = cfg, selector
         self.select = jax.jit(functools.partial(select, selector, cfg.num_kv_heads),
-                              static_argnames=("capacity", "dense"))
+                              static_argnames=("capacity", "dense", "drops"))
         self.split = _split
         self.attend = jax.jit(functools.partial(attend, cfg))
-        self.fused = jax.jit(functools.partial(fused, cfg, selector), static_argnames=("capacity", "dense"))
+        self.fused = jax.jit(functools.partial(fused, cfg, selector), static_argnames=("capacity", "dense", "drops"))
 
 
 _split = jax.jit(split)

@@ -13,7 +13,10 @@ every earlier write applied before a later notification; SmartGen §4.1):
      request), sends the selector metadata of layer l ("meta"), then the layer's blocks that
      are in the request's proactive set (the first `kr` of its plan) as one write_many, each
      run followed by its mask bytes (LOCAL) — SmartGen §4.1 proactive transfer.
-  3. after the last layer: "handoff" with the first token.
+  3. after the last layer: "handoff" with the first token. A request with a token-dropping
+     profile (jkv/compression/dropping.py) pushes nothing in step 2: its keep table needs the
+     prompt's last queries, so after the prefill it is decided, every layer is absorbed and the
+     proactive blocks go out; its hand-off carries the keep table.
   4. decode fetches rows on demand ("fetch" RPC, §4.2; a compressed request's rows as one
      checksummed container in the encoding its on-demand path chose, jkv/compression/paths.py)
      and triggers speculation ("spec", §4.3):
@@ -42,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.compression.dropping import DroppingCodec, pack_keep
 from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, WIRE_DTYPE, KVCodec
 from jkv.compression.paths import F16, encode_rows, pack_framed_reply, pack_metadata
 from jkv.disagg import protocol as proto
@@ -90,6 +94,11 @@ class _Held:
     original: object = None  # f16[2, L, H_kv, N, D]: the rows its chunks were encoded from (row pipelines)
     meta_codec: str | None = None  # lossless codec of its selector metadata (None: plain leaves)
     bytes: dict = dataclasses.field(default_factory=lambda: dict(proactive=0, speculative=0, on_demand=0, metadata=0))
+
+
+def dropping(h: _Held) -> bool:
+    """Whether the request moves with a token-dropping profile (absorbed and pushed after the prefill)."""
+    return isinstance(h.codec, DroppingCodec)
 
 
 class PrefillWorker:
@@ -269,7 +278,7 @@ class PrefillWorker:
                 h.kv.kv[1, layer] = Vn[b, :, :n]
                 if h.original is not None:
                     h.original[:, layer] = h.kv.kv[:, layer]
-                if h.codec is not None:  # every later row read (push, fetch) sees decode(encode(KV))
+                if h.codec is not None and not dropping(h):  # every later row read (push, fetch) sees decode(encode(KV))
                     h.codec.absorb(layer, h.kv.kv[:, layer])
                 if leaves is not None:  # selector metadata goes before the layer's blocks
                     mine = [x[b:b + 1] for x in leaves]
@@ -278,11 +287,15 @@ class PrefillWorker:
                     h.bytes["metadata"] += len(payload)
                     peer.notify("meta", payload)
                 blocks = proactive[b].get(layer)
-                if blocks:
+                if blocks and not dropping(h):  # a dropping request's keep table needs every layer: pushed after
                     self._push(peer, h, layer, blocks, "proactive")
 
         logits, _ = model.prefill(tokens, lengths, on_layer=on_layer)
         prefill_s = time.time() - t_start
+        keeps = {}
+        for b, h in enumerate(held):  # token-dropping profiles (jkv/compression/dropping.py)
+            if dropping(h):
+                keeps[h.rid] = self._absorb_dropping(peer, h, tokens[b, :h.geometry.num_tokens], proactive[b])
         first = self._first_tokens(logits, requests)
         t_first = time.time()
         link = None
@@ -297,10 +310,27 @@ class PrefillWorker:
                 extra["link"] = link
             if h.codec is not None:  # every chunk is encoded during the prefill (absorb)
                 extra["encode_s"] = h.codec.encode_s
+            arrays = ()
+            if h.rid in keeps:  # the decode side masks the dropped (layer, head, token) entries
+                extra["keep"] = list(keeps[h.rid].shape)
+                arrays = (pack_keep(keeps[h.rid]),)
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
-                                                    prefill_s=prefill_s, bytes=dict(h.bytes), **extra))
+                                                    prefill_s=prefill_s, bytes=dict(h.bytes), **extra), *arrays)
 
     # ---------------------------------------------------------------- compression (KVServe)
+    def _absorb_dropping(self, peer, h: _Held, prompt: np.ndarray, proactive: dict) -> np.ndarray:
+        """A token-dropping request after the prefill: decide its keep table from its own last
+        queries, absorb every layer (kept rows -> decode(encode(.)), dropped rows 0), then push its
+        proactive blocks layer by layer. Returns keep bool[L, H_kv, N]."""
+        L = h.kv.kv.shape[1]
+        keep = h.codec.plan_keep(self.model, prompt, [(h.kv.kv[0, layer], h.kv.kv[1, layer]) for layer in range(L)])
+        for layer in range(L):
+            h.codec.absorb(layer, h.kv.kv[:, layer])
+            blocks = proactive.get(layer)
+            if blocks:
+                self._push(peer, h, layer, blocks, "proactive")
+        return keep
+
     def _kv_codec(self):
         if self.codec is None:
             self.codec = KVCodec()
