@@ -62,7 +62,8 @@ def select(selector, H: int, capacity: int, dense: bool, state, meta, query, k_n
         kv_index = all_tokens_index(now_cached, H, capacity)
     else:
         meta = selector.append_traced(state, meta, k_new, pos)
-        kv_index = selector.select_traced(state, query, meta, now_cached)
+        dropped = sparse.dropped_slots(mask, layer, table, capacity) if drops else None
+        kv_index = selector.select_traced(state, query, meta, now_cached, dropped)  # top-k among the kept
     return meta, sparse.drop_dropped(kv_index, mask, layer, table) if drops else kv_index
 
 

@@ -66,6 +66,13 @@ def _set_entries(mask, layers, pages, heads, slots, values):
 set_entries = jax.jit(_set_entries, donate_argnums=(0,))
 
 
+def dropped_slots(mask, layer, table, capacity: int):
+    """bool[B, H_kv, capacity]: the slots of one layer a token-dropping profile removed (DROPPED)."""
+    B, H = table.shape[0], mask.shape[2]
+    rows = mask_rows(mask, layer, table, jnp.ones(B, bool)).reshape(B, H, -1)
+    return rows[:, :, :capacity] == DROPPED
+
+
 def drop_dropped(kv_index, mask, layer, table):
     """kv_index i32[B*H_kv, k] without the entries whose device mask is DROPPED: the kept entries
     stay in selection order, -1 fills the tail. Rows without DROPPED entries are unchanged

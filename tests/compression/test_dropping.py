@@ -146,6 +146,21 @@ def test_drop_dropped_removes_dropped_entries_and_keeps_the_order():
     assert int(mask[0, 0, 0, 0]) == PAD  # the null page keeps PAD
 
 
+def test_selectors_spend_their_budget_on_kept_tokens():
+    """scores_to_index with `dropped`: the top-k among the kept slots (not the top-k of all slots
+    minus the dropped ones), even where a dropped slot is protected (a sink)."""
+    from jkv.selection.base import scores_to_index
+
+    scores = jnp.asarray([[[9.0, 8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0]]])  # [B=1, H_kv=1, N=8]
+    dropped = jnp.asarray([[[True, True, False, True, False, False, False, False]]])
+    lengths = jnp.asarray([8], jnp.int32)
+    index = scores_to_index(scores, lengths, 0.5, sinks=1, dropped=dropped)  # budget 4
+    assert np.asarray(index).tolist() == [[2, 4, 5, 6]]
+    assert np.asarray(scores_to_index(scores, lengths, 0.5, sinks=1)).tolist() == [[0, 1, 2, 3]]
+    oracle = build_selector(tiny_model("qwen2", 0), "oracle", min_budget=0)
+    assert oracle.masks_dropped  # the decode worker's selection passes the DROPPED slots to it
+
+
 # ------------------------------------------------------------------ controller
 def test_controller_chooses_among_dropping_profiles_in_serving():
     """A profile file's duo / hi-only tier points are controller lines (a lo-tier point is not);
