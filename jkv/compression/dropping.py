@@ -119,6 +119,11 @@ def parse_drop(spec_id: str | None) -> DropSpec | None:
     return spec
 
 
+def is_dropping_id(spec_id: str) -> bool:
+    """Whether `spec_id` names a token-dropping profile (servable or not: a lo tier matches too)."""
+    return bool(_DUO.match(spec_id) or _TIERS.match(spec_id))
+
+
 def servable(spec_id: str) -> bool:
     """Whether a profile id can move on the serving path (plain pipelines and servable drops)."""
     try:

@@ -12,7 +12,7 @@ from jkv.compression.dropping import (DroppingCodec, apply_dropping_frame, head_
                                       servable, unpack_keep)
 from jkv.compression.kv_transfer import ChunkPlan, KVCodec, RequestCodec
 from jkv.compression.policy import CompressionConfig, CompressionPolicy, wire_profiles
-from jkv.compression.profiling import ProfileFile, ProfilePoint
+from jkv.compression.profiling import ProfileFile, ProfilePoint, load_profile, save_profile
 from jkv.compression.streaming import MaskedDecoder
 from jkv.disagg.decode_worker import DecodeWorker
 from jkv.disagg.prefill_worker import PrefillWorker
@@ -162,7 +162,7 @@ def test_selectors_spend_their_budget_on_kept_tokens():
 
 
 # ------------------------------------------------------------------ controller
-def test_controller_chooses_among_dropping_profiles_in_serving():
+def test_controller_chooses_among_dropping_profiles_in_serving(tmp_path):
     """A profile file's duo / hi-only tier points are controller lines (a lo-tier point is not);
     on a slow link the highest-CR line that meets q_min wins, and it is a dropping profile."""
     lo_tier = f"tiers:hi20:{PIPE}+lo30:hadamard+kivi2g32+none:s16w64o32p7"
@@ -171,9 +171,11 @@ def test_controller_chooses_among_dropping_profiles_in_serving():
     profile = ProfileFile("code", 0.97, 1 << 20, points)
     names = [p.name for p in wire_profiles(profile)]
     assert names == [PIPE, DUO, TIERS]
-    policy = CompressionPolicy(CompressionConfig("auto", profiles=("unused",), q_min=0.97,
+    save_profile(tmp_path / "code.json", profile)  # as `jkv serve --compression auto` reads it
+    assert load_profile(tmp_path / "code.json").points == points
+    policy = CompressionPolicy(CompressionConfig("auto", profiles=(str(tmp_path / "code.json"),), q_min=0.97,
                                                  controller=ControllerConfig(epsilon=0)),
-                               bandwidth_bps=10e6, profiles=[profile])
+                               bandwidth_bps=10e6)
     choice = policy.choose(kv_bytes=64 << 20)
     assert choice.spec_id == TIERS and parse_drop(choice.spec_id) is not None
     assert choice.on_demand == "f16"  # kept rows on demand: their float16 values (KIVI is not row-granular)
@@ -237,13 +239,13 @@ def serve(model, selector_name, prefill, mode, prompts, spec):
         decode.close()
 
 
-def reference(model, prompt, spec):
+def reference(model, prompt, spec, min_chunk=MIN_CHUNK):
     """Colocated: prefill, the same keep table and codec on the same chunks, then dense decoding
     that attends per head to the kept tokens (`streaming.MaskedDecoder`)."""
     n, L = len(prompt), model.cfg.num_layers
     logits, kv = model.prefill(np.asarray([prompt], np.int32), np.asarray([n], np.int32))
     layers = [(np.asarray(k[0, :, :n], np.float32), np.asarray(v[0, :, :n], np.float32)) for k, v in kv]
-    state = KVCodec(min_chunk_tokens=MIN_CHUNK).start(spec, BlockGeometry(n, L, MAX_BLOCKS))
+    state = KVCodec(min_chunk_tokens=min_chunk).start(spec, BlockGeometry(n, L, MAX_BLOCKS))
     keep = state.plan_keep(model, np.asarray(prompt), layers)
     out = []
     for layer, (k, v) in enumerate(layers):
@@ -278,3 +280,18 @@ def test_transfer_modes_give_identical_tokens_for_a_dropping_profile(model, prom
         if mode != "full":
             assert sum(o.metrics.extra["on_demand_ratio"] for o in outs) > 0  # rows really came on demand
     assert tokens["partial"] == tokens["full"] and tokens["smartgen"] == tokens["full"]
+
+
+def test_llm_with_disaggregation_serves_a_dropping_profile_like_the_dense_reference(model, prompts):
+    """The public API: LLM(disaggregation=Disaggregation(compression=<dropping id>)) with a worker
+    process (its default 128-token chunks) in smartgen mode gives the reference's tokens."""
+    from jkv import LLM
+    from jkv.api import Disaggregation
+
+    dis = Disaggregation(TransferConfig(mode="smartgen", strategy="sequential", kr_fraction=0.3, max_blocks=MAX_BLOCKS),
+                         selector="dense", transport="tcp", prefill_workers=1, model_spec="tiny:qwen2:0",
+                         compression=DUO)
+    with LLM(model, disaggregation=dis) as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    assert all(o.metrics.extra["compression"] == DUO and o.finish_reason == "length" for o in outs)
+    assert [o.token_ids for o in outs] == [reference(model, p, DUO, min_chunk=128)[0] for p in prompts]
