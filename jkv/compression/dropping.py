@@ -192,6 +192,14 @@ class DroppingCodec(RequestCodec):
         self.keep_s = time.perf_counter() - t0
         return self.keep
 
+    def absorb_request(self, model, prompt, kv: np.ndarray) -> np.ndarray:
+        """After the prefill: decide the keep table from kv f32[2, L, H_kv, N, D] (the request's
+        copy), then absorb every layer in place. Returns keep bool[L, H_kv, N]."""
+        self.plan_keep(model, prompt, [(kv[0, layer], kv[1, layer]) for layer in range(kv.shape[1])])
+        for layer in range(kv.shape[1]):
+            self.absorb(layer, kv[:, layer])
+        return self.keep
+
     def absorb(self, layer: int, kv_layer: np.ndarray) -> None:
         """kv_layer f32[2, H_kv, N, D] becomes decode(encode(kept rows)), dropped rows 0."""
         if self.keep is None:

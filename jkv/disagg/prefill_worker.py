@@ -96,11 +96,6 @@ class _Held:
     bytes: dict = dataclasses.field(default_factory=lambda: dict(proactive=0, speculative=0, on_demand=0, metadata=0))
 
 
-def dropping(h: _Held) -> bool:
-    """Whether the request moves with a token-dropping profile (absorbed and pushed after the prefill)."""
-    return isinstance(h.codec, DroppingCodec)
-
-
 class PrefillWorker:
     def __init__(self, model, selector, name: str = "prefill-0", *, secret: str, backend: str = "tcp",
                  bandwidth=None, lease_s: float = 300.0, timeout: float = 5.0, codec=None,
@@ -263,6 +258,7 @@ class PrefillWorker:
         proactive = [per_layer(h.geometry, h.order[:h.spec_cursor]) for h in held]
         ship_meta = needs_metadata(self.selector)
         dense_below = dense_layer_count(self.selector, cfg.num_layers)
+        dropping = {h.rid for h in held if isinstance(h.codec, DroppingCodec)}  # absorbed and pushed after
         jl = jnp.asarray(lengths)
         t_start = time.time()
 
@@ -278,7 +274,7 @@ class PrefillWorker:
                 h.kv.kv[1, layer] = Vn[b, :, :n]
                 if h.original is not None:
                     h.original[:, layer] = h.kv.kv[:, layer]
-                if h.codec is not None and not dropping(h):  # every later row read (push, fetch) sees decode(encode(KV))
+                if h.codec is not None and h.rid not in dropping:  # every later row read sees decode(encode(KV))
                     h.codec.absorb(layer, h.kv.kv[:, layer])
                 if leaves is not None:  # selector metadata goes before the layer's blocks
                     mine = [x[b:b + 1] for x in leaves]
@@ -287,15 +283,17 @@ class PrefillWorker:
                     h.bytes["metadata"] += len(payload)
                     peer.notify("meta", payload)
                 blocks = proactive[b].get(layer)
-                if blocks and not dropping(h):  # a dropping request's keep table needs every layer: pushed after
+                if blocks and h.rid not in dropping:  # its keep table needs every layer: pushed after the prefill
                     self._push(peer, h, layer, blocks, "proactive")
 
         logits, _ = model.prefill(tokens, lengths, on_layer=on_layer)
         prefill_s = time.time() - t_start
         keeps = {}
         for b, h in enumerate(held):  # token-dropping profiles (jkv/compression/dropping.py)
-            if dropping(h):
-                keeps[h.rid] = self._absorb_dropping(peer, h, tokens[b, :h.geometry.num_tokens], proactive[b])
+            if h.rid in dropping:
+                keeps[h.rid] = h.codec.absorb_request(model, tokens[b, :h.geometry.num_tokens], h.kv.kv)
+                for layer, blocks in proactive[b].items():
+                    self._push(peer, h, layer, blocks, "proactive")
         first = self._first_tokens(logits, requests)
         t_first = time.time()
         link = None
@@ -310,27 +308,13 @@ class PrefillWorker:
                 extra["link"] = link
             if h.codec is not None:  # every chunk is encoded during the prefill (absorb)
                 extra["encode_s"] = h.codec.encode_s
-            arrays = ()
             if h.rid in keeps:  # the decode side masks the dropped (layer, head, token) entries
                 extra["keep"] = list(keeps[h.rid].shape)
-                arrays = (pack_keep(keeps[h.rid]),)
+            arrays = (pack_keep(keeps[h.rid]),) if h.rid in keeps else ()
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
                                                     prefill_s=prefill_s, bytes=dict(h.bytes), **extra), *arrays)
 
     # ---------------------------------------------------------------- compression (KVServe)
-    def _absorb_dropping(self, peer, h: _Held, prompt: np.ndarray, proactive: dict) -> np.ndarray:
-        """A token-dropping request after the prefill: decide its keep table from its own last
-        queries, absorb every layer (kept rows -> decode(encode(.)), dropped rows 0), then push its
-        proactive blocks layer by layer. Returns keep bool[L, H_kv, N]."""
-        L = h.kv.kv.shape[1]
-        keep = h.codec.plan_keep(self.model, prompt, [(h.kv.kv[0, layer], h.kv.kv[1, layer]) for layer in range(L)])
-        for layer in range(L):
-            h.codec.absorb(layer, h.kv.kv[:, layer])
-            blocks = proactive.get(layer)
-            if blocks:
-                self._push(peer, h, layer, blocks, "proactive")
-        return keep
-
     def _kv_codec(self):
         if self.codec is None:
             self.codec = KVCodec()
