@@ -155,13 +155,21 @@ def pack_keep(keep: np.ndarray) -> np.ndarray:
     return np.packbits(np.asarray(keep, bool).reshape(-1))
 
 
-def unpack_keep(data, shape) -> np.ndarray:
-    """Inverse of `pack_keep`; raises ValueError when the bytes do not fit `shape` [L, H_kv, N]."""
+def keep_header(keep: np.ndarray) -> dict:
+    """The hand-off header fields that go with `pack_keep(keep)`: its shape and crc32."""
+    return {"keep": list(keep.shape), "keep_crc": zlib.crc32(pack_keep(keep).tobytes())}
+
+
+def unpack_keep(data, shape, crc: int | None = None) -> np.ndarray:
+    """Inverse of `pack_keep`; raises ValueError when the bytes do not fit `shape` [L, H_kv, N] or
+    fail their crc32 (when given)."""
     shape = tuple(int(s) for s in shape)
     size = int(np.prod(shape))
     raw = np.frombuffer(bytes(data), np.uint8)
     if raw.size != -(-size // 8):
         raise ValueError(f"keep table of {raw.size} bytes does not hold {shape}")
+    if crc is not None and zlib.crc32(raw.tobytes()) != int(crc):
+        raise ValueError("keep table fails its crc32")
     return np.unpackbits(raw, count=size).astype(bool).reshape(shape)
 
 

@@ -102,7 +102,7 @@ class OwnerSide:
         if lv is not None:
             if "keep" in header:  # a token-dropping profile's keep table (jkv/compression/dropping.py)
                 try:
-                    keep = unpack_keep(payload, header["keep"])
+                    keep = unpack_keep(payload, header["keep"], header.get("keep_crc"))
                     want = lv.on_device.shape
                     if keep.shape != want:
                         raise ValueError(f"keep table {keep.shape} for a request of [L, H_kv, N] = {want}")

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.compression.dropping import DroppingCodec, pack_keep
+from jkv.compression.dropping import DroppingCodec, keep_header, pack_keep
 from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, WIRE_DTYPE, KVCodec
 from jkv.compression.paths import F16, encode_rows, pack_framed_reply, pack_metadata
 from jkv.disagg import protocol as proto
@@ -309,7 +309,7 @@ class PrefillWorker:
             if h.codec is not None:  # every chunk is encoded during the prefill (absorb)
                 extra["encode_s"] = h.codec.encode_s
             if h.rid in keeps:  # the decode side masks the dropped (layer, head, token) entries
-                extra["keep"] = list(keeps[h.rid].shape)
+                extra.update(keep_header(keeps[h.rid]))
             arrays = (pack_keep(keeps[h.rid]),) if h.rid in keeps else ()
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
                                                     prefill_s=prefill_s, bytes=dict(h.bytes), **extra), *arrays)

@@ -20,7 +20,7 @@ prefill -> decode
   notify "meta"     {"rid", "layer", "leaves": [[shape, dtype]]} + leaf bytes (selector metadata)
   notify "handoff"  {"rid", "first_token", "t_first", "prefill_s", "bytes": {...}}
                     (+ "link": {bytes, busy_s}, "compression" when the request named a compression;
-                    + "keep": [L, H_kv, N] and the packed keep table bytes for a token-dropping
+                    + "keep": [L, H_kv, N], "keep_crc" and the packed keep table bytes for a token-dropping
                     profile, jkv.compression.dropping)
   notify "ckv"      {"rid", "layer", "chunks": [[start, stop, k_len, v_len]]} + K, V containers per
                     chunk: compressed blocks (jkv.compression.kv_transfer) instead of block writes

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from jkv.compression.controller import ControllerConfig
-from jkv.compression.dropping import (DroppingCodec, apply_dropping_frame, head_groups, pack_keep, parse_drop,
-                                      servable, unpack_keep)
+from jkv.compression.dropping import (DroppingCodec, apply_dropping_frame, head_groups, keep_header, pack_keep,
+                                      parse_drop, servable, unpack_keep)
 from jkv.compression.kv_transfer import ChunkPlan, KVCodec, RequestCodec
 from jkv.compression.policy import CompressionConfig, CompressionPolicy, wire_profiles
 from jkv.compression.profiling import ProfileFile, ProfilePoint, load_profile, save_profile
@@ -52,11 +52,18 @@ def test_ids_parse_and_the_unservable_ones_are_refused_with_the_reason():
     assert CompressionPolicy(CompressionConfig(TIERS)).choose(1 << 20).spec_id == TIERS
 
 
-def test_keep_table_packs_and_rejects_a_wrong_size():
+def test_keep_table_packs_and_rejects_a_wrong_size_or_a_flipped_bit():
     keep = np.random.default_rng(0).random((3, 2, 21)) < 0.5
-    assert (unpack_keep(pack_keep(keep).tobytes(), keep.shape) == keep).all()
+    header = keep_header(keep)
+    data = pack_keep(keep).tobytes()
+    assert (unpack_keep(data, header["keep"], header["keep_crc"]) == keep).all()
     with pytest.raises(ValueError, match="does not hold"):
-        unpack_keep(pack_keep(keep).tobytes(), (3, 2, 40))
+        unpack_keep(data, (3, 2, 40))
+    for bit in range(8 * len(data)):
+        flipped = bytearray(data)
+        flipped[bit // 8] ^= 1 << bit % 8
+        with pytest.raises(ValueError, match="crc32"):
+            unpack_keep(bytes(flipped), header["keep"], header["keep_crc"])
 
 
 # ------------------------------------------------------------------ wire format
