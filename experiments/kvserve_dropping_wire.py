@@ -58,6 +58,15 @@ def main():
         dec = MaskedDecoder(model, kv_layers, keep, args.steps)
         return [dec.step(t) for t in forced]
 
+    # Every profile here decides from the same prompt's last 32 queries: replay them once.
+    import jkv.compression.heads as heads
+    replay, cache = heads.observation_queries, {}
+    def observation_queries(m, p, kv, window=32):
+        if window not in cache:
+            cache[window] = replay(m, p, kv, window)
+        return cache[window]
+    heads.observation_queries = observation_queries
+
     ref = next_logits(layers, np.ones((L, model.cfg.num_kv_heads, n), bool))
     codec = KVCodec(min_chunk_tokens=128)
     geometry = BlockGeometry(n, L, args.max_blocks)

@@ -25,7 +25,7 @@ from jkv.sampling import SamplingParams
 from jkv.transfer.plan import TransferConfig
 from models import tiny_model
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(900)  # end to end on a loaded 2-core box: compilation dominates
 
 SECRET = "dropping-test-secret"
 PIPE = "hadamard+kivi4g32+none"
@@ -254,16 +254,19 @@ def reference(model, prompt, spec, min_chunk=MIN_CHUNK):
     layers = [(np.asarray(k[0, :, :n], np.float32), np.asarray(v[0, :, :n], np.float32)) for k, v in kv]
     state = KVCodec(min_chunk_tokens=min_chunk).start(spec, BlockGeometry(n, L, MAX_BLOCKS))
     keep = state.plan_keep(model, np.asarray(prompt), layers)
-    out = []
+    plain = KVCodec(min_chunk_tokens=min_chunk).start(PIPE, BlockGeometry(n, L, MAX_BLOCKS))
+    out, plain_bytes = [], 0
     for layer, (k, v) in enumerate(layers):
         both = np.stack([k, v])
         state.absorb(layer, both)
         out.append((both[0], both[1]))
+        plain.absorb(layer, np.stack([k, v]))
+        plain_bytes += len(plain.frame("r", layer, range(plain.chunks.num_chunks)))
     decoder = MaskedDecoder(model, out, keep, MAX_TOKENS)
     tokens = [int(np.argmax(np.asarray(logits)[0, n - 1] if np.asarray(logits).ndim == 3 else np.asarray(logits)[0]))]
     while len(tokens) < MAX_TOKENS:
         tokens.append(int(np.argmax(decoder.step(tokens[-1]))))
-    return tokens, keep
+    return tokens, keep, plain_bytes
 
 
 @pytest.mark.parametrize("spec", [TIERS, DUO])
@@ -272,10 +275,9 @@ def test_served_dropping_profile_matches_a_dense_reference_with_the_same_drop(mo
     refs = [reference(model, p, spec) for p in prompts]
     assert [o.token_ids for o in outs] == [r[0] for r in refs]
     assert all(o.metrics.extra["compression"] == spec for o in outs)
-    assert any(not keep.all() for _, keep in refs)  # something was really dropped
-    plain = serve(model, "dense", prefill, "full", prompts, PIPE)
-    dropped_bytes = sum(o.metrics.extra["bytes"]["proactive"] for o in outs)
-    assert dropped_bytes < sum(o.metrics.extra["bytes"]["proactive"] for o in plain)
+    assert any(not keep.all() for _, keep, _ in refs)  # something was really dropped
+    # full mode pushes every chunk: fewer bytes than the same pipeline without the drop
+    assert sum(o.metrics.extra["bytes"]["proactive"] for o in outs) < sum(r[2] for r in refs)
 
 
 @pytest.mark.parametrize("spec", [TIERS, DUO])
