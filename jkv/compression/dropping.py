@@ -160,6 +160,14 @@ def keep_header(keep: np.ndarray) -> dict:
     return {"keep": list(keep.shape), "keep_crc": zlib.crc32(pack_keep(keep).tobytes())}
 
 
+def handoff_keep(codec) -> tuple[dict, list]:
+    """(hand-off header fields, payload arrays) carrying a dropping request's keep table; ({}, [])
+    for any other request."""
+    if not isinstance(codec, DroppingCodec) or codec.keep is None:
+        return {}, []
+    return keep_header(codec.keep), [pack_keep(codec.keep)]
+
+
 def unpack_keep(data, shape, crc: int | None = None) -> np.ndarray:
     """Inverse of `pack_keep`; raises ValueError when the bytes do not fit `shape` [L, H_kv, N] or
     fail their crc32 (when given)."""

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.compression.dropping import DroppingCodec, keep_header, pack_keep
+from jkv.compression.dropping import DroppingCodec, handoff_keep
 from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, WIRE_DTYPE, KVCodec
 from jkv.compression.paths import F16, encode_rows, pack_framed_reply, pack_metadata
 from jkv.disagg import protocol as proto
@@ -288,12 +288,8 @@ class PrefillWorker:
 
         logits, _ = model.prefill(tokens, lengths, on_layer=on_layer)
         prefill_s = time.time() - t_start
-        keeps = {}
-        for b, h in enumerate(held):  # token-dropping profiles (jkv/compression/dropping.py)
-            if h.rid in dropping:
-                keeps[h.rid] = h.codec.absorb_request(model, tokens[b, :h.geometry.num_tokens], h.kv.kv)
-                for layer, blocks in proactive[b].items():
-                    self._push(peer, h, layer, blocks, "proactive")
+        for b, h in ((b, h) for b, h in enumerate(held) if h.rid in dropping):
+            self._absorb_dropping(peer, h, tokens[b, :h.geometry.num_tokens], proactive[b])
         first = self._first_tokens(logits, requests)
         t_first = time.time()
         link = None
@@ -308,13 +304,18 @@ class PrefillWorker:
                 extra["link"] = link
             if h.codec is not None:  # every chunk is encoded during the prefill (absorb)
                 extra["encode_s"] = h.codec.encode_s
-            if h.rid in keeps:  # the decode side masks the dropped (layer, head, token) entries
-                extra.update(keep_header(keeps[h.rid]))
-            arrays = (pack_keep(keeps[h.rid]),) if h.rid in keeps else ()
+            fields, arrays = handoff_keep(h.codec)  # a token-dropping profile's keep table (or nothing)
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
-                                                    prefill_s=prefill_s, bytes=dict(h.bytes), **extra), *arrays)
+                                                    prefill_s=prefill_s, bytes=dict(h.bytes), **extra, **fields), *arrays)
 
     # ---------------------------------------------------------------- compression (KVServe)
+    def _absorb_dropping(self, peer, h: _Held, prompt, proactive: dict):
+        """A token-dropping request after the prefill (jkv/compression/dropping.py): keep table,
+        absorb, then its proactive pushes."""
+        h.codec.absorb_request(self.model, prompt, h.kv.kv)
+        for layer, blocks in proactive.items():
+            self._push(peer, h, layer, blocks, "proactive")
+
     def _kv_codec(self):
         if self.codec is None:
             self.codec = KVCodec()
