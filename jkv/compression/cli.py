@@ -16,7 +16,7 @@ DuoAttention-style from the first sample's real observation-window queries (its 
 tokens replayed through the model). Plus token tiers (`tokens.TierConfig`, `tier_space`): per head
 the SnapKV-most-attended tokens kept at 4 / 3 bits, optionally a 2-bit tier, the rest dropped, with
 per-layer tables that give the more sensitive half of the layers (`workloads.layer_sensitivity`)
-one more bit; `--no-tiers` leaves them out (they are Table-1 methods: the serving path skips them).
+one more bit; `--no-tiers` leaves them out (hi-only ones are servable, jkv/compression/dropping.py).
 """
 from __future__ import annotations
 

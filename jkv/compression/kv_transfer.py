@@ -158,11 +158,17 @@ class KVCodec:
             return self._pipelines[spec_id]
 
     def start(self, spec_id: str | None, geometry) -> RequestCodec | None:
-        """State for one request (None: uncompressed, the plain block writes). geometry: BlockGeometry."""
+        """State for one request (None: uncompressed, the plain block writes; a `dropping.DroppingCodec`
+        for a token-dropping profile id). geometry: BlockGeometry."""
         if spec_id is None or spec_id == UNCOMPRESSED.id:
             return None
+        from jkv.compression.dropping import DroppingCodec, parse_drop
+
         chunks = ChunkPlan.for_geometry(geometry.num_tokens, geometry.blocks_per_layer, geometry.block_tokens,
                                         self.min_chunk_tokens)
+        drop = parse_drop(spec_id)  # a token-dropping profile: its keep table comes after the prefill
+        if drop is not None:
+            return DroppingCodec(self.pipeline(drop.pipeline), chunks, drop, spec_id)
         return RequestCodec(self.pipeline(spec_id), chunks)
 
 

@@ -62,7 +62,9 @@ def exact_row_option(push_id: str | None) -> str | None:
     (None: the push is uncompressed, rows stay float32)."""
     if push_id is None or push_id == UNCOMPRESSED.id:
         return None
-    spec = PipelineSpec.parse(push_id)
+    from jkv.compression.dropping import inner_pipeline
+
+    spec = PipelineSpec.parse(inner_pipeline(push_id))  # a dropping profile: its kept rows' pipeline
     if row_granular(spec) and spec.quantizer.method == "tok":
         return PipelineSpec(spec.transform, spec.quantizer, CodecSpec("none")).id
     return F16

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from jkv.compression.bandwidth import BandwidthEstimator
 from jkv.compression.controller import BASELINE, Context, Controller, ControllerConfig, Decision, Profile
+from jkv.compression.dropping import inner_pipeline, parse_drop, servable
 from jkv.compression.kv_transfer import WIRE_ITEMSIZE
 from jkv.compression.paths import PathChoice, PathCosts, choose_paths
 from jkv.compression.profiling import ProfileFile, load_profile
@@ -31,7 +32,7 @@ from jkv.compression.spec import PipelineSpec
 log = logging.getLogger(__name__)
 
 POOL_ITEMSIZE = 4  # the host pools hold float32 KV
-TIERS_PREFIX = "tiers:"  # `tokens.TierConfig` ids: Table-1 methods, not servable on the KV path
+TIERS_PREFIX = "tiers:"  # `tokens.TierConfig` ids; hi-only ones are servable (`dropping.py`)
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,12 @@ class CompressionConfig:
     def __post_init__(self):
         if self.mode not in ("off", "auto"):
             try:
-                PipelineSpec.parse(self.mode)
+                if parse_drop(self.mode) is None:
+                    PipelineSpec.parse(self.mode)
             except ValueError as e:
-                raise ValueError(f"compression={self.mode!r} must be 'off', 'auto' or a pipeline id such as "
-                                 f"'hadamard+kivi4g32+zstd3' ({e})") from None
+                raise ValueError(f"compression={self.mode!r} must be 'off', 'auto', a pipeline id such as "
+                                 f"'hadamard+kivi4g32+zstd3' or a token-dropping id such as "
+                                 f"'duo50s16w64:hadamard+kivi4g128+zstdh3' ({e})") from None
         if self.mode == "auto" and not self.profiles:
             raise ValueError("compression='auto' needs profile files: compression_options={'profiles': [path]} "
                              "(make one with `jkv compress-profile`)")
@@ -98,11 +101,12 @@ def wire_profiles(profile: ProfileFile) -> list[Profile]:
     """Controller lines for float32 pools sending fp16 containers. Profile files count fp16 bytes;
     V is float32 bytes here, so both cr and s_p (bytes per second of codec time) scale by 4 / 2."""
     scale = POOL_ITEMSIZE / WIRE_ITEMSIZE
-    servable = [p for p in profile.points if not p.spec_id.startswith(TIERS_PREFIX)]
-    if len(servable) < len(profile.points):
-        log.info("profile %s: %d token-tier points skipped (they drop tokens per head; the disaggregated decode "
-                 "attends densely)", profile.workload, len(profile.points) - len(servable))
-    return [Profile(p.spec_id, p.cr * scale, p.throughput_Bps * scale, p.accuracy) for p in servable]
+    kept = [p for p in profile.points if servable(p.spec_id)]  # token-dropping ones too (`dropping.py`)
+    if len(kept) < len(profile.points):
+        log.info("profile %s: %d points skipped as not servable (token tiers with a lo tier, or per-head bit "
+                 "tables with dropping): %s", profile.workload, len(profile.points) - len(kept),
+                 sorted({p.spec_id for p in profile.points} - {p.spec_id for p in kept}))
+    return [Profile(p.spec_id, p.cr * scale, p.throughput_Bps * scale, p.accuracy) for p in kept]
 
 
 def path_profiles(profile: ProfileFile, path_Bps: dict[str, float]) -> list[Profile]:
@@ -149,9 +153,11 @@ class CompressionPolicy:
         codec = codec or KVCodec(min_chunk_tokens=min_chunk_tokens)
         for f in self.files:
             for p in f.points:
-                if p.spec_id not in self.path_Bps and not p.spec_id.startswith(TIERS_PREFIX):
+                if p.spec_id not in self.path_Bps and servable(p.spec_id):
+                    # a dropping profile is charged its kept rows' pipeline over every row: an upper
+                    # bound of its codec work (the keep decision's replay is not charged)
                     self.path_Bps[p.spec_id] = path_throughput_Bps(
-                        codec.pipeline(p.spec_id), kv_probe, min_chunk_tokens=min_chunk_tokens,
+                        codec.pipeline(inner_pipeline(p.spec_id)), kv_probe, min_chunk_tokens=min_chunk_tokens,
                         blocks_per_layer=blocks_per_layer, repeats=repeats)
                     log.info("compression profile %s: transfer path %.1f MB/s (float32), round trip %.1f MB/s",
                              p.spec_id, self.path_Bps[p.spec_id] / 1e6,
@@ -169,7 +175,7 @@ class CompressionPolicy:
         if mode == "off":
             return None
         if mode != "auto":
-            spec_id = PipelineSpec.parse(mode).id
+            spec_id = mode if parse_drop(mode) is not None else PipelineSpec.parse(mode).id
             return Choice(spec_id, paths=choose_paths(spec_id, None, self.config.path_costs, fixed=True))
         bandwidth = self.estimator.estimate()
         if bandwidth is None:

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from jkv.compression.dropping import is_dropping_id
 from jkv.compression.pipeline import Calibration, Pipeline, decode_block
 from jkv.compression.quantizers import QuantPlan, make_plan, section_layout
 from jkv.compression.spec import PipelineSpec, ec_bits_estimate
@@ -371,7 +372,8 @@ def load_profile(path: str | Path) -> ProfileFile:
         points = tuple(ProfilePoint(str(p["spec_id"]), float(p["accuracy"]), float(p["cr"]), float(p["latency_s"]),
                                     float(p["throughput_Bps"])) for p in obj["points"])
         for p in points:
-            PipelineSpec.parse(p.spec_id)
+            if not is_dropping_id(p.spec_id):  # token tiers / streaming heads: jkv.compression.dropping
+                PipelineSpec.parse(p.spec_id)
             if p.cr <= 0 or p.throughput_Bps <= 0:
                 raise ValueError(f"profile {p.spec_id} needs cr > 0 and throughput > 0")
         return ProfileFile(str(obj["workload"]), float(obj["acc_threshold"]), int(obj["probe_bytes"]), points,

@@ -18,8 +18,8 @@ sink + recent containers.
     kv, keep = decode_request(blob)     # kv: per layer (K, V) f32[H_kv, N, D] (0 where dropped)
                                         # keep: bool[L, H_kv, N]
 
-The pruned KV is only usable by a decoder that masks per head (`MaskedDecoder` here; jkv's
-disaggregated decode path attends densely and does not take these masks). No threads.
+The pruned KV is only usable by a decoder that masks per head (`MaskedDecoder` here; on the
+serving path the decode worker's DROPPED mask entries, jkv/compression/dropping.py). No threads.
 """
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from jkv.compression.dropping import apply_dropping_frame, unpack_keep
 from jkv.compression.kv_transfer import apply_frame
 from jkv.compression.paths import unpack_metadata
 from jkv.disagg import protocol as proto
@@ -96,9 +97,21 @@ class OwnerSide:
         lv.bytes["metadata"] = lv.bytes.get("metadata", 0) + len(note.payload)
 
     def _on_handoff(self, note):
-        header, _ = proto.unpack(note.payload)
+        header, payload = proto.unpack(note.payload)
         lv = self._get(header["rid"])
         if lv is not None:
+            if "keep" in header:  # a token-dropping profile's keep table (jkv/compression/dropping.py)
+                try:
+                    keep = unpack_keep(payload, header["keep"], header.get("keep_crc"))
+                    want = lv.on_device.shape
+                    if keep.shape != want:
+                        raise ValueError(f"keep table {keep.shape} for a request of [L, H_kv, N] = {want}")
+                except ValueError as e:
+                    lv.error = f"request {lv.req.request_id}: bad keep table from {note.peer!r}: {e}"
+                    lv.handoff.set()
+                    return
+                lv.keep = keep
+                lv.bytes["metadata"] = lv.bytes.get("metadata", 0) + len(payload)
             lv.first_token, lv.t_first, lv.prefill_s = header["first_token"], header["t_first"], header["prefill_s"]
             lv.bytes["proactive"] = header["bytes"]["proactive"]
             if "encode_s" in header:
@@ -125,7 +138,7 @@ class OwnerSide:
             return
         try:
             t0 = time.perf_counter()
-            apply_frame(header, payload, lv.kv.kv, lv.kv.mask)
+            (apply_dropping_frame if header.get("drop") else apply_frame)(header, payload, lv.kv.kv, lv.kv.mask)
             lv.codec_s["decode"] = lv.codec_s.get("decode", 0.0) + time.perf_counter() - t0
         except ValueError as e:
             lv.error = f"request {lv.req.request_id}: bad compressed KV from {note.peer!r}: {e}"

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.kvbuffers.geometry import LOCAL, PAD, REMOTE
+from jkv.kvbuffers.geometry import DROPPED, LOCAL, PAD, REMOTE
 from jkv.kvcache import NULL_PAGE, PageConfig, PagedKVCache
 from jkv.kvcache import sparse
 
@@ -118,6 +118,23 @@ class DecodePages:
         padded = np.full((width, P), PAD, np.int8)
         padded[:len(new)] = values
         self.mask = self._set_masks(self.mask, jnp.asarray(pages), jnp.asarray(padded))
+
+    def mark_dropped(self, rid, dropped: np.ndarray) -> int:
+        """A token-dropping profile's dropped prompt rows dropped bool[L, H_kv, N] become DROPPED in
+        the device mask (never selected, fetched or landed; `sparse.drop_dropped`). The request's
+        pages were planned (`plan`) and its prompt rows are not landed yet. Returns the entries."""
+        layers, heads, tokens = np.nonzero(dropped)
+        if not layers.size:
+            return 0
+        P = self.page_size
+        pages = np.asarray(self.cache.pages_of(rid), np.int32)[tokens // P]
+        width = 1 << (layers.size - 1).bit_length()  # a few compiled shapes; padding: null page, PAD
+        cols = np.zeros((4, width), np.int32)
+        cols[:, :layers.size] = layers, pages, heads, tokens % P
+        values = np.full(width, PAD, np.int8)
+        values[:layers.size] = DROPPED
+        self.mask = sparse.set_entries(self.mask, *(jnp.asarray(c) for c in cols), jnp.asarray(values))
+        return int(layers.size)
 
     def free(self, rid) -> int:
         """Return the request's pages (idempotent); their mask is set again by the next `plan`."""

@@ -3,7 +3,9 @@
 One layer of a decode step, after `Model.qkv` and the new token's K, V write (`DecodePages.write_new`):
 
     select   append the new key to the selector metadata, select (`Selector.select_traced`; every
-             cached token in a dense layer)                          -> kv_index i32[B*H_kv, k]
+             cached token in a dense layer), minus the rows a token-dropping profile dropped
+             (`sparse.drop_dropped`, only when a request of the batch has one)
+                                                                     -> kv_index i32[B*H_kv, k]
     split    the device KV mask of each row (`sparse.mask_rows`) and `dispatch.split_reorder`
                                                                      -> reordered, remote counts
     attend   gather every selected row from the pages (`sparse.gather_selected`), attention over
@@ -61,12 +63,18 @@ def attention_fn():
     return None if dispatch.resolved_backend() == "xla" else _dispatch_attention
 
 
-def select(selector, H: int, capacity: int, dense: bool, state, meta, query, k_new, pos, now_cached):
-    """-> (meta, kv_index i32[B*H_kv, k]); a dense layer keeps meta (None) and takes every token."""
+def select(selector, H: int, capacity: int, dense: bool, state, meta, query, k_new, pos, now_cached,
+           mask=None, layer=None, table=None, drops: bool = False):
+    """-> (meta, kv_index i32[B*H_kv, k]); a dense layer keeps meta (None) and takes every token.
+    drops: some request of the batch has a token-dropping profile: its DROPPED entries of the
+    device mask (i8[L, num_pages, H_kv, P], with layer and table) leave the selection."""
     if dense:
-        return meta, all_tokens_index(now_cached, H, capacity)
-    meta = selector.append_traced(state, meta, k_new, pos)
-    return meta, selector.select_traced(state, query, meta, now_cached)
+        kv_index = all_tokens_index(now_cached, H, capacity)
+    else:
+        meta = selector.append_traced(state, meta, k_new, pos)
+        dropped = sparse.dropped_slots(mask, layer, table, capacity) if drops else None
+        kv_index = selector.select_traced(state, query, meta, now_cached, dropped)  # top-k among the kept
+    return meta, sparse.drop_dropped(kv_index, mask, layer, table) if drops else kv_index
 
 
 def split(mask, layer, table, fetchable, kv_index):
@@ -82,9 +90,10 @@ def attend(cfg, params, x, q, K, V, table, kv_index):
 
 
 def fused(cfg, selector, capacity: int, dense: bool, params, state, meta, x, q, query, k_new, pos, now_cached,
-          K, V, mask, layer, table, fetchable):
+          K, V, mask, layer, table, fetchable, drops: bool = False):
     """The whole layer: (meta, kv_index, remote_count, x)."""
-    meta, kv_index = select(selector, cfg.num_kv_heads, capacity, dense, state, meta, query, k_new, pos, now_cached)
+    meta, kv_index = select(selector, cfg.num_kv_heads, capacity, dense, state, meta, query, k_new, pos, now_cached,
+                            mask, layer, table, drops)
     _, remote = split(mask, layer, table, fetchable, kv_index)
     return meta, kv_index, remote, attend(cfg, params, x, q, K, V, table, kv_index)
 
@@ -95,14 +104,14 @@ class LayerPrograms:
     def __init__(self, cfg, selector):
         self.cfg, self.selector = cfg, selector
         self.select = jax.jit(functools.partial(select, selector, cfg.num_kv_heads),
-                              static_argnames=("capacity", "dense"))
+                              static_argnames=("capacity", "dense", "drops"))
         self.split = _split
         self.attend = jax.jit(functools.partial(attend, cfg))
-        self.fused = jax.jit(functools.partial(fused, cfg, selector), static_argnames=("capacity", "dense"))
+        self.fused = jax.jit(functools.partial(fused, cfg, selector), static_argnames=("capacity", "dense", "drops"))
         self._warm: set = set()  # shape classes warm_up has compiled
 
     def warm_up(self, model, pages, batch: int, capacity: int, dense_below: int, *, remote: bool = True,
-                lookahead: bool = False, hint=None) -> bool:
+                lookahead: bool = False, hint=None, drops: bool = False) -> bool:
         """Compile every program a decode step of `batch` requests at N_cap = `capacity` runs, for
         each layer kind present (dense below `dense_below`, selected from it): the model's embed,
         qkv and logits, the new token's page write, `fused` and the selected-row count; with
@@ -110,10 +119,11 @@ class LayerPrograms:
         next layer's hint (`hint`, or the selector's own select). The layer programs are compiled
         ahead of time from shapes; the rest runs once on zeros (reads only: pages and mask are
         not written). False when this class was warm already. Dispatch backend: the one in force
-        now (see the module docstring)."""
+        now (see the module docstring). `drops`: a member has a token-dropping profile (the
+        programs' static `drops` flag, as `_begin_step` sets it)."""
         K, V = pages.cache.kv[0]
         key = (batch, capacity, K.shape, K.dtype, pages.mask.shape, remote, lookahead, hint is not None,
-               attention_fn() is None)
+               attention_fn() is None, drops)
         if key in self._warm:
             return False
         cfg = self.cfg
@@ -123,7 +133,7 @@ class LayerPrograms:
         table = jnp.asarray(np.zeros((batch, -(-capacity // pages.page_size)), np.int32))  # host->device copies
         pos = jnp.asarray(i32)  # compile a small program per shape too
         sparse.write_new_token.lower(K, V, pages.mask, np.int32(0), table, pos, k, v).compile()
-        step = dict(model=model, pages=pages, capacity=capacity, x=x, q=q, k=k, table=table, pos=pos)
+        step = dict(model=model, pages=pages, capacity=capacity, x=x, q=q, k=k, table=table, pos=pos, drops=drops)
         if dense_below > 0:  # one layer of each kind: the programs are shared by every layer
             self._warm_kind(0, True, remote, **step)
         if dense_below < cfg.num_layers:
@@ -140,14 +150,14 @@ class LayerPrograms:
         return True
 
     def _warm_kind(self, layer: int, dense: bool, remote: bool, model, pages, capacity, x, q, k, table,
-                   pos) -> None:
+                   pos, drops) -> None:
         """`warm_up`'s layer programs for the kind of `layer`, called as `_decode_layer` calls them."""
         sel, batch = self.selector, x.shape[0]
         K, V = pages.cache.kv[layer]
         meta = None if dense else decode_metadata.empty(sel, self.cfg, layer, batch, capacity)
         query = q if dense else sel.decode_query(layer, q, lambda: q)
         args = dict(capacity=capacity, dense=dense, state=None if dense else sel.layer_state(layer),
-                    meta=meta, query=query, k_new=k, pos=pos, now_cached=pos)
+                    meta=meta, query=query, k_new=k, pos=pos, now_cached=pos, drops=drops)
         fetchable, params = jax.ShapeDtypeStruct((batch,), jnp.bool_), model.layer_params(layer)
         fused = self.fused.lower(**args, params=params, x=x, q=q, K=K, V=V, mask=pages.mask, layer=np.int32(layer),
                                  table=table, fetchable=fetchable)
@@ -155,7 +165,7 @@ class LayerPrograms:
         kv_index = fused.out_info[1]
         selected_rows.lower(kv_index).compile()
         if remote:
-            self.select.lower(**args).compile()
+            self.select.lower(**args, mask=pages.mask, layer=np.int32(layer), table=table).compile()
             self.split.lower(pages.mask, np.int32(layer), table, fetchable, kv_index).compile()
             self.attend.lower(params, x, q, K, V, table, kv_index).compile()
 

@@ -134,6 +134,7 @@ class LiveRequest:
     on_device: np.ndarray | None = None  # bool[L, H_kv, N]: mirrors the device mask's 1s over the prompt
     landed: np.ndarray | None = None  # bool[L]: every prompt row of the layer is on the device
     compression: object = None  # compression.policy.Choice, fixed for the request's KV movement (KVServe §6)
+    keep: np.ndarray | None = None  # bool[L, H_kv, N]: prompt rows a token-dropping profile kept (hand-off)
     codec_s: dict = dataclasses.field(default_factory=dict)  # "encode" (prefill side) / "decode" (here) seconds
     t_hand_in: float = 0.0
     cancelled: bool = False

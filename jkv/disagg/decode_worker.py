@@ -125,6 +125,7 @@ class _Step:
     step_selected: np.ndarray  # i64[B]
     hint_q: dict = dataclasses.field(default_factory=dict)  # layer -> its speculative query
     selected: list = dataclasses.field(default_factory=list)  # per layer: i32[B*H_kv] selected entries (device)
+    drops: bool = False  # a request of the batch has a token-dropping profile (DROPPED mask entries)
 
 
 class DecodeWorker(OwnerSide, FetchLanes):
@@ -330,6 +331,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
             if lv.error is not None:
                 self._complete(lv, ("error", [], ""))
                 continue
+            if lv.keep is not None:
+                self._mark_dropped(lv)
             lv.checker = StopChecker(self.model.tokenizer, lv.req.params, self.model.cfg.eos_token_ids)
             lv.current, lv.position = lv.first_token, lv.geometry.num_tokens
             lv.gen, lv.times = [lv.first_token], [(lv.t_first or time.time()) - lv.t0]
@@ -348,6 +351,15 @@ class DecodeWorker(OwnerSide, FetchLanes):
             if reason:
                 self._complete(lv, (reason, ids, text))
         self._leave()
+
+    def _mark_dropped(self, lv) -> None:
+        """A request with a token-dropping profile joins: its dropped (layer, head, token) rows
+        become DROPPED in the device mask (selections skip them), and count as on the device and
+        fetched, so landing and lookahead prefetches never move them (jkv/compression/dropping.py)."""
+        dropped = ~lv.keep
+        self.pages.mark_dropped(lv.rid, dropped)
+        lv.on_device |= dropped
+        lv.fetched[:, :, :dropped.shape[2]] |= dropped
 
     def _leave(self) -> None:
         """Step boundary: completed requests leave the running set (metadata is re-stacked)."""
@@ -393,7 +405,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
         self.programs.warm_up(self.model, self.pages, len(lives), max(lv.kv.capacity for lv in lives),
                               dense_layer_count(self.selector, self.model.cfg.num_layers),
                               remote=any(lv.fetchable for lv in lives), lookahead=self.transfer.layer_lookahead and not self.selector.is_dense,
-                              hint=self._hint)
+                              hint=self._hint, drops=any(lv.keep is not None for lv in lives))
 
     def _decode_step(self) -> None:
         """One decode step of the running set (one token per request), then the step boundary:
@@ -433,7 +445,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
             # stage-transition stall (TTST) and get the whole link (SmartGen §4.3 uses idle link).
             speculating=[lv for lv in lives if lv.steps > 0] if self.transfer.speculative else [],
             lookahead=self._lookahead if self.transfer.layer_lookahead and not self.selector.is_dense else None,
-            x=x, x_prev=x, step_remote=np.zeros(len(lives), np.int64), step_selected=np.zeros(len(lives), np.int64))
+            x=x, x_prev=x, step_remote=np.zeros(len(lives), np.int64), step_selected=np.zeros(len(lives), np.int64),
+            drops=any(lv.keep is not None for lv in lives))
 
     def _decode_layer(self, st: _Step, layer: int) -> None:
         """One layer for the running set: triggers and prefetch, q k v, the new KV into its page,
@@ -463,7 +476,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
                 **args, params=model.layer_params(layer), x=st.x, q=q, K=K, V=V, mask=self.pages.mask, layer=np.int32(layer), table=st.table,
                 fetchable=np.zeros(B, bool))
         else:
-            st.metadata[layer], kv_index = self.programs.select(**args)
+            st.metadata[layer], kv_index = self.programs.select(**args, mask=self.pages.mask, layer=np.int32(layer),
+                                                                table=st.table)
             clock.lap("select")
             st.x, remote_rows = self._gather(st, layer, kv_index, q)
         if delivered is not None:  # selected rows the prefetch supplied are on-demand rows too
@@ -485,7 +499,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
             query = sel.decode_query(layer, q, cached if cached is not None
                                      else (lambda: model.qkv(layer, x_in_prev, st.pos)[0]))
         return dict(capacity=st.capacity, dense=dense, state=None if dense else sel.layer_state(layer),
-                    meta=st.metadata[layer], query=query, k_new=k, pos=st.pos, now_cached=st.lengths_now)
+                    meta=st.metadata[layer], query=query, k_new=k, pos=st.pos, now_cached=st.lengths_now,
+                    drops=st.drops)
 
     def _all_cached(self, st: _Step, lengths) -> np.ndarray:
         """i32[B*H_kv, N_cap]: every slot below each request's length, -1 after (a dense selection)."""

@@ -13,7 +13,10 @@ every earlier write applied before a later notification; SmartGen §4.1):
      request), sends the selector metadata of layer l ("meta"), then the layer's blocks that
      are in the request's proactive set (the first `kr` of its plan) as one write_many, each
      run followed by its mask bytes (LOCAL) — SmartGen §4.1 proactive transfer.
-  3. after the last layer: "handoff" with the first token.
+  3. after the last layer: "handoff" with the first token. A request with a token-dropping
+     profile (jkv/compression/dropping.py) pushes nothing in step 2: its keep table needs the
+     prompt's last queries, so after the prefill it is decided, every layer is absorbed and the
+     proactive blocks go out; its hand-off carries the keep table.
   4. decode fetches rows on demand ("fetch" RPC, §4.2; a compressed request's rows as one
      checksummed container in the encoding its on-demand path chose, jkv/compression/paths.py)
      and triggers speculation ("spec", §4.3):
@@ -42,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jkv.compression.dropping import DroppingCodec, handoff_keep
 from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, WIRE_DTYPE, KVCodec
 from jkv.compression.paths import F16, encode_rows, pack_framed_reply, pack_metadata
 from jkv.disagg import protocol as proto
@@ -254,6 +258,7 @@ class PrefillWorker:
         proactive = [per_layer(h.geometry, h.order[:h.spec_cursor]) for h in held]
         ship_meta = needs_metadata(self.selector)
         dense_below = dense_layer_count(self.selector, cfg.num_layers)
+        dropping = {h.rid for h in held if isinstance(h.codec, DroppingCodec)}  # absorbed and pushed after
         jl = jnp.asarray(lengths)
         t_start = time.time()
 
@@ -269,7 +274,7 @@ class PrefillWorker:
                 h.kv.kv[1, layer] = Vn[b, :, :n]
                 if h.original is not None:
                     h.original[:, layer] = h.kv.kv[:, layer]
-                if h.codec is not None:  # every later row read (push, fetch) sees decode(encode(KV))
+                if h.codec is not None and h.rid not in dropping:  # every later row read sees decode(encode(KV))
                     h.codec.absorb(layer, h.kv.kv[:, layer])
                 if leaves is not None:  # selector metadata goes before the layer's blocks
                     mine = [x[b:b + 1] for x in leaves]
@@ -278,11 +283,13 @@ class PrefillWorker:
                     h.bytes["metadata"] += len(payload)
                     peer.notify("meta", payload)
                 blocks = proactive[b].get(layer)
-                if blocks:
+                if blocks and h.rid not in dropping:  # its keep table needs every layer: pushed after the prefill
                     self._push(peer, h, layer, blocks, "proactive")
 
         logits, _ = model.prefill(tokens, lengths, on_layer=on_layer)
         prefill_s = time.time() - t_start
+        for b, h in ((b, h) for b, h in enumerate(held) if h.rid in dropping):
+            self._absorb_dropping(peer, h, tokens[b, :h.geometry.num_tokens], proactive[b])
         first = self._first_tokens(logits, requests)
         t_first = time.time()
         link = None
@@ -297,10 +304,18 @@ class PrefillWorker:
                 extra["link"] = link
             if h.codec is not None:  # every chunk is encoded during the prefill (absorb)
                 extra["encode_s"] = h.codec.encode_s
+            fields, arrays = handoff_keep(h.codec)  # a token-dropping profile's keep table (or nothing)
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
-                                                    prefill_s=prefill_s, bytes=dict(h.bytes), **extra))
+                                                    prefill_s=prefill_s, bytes=dict(h.bytes), **extra, **fields), *arrays)
 
     # ---------------------------------------------------------------- compression (KVServe)
+    def _absorb_dropping(self, peer, h: _Held, prompt, proactive: dict):
+        """A token-dropping request after the prefill (jkv/compression/dropping.py): keep table,
+        absorb, then its proactive pushes."""
+        h.codec.absorb_request(self.model, prompt, h.kv.kv)
+        for layer, blocks in proactive.items():
+            self._push(peer, h, layer, blocks, "proactive")
+
     def _kv_codec(self):
         if self.codec is None:
             self.codec = KVCodec()

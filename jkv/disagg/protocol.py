@@ -19,10 +19,13 @@ decode -> prefill
 prefill -> decode
   notify "meta"     {"rid", "layer", "leaves": [[shape, dtype]]} + leaf bytes (selector metadata)
   notify "handoff"  {"rid", "first_token", "t_first", "prefill_s", "bytes": {...}}
-                    (+ "link": {bytes, busy_s}, "compression" when the request named a compression)
+                    (+ "link": {bytes, busy_s}, "compression" when the request named a compression;
+                    + "keep": [L, H_kv, N], "keep_crc" and the packed keep table bytes for a token-dropping
+                    profile, jkv.compression.dropping)
   notify "ckv"      {"rid", "layer", "chunks": [[start, stop, k_len, v_len]]} + K, V containers per
                     chunk: compressed blocks (jkv.compression.kv_transfer) instead of block writes
-                    for a request whose "prefill" entry carries "compression": <pipeline id>
+                    for a request whose "prefill" entry carries "compression": <pipeline id>; with
+                    "drop": 1 a token-dropping profile's chunks (keep bits, then per head group K, V)
   notify "failed"   {"rid", "error"}
   writes into regions "kv/<rid>" (f32[2, L, H_kv, N_cap, D]) then "mask/<rid>" (i8[L, N_cap])
 """

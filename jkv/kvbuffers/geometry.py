@@ -17,6 +17,9 @@ import numpy as np
 
 # KV mask values (decode side, int8 per token and layer)
 PAD, LOCAL, REMOTE = 0, 1, 2
+# Device KV mask only (per KV head): a token-dropping profile kept no row for this head
+# (jkv/compression/dropping.py); never selected, fetched or landed.
+DROPPED = 3
 
 
 @dataclasses.dataclass(frozen=True)

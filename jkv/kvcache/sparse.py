@@ -3,14 +3,18 @@
 The decode worker's KV lives in the paged cache (`PagedKVCache`: per layer K, V
 `[num_pages, H_kv, P, D]` in the model's dtype) with the SmartGen KV mask next to it, page-aligned:
 
-    mask: i8[L, num_pages, H_kv, P]   0 PAD, 1 LOCAL (the row is in the device pages), 2 REMOTE
+    mask: i8[L, num_pages, H_kv, P]   0 PAD, 1 LOCAL (the row is in the device pages), 2 REMOTE,
+                                      3 DROPPED (a token-dropping profile kept no row for this head)
 
 Token t of a request with page table row `table[b]` has mask `mask[l, table[b, t // P], h, t % P]`.
 The mask is per KV head because a row fetched on demand is kept per head (KV reuse): it is in the
 device pages for that head only. Rows that arrive as blocks flip every head of a token at once.
 A 1 is written in the same program that writes the row (`land_rows`), so a 1 is always safe to
 read. The null page 0 (idle table entries) keeps mask PAD: padding rows of `land_rows` write
-PAD there.
+PAD there. DROPPED entries are written once, when a request with a token-dropping profile joins
+(`set_entries`), and `drop_dropped` removes them from every selection, so each KV head attends to
+its own kept prompt tokens plus the generated ones (the mask is already per head, so per-head
+token counts need no other structure).
 
 Pure functions plus module-level jits (shared by every worker in a process, so a benchmark's
 fresh workers reuse the compiled programs). No threads, no host bookkeeping.
@@ -20,7 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jkv.kvbuffers.geometry import LOCAL, PAD, REMOTE
+from jkv.kvbuffers.geometry import DROPPED, LOCAL, PAD, REMOTE
 from pallas_kernels import dispatch
 
 NULL_PAGE = 0
@@ -52,6 +56,34 @@ def _land_rows(K, V, mask, layer, pages, heads, slots, k_rows, v_rows, values):
 
 
 land_rows = jax.jit(_land_rows, donate_argnums=(0, 1, 2))
+
+
+def _set_entries(mask, layers, pages, heads, slots, values):
+    """mask: i8[L, num_pages, H_kv, P]; layers, pages, heads, slots: i32[R]; values: i8[R]
+    (padding entries: the null page with PAD)."""
+    return mask.at[layers, pages, heads, slots].set(values)
+
+
+set_entries = jax.jit(_set_entries, donate_argnums=(0,))
+
+
+def dropped_slots(mask, layer, table, capacity: int):
+    """bool[B, H_kv, capacity]: the slots of one layer a token-dropping profile removed (DROPPED)."""
+    B, H = table.shape[0], mask.shape[2]
+    rows = mask_rows(mask, layer, table, jnp.ones(B, bool)).reshape(B, H, -1)
+    return rows[:, :, :capacity] == DROPPED
+
+
+def drop_dropped(kv_index, mask, layer, table):
+    """kv_index i32[B*H_kv, k] without the entries whose device mask is DROPPED: the kept entries
+    stay in selection order, -1 fills the tail. Rows without DROPPED entries are unchanged
+    (a selection's -1s are already at its tail)."""
+    B = table.shape[0]
+    rows = mask_rows(mask, layer, table, jnp.ones(B, bool))  # i8[B*H_kv, max_pages*P]
+    value = jnp.take_along_axis(rows, jnp.clip(kv_index, 0, rows.shape[1] - 1), axis=1)
+    index = jnp.where((kv_index >= 0) & (value == DROPPED), -1, kv_index)
+    order = jnp.argsort(index < 0, axis=1, stable=True)
+    return jnp.take_along_axis(index, order, axis=1)
 
 
 def _write_new_token(K, V, mask, layer, table, positions, k_new, v_new):

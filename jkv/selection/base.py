@@ -150,19 +150,24 @@ def protected_tokens(lengths: jax.Array, capacity: int, sinks: int, recent: int)
 
 def scores_to_index(scores: jax.Array, lengths: jax.Array, max_ratio: float,
                     keep: jax.Array | None = None, sinks: int = 0, recent: int = 0,
-                    min_budget: int = 0) -> jax.Array:
+                    min_budget: int = 0, dropped: jax.Array | None = None) -> jax.Array:
     """Top-budget positions of per-KV-head scores.
 
     scores: f32[B, H_kv, N_cap]; lengths: i32[B]; keep: optional bool[B, H_kv, N_cap] that must
     also hold for a slot to be selected (entries failing it become -1 at the row's tail).
     sinks / recent: the first `sinks` and last `recent` tokens rank first (they are always
-    selected while the budget holds them; they count in it).
+    selected while the budget holds them; they count in it). dropped: optional bool[B, H_kv, N_cap],
+    slots a token-dropping profile removed (jkv/compression/dropping.py): they rank last, even
+    below the protected ones, so the budget goes to kept tokens (the caller removes any that
+    still made it in, when a row keeps fewer tokens than the budget).
     Returns kv_index: i32[B*H_kv, selection_budget(N_cap, max_ratio, min_budget)].
     """
     batch, num_kv_heads, capacity = scores.shape
     if sinks or recent:
         protect = protected_tokens(lengths, capacity, sinks, recent)[:, None, :]
         scores = jnp.where(protect, jnp.inf, scores)
+    if dropped is not None:
+        scores = jnp.where(dropped, -jnp.inf, scores)
     k_max = selection_budget(capacity, max_ratio, min_budget)
     rows = scores.reshape(batch * num_kv_heads, capacity)
     row_lengths = jnp.repeat(lengths.astype(jnp.int32), num_kv_heads)
@@ -280,13 +285,20 @@ class Selector(abc.ABC):
         per-layer program, jkv/disagg/decode_program.py)."""
         return self._append_jit(state, metadata, k_new, positions)
 
-    def select_traced(self, state, q: jax.Array, metadata: Metadata, lengths: jax.Array) -> jax.Array:
-        """`select` of a selected (non-dense) layer with its state passed in; see `append_traced`."""
-        return self._select_jit(state, q, metadata, lengths)
+    def select_traced(self, state, q: jax.Array, metadata: Metadata, lengths: jax.Array,
+                      dropped: jax.Array | None = None) -> jax.Array:
+        """`select` of a selected (non-dense) layer with its state passed in; see `append_traced`.
+        dropped: optional bool[B, H_kv, N_cap], slots a token-dropping profile removed: a selector
+        with `masks_dropped` spends its budget on the other slots (the caller still removes
+        dropped entries from the result: `jkv.kvcache.sparse.drop_dropped`)."""
+        return self._select_jit(state, q, metadata, lengths, dropped)
 
-    def _select_budgeted(self, state, q, metadata, lengths):
+    def _select_budgeted(self, state, q, metadata, lengths, dropped=None):
         """`_select`, then the budget floor: rows of requests with N <= min_budget take every token."""
-        index = self._select(state, q, metadata, lengths)
+        if dropped is not None and self.masks_dropped:
+            index = self._select(state, q, metadata, lengths, dropped)
+        else:
+            index = self._select(state, q, metadata, lengths)
         min_budget = self.config.min_budget
         if not min_budget:
             return index
@@ -324,6 +336,7 @@ class Selector(abc.ABC):
     def is_dense(self) -> bool:
         return False
 
+    masks_dropped: ClassVar[bool] = False  # `_select` takes `dropped` (scores_to_index ranks those slots last)
     ships_metadata: ClassVar[bool] = True  # False: rebuilt from lengths on the decode side (length-only)
 
     def metadata_nbytes(self, layer: int, num_kv_heads: int, head_dim: int, num_tokens: int) -> int:

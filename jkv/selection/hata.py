@@ -137,7 +137,9 @@ class HATA(Selector):
         valid = token_valid(lengths, codes_k.shape[2])[:, None, None, :]
         return jnp.where(valid, logits, -jnp.inf)
 
-    def _select(self, projection, q, metadata, lengths):
+    masks_dropped = True
+
+    def _select(self, projection, q, metadata, lengths, dropped=None):
         scores = reduce_group(self._logits(projection, q, metadata, lengths), self.config.group_score)  # [B, H_kv, N_cap]
         return scores_to_index(scores, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
-                               recent=self.config.keep_recent, min_budget=self.config.min_budget)
+                               recent=self.config.keep_recent, min_budget=self.config.min_budget, dropped=dropped)

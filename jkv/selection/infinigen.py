@@ -141,10 +141,12 @@ class InfiniGen(Selector):
     def kv_geometry(self, metadata):
         return metadata.shape[1], metadata.shape[2]
 
-    def _select(self, skew, q, metadata, lengths):
+    masks_dropped = True
+
+    def _select(self, skew, q, metadata, lengths, dropped=None):
         rank, count = infinigen_rank(self.config, skew, q, metadata, lengths)
         index = scores_to_index(rank, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
-                                recent=self.config.keep_recent, min_budget=self.config.min_budget)
+                                recent=self.config.keep_recent, min_budget=self.config.min_budget, dropped=dropped)
         slot = jnp.arange(index.shape[1], dtype=jnp.int32)[None, :]
         return jnp.where(slot < jnp.repeat(count, rank.shape[1])[:, None], index, -1)
 

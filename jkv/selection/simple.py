@@ -69,13 +69,15 @@ class StreamingLLM(_LengthOnly):
 
     name = "streamingllm"
 
-    def _select(self, state, q, metadata, lengths):
+    masks_dropped = True
+
+    def _select(self, state, q, metadata, lengths, dropped=None):
         pos = self._positions(metadata, lengths)
         capacity = metadata.shape[1]
         # Sinks outrank everything, then recency: top-k takes sinks first, then the newest.
         scores = jnp.where(pos < self.config.sinks, 2.0 * capacity, pos).astype(jnp.float32)
         return scores_to_index(scores, lengths, self.config.max_ratio,
-                               min_budget=self.config.min_budget)
+                               min_budget=self.config.min_budget, dropped=dropped)
 
 
 class Sequential(_LengthOnly):
@@ -83,10 +85,12 @@ class Sequential(_LengthOnly):
 
     name = "sequential"
 
-    def _select(self, state, q, metadata, lengths):
+    masks_dropped = True
+
+    def _select(self, state, q, metadata, lengths, dropped=None):
         pos = self._positions(metadata, lengths)
         return scores_to_index(-pos.astype(jnp.float32), lengths, self.config.max_ratio,
-                               min_budget=self.config.min_budget)
+                               min_budget=self.config.min_budget, dropped=dropped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,12 +106,14 @@ class Random(_LengthOnly):
     def layer_state(self, layer):
         return jax.random.fold_in(jax.random.key(self.config.seed), layer)
 
-    def _select(self, state, q, metadata, lengths):
+    masks_dropped = True
+
+    def _select(self, state, q, metadata, lengths, dropped=None):
         num_kv_heads, capacity = metadata.shape
         keys = jax.vmap(lambda n: jax.random.fold_in(state, n))(lengths)
         scores = jax.vmap(lambda key: jax.random.uniform(key, (num_kv_heads, capacity)))(keys)
         return scores_to_index(scores, lengths, self.config.max_ratio,
-                               min_budget=self.config.min_budget)
+                               min_budget=self.config.min_budget, dropped=dropped)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,7 +156,9 @@ class Oracle(Selector):
         valid = token_valid(lengths, K.shape[2])[:, None, None, :]
         return jnp.where(valid, logits, -jnp.inf)
 
-    def _select(self, state, q, metadata, lengths):
+    masks_dropped = True
+
+    def _select(self, state, q, metadata, lengths, dropped=None):
         scores = reduce_group(self._logits(state, q, metadata, lengths), self.config.group_score)
         return scores_to_index(scores, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
-                               recent=self.config.keep_recent, min_budget=self.config.min_budget)
+                               recent=self.config.keep_recent, min_budget=self.config.min_budget, dropped=dropped)
