@@ -21,16 +21,17 @@ class ServerProcess:
     """`python -m jkv.cli serve ...` on port 0; `url` is read from its startup log line."""
 
     def __init__(self, args: list[str], env: dict | None = None, ready_timeout: float = 120, command: str = "serve",
-                 wait: bool = True):
+                 wait: bool = True, host: str = "127.0.0.1", prefix: tuple = ()):
         """wait=False returns once the process is started: do other work (load a reference model,
-        start a second server) while it warms up, then call wait_ready()."""
+        start a second server) while it warms up, then call wait_ready(). prefix: a command the
+        server runs under (e.g. `ip netns exec NAME`), host: the address it binds."""
         self.args = args
         self.ready_timeout = ready_timeout
         self.log: list[str] = []
         e = dict(os.environ, **(env or {}))
         e.setdefault("PYTHONPATH", str(REPO))
         e.setdefault("JAX_PLATFORMS", "cpu")
-        self.proc = subprocess.Popen([sys.executable, "-m", "jkv.cli", command, "--host", "127.0.0.1", *args],
+        self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "jkv.cli", command, "--host", host, *args],
                                      cwd=REPO, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._ready = threading.Event()
         self.url = None

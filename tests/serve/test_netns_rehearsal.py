@@ -7,15 +7,13 @@ the first prefill namespace's process is survived: the router drops it, and new 
 TP 2 one with the same greedy text. Needs root ('ip netns'); skipped with the reason otherwise."""
 import signal
 import subprocess
-import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from conftest import REPO
+from conftest import REPO, ServerProcess
 from jkv import SamplingParams
 from transport.netns import StarNetwork, netns_available
 
@@ -27,45 +25,13 @@ LINK = "200mbit"  # tc tbf on both ends of every veth
 TRANSFER = ["--selector", "streamingllm", "--strategy", "sequential", "--kr-fraction", "0.3"]
 
 
-class NsServer:
-    """`python -m jkv.cli COMMAND --host ADDR ...` inside a namespace; `url` from its startup log."""
+class NsServer(ServerProcess):
+    """`python -m jkv.cli COMMAND --host ADDR ...` inside namespace `name`; `url` from its startup log."""
 
     def __init__(self, net, name, command, args, env, ready_timeout=180):
-        import os
-
-        e = dict(os.environ, **env)
-        e["PYTHONPATH"] = str(REPO)
-        e.setdefault("JAX_PLATFORMS", "cpu")
-        self.name, self.log, self.url = name, [], None
-        self.proc = subprocess.Popen([*net.exec_in(name), sys.executable, "-m", "jkv.cli", command, "--host",
-                                      net.addr[name], *args], cwd=REPO, env=e, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-        self._ready_timeout = ready_timeout
-
-    def _read(self):
-        for line in self.proc.stderr:
-            self.log.append(line)
-            if "listening on http://" in line and self.url is None:
-                self.url = line.split("listening on ")[1].split()[0]
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self):
-        if not self._ready.wait(self._ready_timeout) or self.url is None:
-            self.stop(signal.SIGKILL)
-            raise RuntimeError(f"{self.name} did not start:\n" + "".join(self.log[-40:]))
-        return self
-
-    def stop(self, sig=signal.SIGTERM, timeout=30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        self.name = name
+        super().__init__(args, dict(env, PYTHONPATH=str(REPO)), ready_timeout, command, wait=False,
+                         host=net.addr[name], prefix=tuple(net.exec_in(name)))
 
 
 def health(url):
