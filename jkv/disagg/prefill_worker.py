@@ -551,9 +551,8 @@ def main(argv=None) -> int:
 def add_args(p):
     p.add_argument("--model", required=True, help='model name/path, or "tiny:llama:0"')
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                   help="shard the weights and KV cache over N devices; any degree works with any decode "
-                        "side's (the KV crosses as whole heads; docs/scale.md)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="shard the weights and KV cache "
+                   "over N devices; any decode side's degree works (KV crosses whole-head; docs/scale.md)")
     p.add_argument("--selector-file", required=True, help="selector saved by the decode side (save_selector)")
     p.add_argument("--name", default="prefill-0")
     p.add_argument("--listen", default=None, help="host:port, or main|bulk host:port pair (default 127.0.0.1 on "
