@@ -21,7 +21,7 @@ from jkv.kvcache.writeback import WriteBack
 from jkv.kvpool import HostKVPool
 from jkv.kvpool.hashing import ChunkKey, ChunkNamespace
 from models import tiny_config
-from tests.kvpool.redis_server import MISSING_REASON, REDIS_SERVER, RedisServer
+from tests.kvpool.redis_server import running_redis
 from tests.stop_process import stop_process
 
 redis = pytest.importorskip("redis", reason="the `redis` Python client is not installed (pip install redis)")
@@ -34,11 +34,8 @@ PROMPT = list(range(60, 60 + 2 * P + 1))  # two shareable full pages
 
 @pytest.fixture
 def redis_server(tmp_path):
-    if REDIS_SERVER is None:
-        pytest.skip(MISSING_REASON)
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
+    with running_redis(tmp_path) as server:
+        yield server
 
 
 def _cache(url, pages=4):

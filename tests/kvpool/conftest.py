@@ -1,23 +1,17 @@
 """Fixtures for the KV pool tests: a real redis-server on a free loopback port."""
 import pytest
 
-from tests.kvpool.redis_server import MISSING_REASON, REDIS_SERVER, RedisServer
+from tests.kvpool.redis_server import running_redis
 
 
 @pytest.fixture(scope="module")
 def redis_server(tmp_path_factory):
-    if REDIS_SERVER is None:
-        pytest.skip(MISSING_REASON)
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
-    yield server
-    server.stop()
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture
 def private_redis_server(tmp_path):
     """A server of the test's own (it may be killed and restarted)."""
-    if REDIS_SERVER is None:
-        pytest.skip(MISSING_REASON)
-    server = RedisServer(tmp_path).start()
-    yield server
-    server.stop()
+    with running_redis(tmp_path) as server:
+        yield server

@@ -1,6 +1,7 @@
 """A real redis-server child process for the KV pool tests (started per test or module)."""
 import contextlib
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -53,3 +54,18 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
+
+
+@contextlib.contextmanager
+def running_redis(workdir, **kwargs):
+    """A started RedisServer in `workdir` for a fixture to yield (skips the test when the binary is
+    missing); stopped afterwards, resumed first if a failed test left it SIGSTOPped."""
+    if REDIS_SERVER is None:
+        pytest.skip(MISSING_REASON)
+    server = RedisServer(workdir, **kwargs).start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.proc.send_signal(signal.SIGCONT)
+        server.stop()

@@ -19,7 +19,7 @@ from engine_events import collect, submit
 from jkv import SamplingParams
 from jkv.kvcache import kv_bytes_per_token
 from jkv.serving.metrics import ServerMetrics
-from tests.kvpool.redis_server import MISSING_REASON, REDIS_SERVER, RedisServer
+from tests.kvpool.redis_server import MISSING_REASON, REDIS_SERVER, running_redis
 from tests.stop_process import stop_process
 import test_prefix_batcher
 from test_prefix_batcher import PAGE, _answer, _assert_same, _greedy, _idle_and_leak_free, _metric, _prompt, _start
@@ -40,11 +40,8 @@ SYSTEMS = [_prompt(np.random.default_rng(7 + s), 4 * PAGE + 3) for s in range(3)
 
 @pytest.fixture
 def redis_server(tmp_path):
-    server = RedisServer(tmp_path).start()
-    yield server
-    if server.proc is not None:
-        os.kill(server.proc.pid, signal.SIGCONT)  # a test that failed while it was stopped
-    server.stop()
+    with running_redis(tmp_path) as server:  # resumed first if a failed test left it stopped
+        yield server
 
 
 def _ask(b, reference, tag, system, turn):
