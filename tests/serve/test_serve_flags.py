@@ -113,6 +113,19 @@ def test_flags_map_to_distinct_fields_and_no_field_is_repeated_between_levels():
     assert ServeConfig().routing == RoutingConfig()
 
 
+def test_the_engine_flags_live_only_in_the_nested_batcher_config():
+    """--max-slots ... --prefix-cache-l3-timeout set ServeConfig.batcher, declared once in BatcherConfig."""
+    from jkv.serving.batcher import BatcherConfig
+
+    batcher = {f.name for f in dataclasses.fields(BatcherConfig)}
+    assert not batcher & {f.name for f in dataclasses.fields(ServeConfig)}
+    assert {field_path(name) for name in FLAGS if field_path(name).startswith("batcher.")} == {
+        "batcher." + name for name in batcher}
+    assert ServeConfig().batcher == BatcherConfig()  # the serve defaults are the engine's
+    cfg = parse(["--max-slots", "3", "--page-size", "32", "--enable-prefix-caching", "false"])
+    assert cfg.batcher_config(256) == BatcherConfig(3, 256, page_size=32, enable_prefix_caching=False)
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--num-prefill-workers", "0"], r"prefill_workers=0 must be an int >= 1 \(prefill_workers is --num-prefill-w"),
     (["--disaggregation", "fast"], r"mode='fast' must be one of .*\(mode is --disaggregation\)$"),
