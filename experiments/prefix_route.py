@@ -113,12 +113,13 @@ def run_policy(policy: str, instances: list[Server], router: Server, args, offse
 def main(argv=None):
     ap = prefix_parser(__doc__, "prefix_route.csv", groups=4, system_words=150, max_tokens=8, max_slots=2,
                        max_model_len=512)
-    ap.add_argument("--per-group", type=int, default=8, help="requests per group")
-    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
-    ap.add_argument("--page-size", type=int, default=16)
+    # the servers' KV pool, next to prefix_parser's --max-slots / --max-model-len; then the workload
     ap.add_argument("--num-pages", type=int, default=None,
                     help="each instance's KV pages (default: two groups' system prompts + --max-slots requests' "
                          "own pages + the null page, from a probe of the prompt length)")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--per-group", type=int, default=8, help="requests per group")
+    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
     args = ap.parse_args(argv)
     if args.smoke:
         args.per_group, args.system_words, args.max_tokens = 3, 60, 2
