@@ -81,6 +81,30 @@ def head_slices(sharding, num_kv_heads: int) -> tuple[tuple[int, int], ...]:
     return out
 
 
+def check_slices(slices, num_kv_heads: int) -> None:
+    """Each slice a valid KV-head range (`check_heads`), together covering each head once; raises
+    ValueError naming them."""
+    for heads in slices:
+        check_heads(heads, num_kv_heads)
+    if sorted(h for heads in slices for h in range(*heads)) != list(range(num_kv_heads)):
+        raise ValueError(f"head slices {list(slices)} must cover each of the {num_kv_heads} KV heads once")
+
+
+def format_slices(slices) -> str:
+    """The handshake's kv_head_slices field, e.g. "0:1,1:2"."""
+    return ",".join(f"{a}:{b}" for a, b in slices)
+
+
+def parse_slices(text: str, num_kv_heads: int) -> tuple[tuple[int, int], ...]:
+    """The inverse of `format_slices`, checked (`check_slices`) against num_kv_heads."""
+    try:
+        slices = tuple(tuple(int(x) for x in part.split(":")) for part in str(text).split(","))
+    except ValueError:
+        raise ValueError(f"kv_head_slices={text!r} is not a list of start:stop KV-head ranges") from None
+    check_slices(slices, num_kv_heads)
+    return slices
+
+
 def _shards(x) -> list:
     """x's addressable shards, one per distinct index (a replicated range once)."""
     distinct = {}
@@ -135,8 +159,6 @@ def push_slices(peer, rid: str, kv: np.ndarray, capacity: int, layer: int, runs,
     validated before the first write. Returns [(heads, Transfer, data bytes)] in send order."""
     blocks = [(heads, slice_items(rid, kv, capacity, layer, heads, runs, i == len(slices) - 1))
               for i, heads in enumerate(slices)]
-    covered = sorted(h for heads, _ in blocks for h in range(*heads))
-    if covered != list(range(kv.shape[2])):
-        raise ValueError(f"head slices {list(slices)} must cover each of the {kv.shape[2]} KV heads once")
+    check_slices(slices, kv.shape[2])
     return [(heads, peer.write_many(items), sum(item.data.nbytes for item in items))
             for heads, items in blocks if items]
