@@ -44,8 +44,8 @@ def test_every_compared_field_has_a_case():
 
 
 def test_different_tensor_parallel_degrees_connect(model, selector):
-    """TP is declared, not compared: the KV crosses whole-head, each side lays it out on its own
-    mesh (tests/smartgen/test_smartgen_tensor_parallel.py runs such pairs end to end)."""
+    """TP is declared, not compared: the KV crosses per global KV-head slice, each side lays it out
+    on its own mesh (tests/smartgen/test_smartgen_tensor_parallel.py runs such pairs end to end)."""
     decode = role_config(model, "decode", selector, max_blocks=16, tensor_parallel=1)
     prefill = role_config(model, "prefill", selector, max_blocks=16, tensor_parallel=2)
     assert decode.mismatch(prefill.as_dict()) is None and prefill.mismatch(decode.as_dict()) is None
