@@ -71,3 +71,11 @@ def test_a_prefill_at_tp_2_copies_kv_by_shard_and_pushes_one_block_per_head_slic
     assert export["layers"] > 0 and export["copies"] == 4 * export["layers"]
     assert run["gathers"] == [], run["gathers"]
     assert run["blocks"]["0:1"] == run["blocks"]["1:2"] > 0, run["blocks"]
+
+
+def test_the_export_copies_each_shard_once_and_a_replicated_head_once(runs):
+    """4 devices: 8 KV heads split 2 a shard give 4 slices and 4 + 4 copies; 2 KV heads replicated
+    on all 4 give one slice and 1 + 1 copies; either way the pools hold exactly K, V."""
+    export = runs["export"]
+    assert export["split"] == dict(slices=[[0, 2], [2, 4], [4, 6], [6, 8]], copies=8, exact=True)
+    assert export["replicated"] == dict(slices=[[0, 2]], copies=2, exact=True)

@@ -67,6 +67,7 @@ def main() -> int:
                 finally:
                     decode.close()
         slice_runs(models, selector, profile, prompts, prefill, result["runs"])
+        result["runs"]["export"] = export_checks()
     finally:
         for w in prefill.values():
             w.close()
@@ -120,6 +121,27 @@ def slice_runs(models, selector, profile, prompts, prefill, runs) -> None:
                 decode.close()
     finally:
         ArrayImpl.__array__ = to_numpy
+
+
+def export_checks() -> dict:
+    """head_slices and export_layer on K, V laid out over 4 devices: split by head (8 KV heads, 2 a
+    shard) and replicated (2 KV heads on every shard: each head copied once). Per layout: its
+    slices, the copies made, and whether the pools hold exactly K, V over each request's tokens."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from jkv.disagg.head_slices import export_layer, head_slices
+
+    mesh = Mesh(np.asarray(jax.devices()[:4]).reshape(1, 4), ("data", "tensor"))
+    lengths, out = np.asarray([8, 5]), {}
+    for name, heads, spec in (("split", 8, PartitionSpec(None, "tensor")), ("replicated", 2, PartitionSpec())):
+        sharding = NamedSharding(mesh, spec)
+        K, V = (np.random.default_rng(i).standard_normal((2, heads, 8, 4)).astype(np.float32) for i in (0, 1))
+        dests = [np.full((2, heads, n, 4), np.nan, np.float32) for n in lengths]
+        copies = export_layer((jax.device_put(K, sharding), jax.device_put(V, sharding)), dests, lengths)
+        exact = all(np.array_equal(dests[b], np.stack([K[b, :, :n], V[b, :, :n]])) for b, n in enumerate(lengths))
+        out[name] = dict(slices=[list(r) for r in head_slices(sharding, heads)], copies=copies, exact=exact)
+    return out
 
 
 if __name__ == "__main__":
