@@ -185,7 +185,7 @@ _TABLE = {
     "dtype": (str, "weights/activations dtype: float32, bfloat16 or float16"),
     "tensor_parallel": (int, "shard the weights and the KV cache over this many devices (attention heads, MLP "
                              "and vocabulary split over a (\"data\", \"tensor\") mesh; docs/scale.md); a prefill "
-                             "and a decode role may run different degrees (the KV crosses as whole heads); "
+                             "and a decode role may run different degrees (the KV crosses per KV-head slice); "
                              "--role all --disaggregation starts its local prefill workers at the same degree"),
     "max_slots": (int, "decode slots = the continuous batch size; more requests queue", "batcher.max_slots"),
     "max_model_len": (int, "max prompt + generated tokens per request; sets the per-slot KV length",

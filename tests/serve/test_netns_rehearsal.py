@@ -43,7 +43,7 @@ def test_router_two_prefills_and_a_decode_in_separate_namespaces_survive_a_kille
     servers = []
     with StarNetwork(["router", "prefill-a", "prefill-b", "decode"], rate=LINK) as net:
         try:
-            # prefill-b runs at TP 2 on 2 CPU devices; the decode role at TP 1 (the KV crosses whole-head)
+            # prefill-b runs at TP 2 on 2 CPU devices; the decode role at TP 1 (the KV crosses per KV-head slice)
             prefills = [NsServer(net, name, "serve", ["--role", "prefill", *common, "--worker-name", name,
                                                       "--transport-listen", f"{net.addr[name]}:0", "--lease-s", "60",
                                                       "--tensor-parallel", str(tp)],
