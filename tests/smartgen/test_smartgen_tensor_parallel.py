@@ -5,31 +5,21 @@ The KV crosses per KV-head slice (global head order): the prefill side copies ea
 to its host pool shard by shard and pushes one block per head slice of its layout, the decode side
 scatters the rows into pages split by KV head over its own mesh (TP 2 -> 2 as well, with what the
 TP 2 prefill copied and pushed per slice). The runs happen in one subprocess (tests/smartgen/tp_disagg_worker.py) with
-XLA_FLAGS=--xla_force_host_platform_device_count=4, like tests/models/test_tensor_parallel.py.
+4 CPU devices (tests/device_subprocess.py), like tests/models/test_tensor_parallel.py.
 """
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.device_subprocess import run_worker
+
 WORKER = Path(__file__).with_name("tp_disagg_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 MODES = ("full", "partial", "+profile", "+parallel", "smartgen")
 
 
 @pytest.fixture(scope="module")
 def runs():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(WORKER)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("TP-DISAGG ")]
-    assert proc.returncode == 0 and lines, f"tp_disagg_worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1][len("TP-DISAGG "):])
-    assert result["devices"] == 4
+    result = run_worker(WORKER, "TP-DISAGG", timeout=900)
     assert not result["prefill_leaked"]
     return result["runs"]
 
