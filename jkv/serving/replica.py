@@ -186,9 +186,11 @@ class LeaderBatcher(_Replicated):
         items = self._take_inbox(block)
         wire = [[kind, encode_request(payload) if kind == "submit" else payload]
                 for kind, payload in items if kind in ("submit", "cancel")]
-        self.channel.broadcast({"items": wire, "state": self.state_digest()})
-        if items:
-            self._apply_inbox(items)
+        try:
+            self.channel.broadcast({"items": wire, "state": self.state_digest()})
+        finally:  # also when it fails: then the failure path must find these requests to fail them
+            if items:
+                self._apply_inbox(items)
 
     def _crash_message(self, e: Exception) -> str:
         """Any failed step ends the replica (a rank died, or the ranks may have left a collective at
