@@ -160,3 +160,89 @@ def test_jkv_serve_refuses_a_partial_multi_host_setting(capsys):
 
     assert main(["serve", "--process-id", "1", "--model", "x"]) == 2
     assert "process_id is set but no coordinator address" in capsys.readouterr().err
+
+
+# ------------------------------------- rank 0 and a follower in one process, joined by a queue
+class _QueueChannel:
+    """StepChannel's contract without jax.distributed: rank 0's broadcast hands its message to the
+    follower's (`tamper` changes the state digest rank 0 sends, from the given step on)."""
+
+    def __init__(self, rank: int, pipe, tamper_from: int | None = None):
+        self.rank, self.processes, self.pipe, self.tamper_from, self.sent = rank, 2, pipe, tamper_from, 0
+
+    def broadcast(self, message=None):
+        if self.rank:
+            return self.pipe.get(timeout=120)
+        if self.tamper_from is not None and self.sent >= self.tamper_from and "state" in message:
+            message = dict(message, state=[0, 0, 0, 0])
+        self.sent += 1
+        self.pipe.put(message)
+        return message
+
+
+def _lockstep(model, tamper_from=None):
+    """(leader, follower, follower thread, follower's events by request, follower's exit or error)."""
+    import queue
+    import threading
+
+    from jkv.serving.batcher import BatcherConfig
+    from jkv.serving.replica import FollowerBatcher, LeaderBatcher
+
+    cfg = BatcherConfig(max_slots=2, max_model_len=64, page_size=8, prefill_chunk=16)
+    pipe = queue.Queue()
+    leader = LeaderBatcher(model, cfg, channel=_QueueChannel(0, pipe, tamper_from))
+    follower = FollowerBatcher(model, cfg, channel=_QueueChannel(1, pipe))
+    seen, result = {}, {}
+    follower._send = lambda req, ev: seen.setdefault(req.request_id, []).append(ev)
+
+    def follow():
+        try:
+            result["rc"] = follower.run()
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            result["error"] = e
+
+    thread = threading.Thread(target=follow, daemon=True)
+    leader.start()
+    thread.start()
+    return leader, follower, thread, seen, result
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from models import tiny_model
+
+    return tiny_model("llama", seed=3)
+
+
+def test_a_follower_steps_the_leaders_batches_in_lock_step_and_stops_with_it(tiny):
+    from engine_events import collect, submit, token_ids
+
+    from jkv import SamplingParams
+
+    leader, follower, thread, seen, result = _lockstep(tiny)
+    prompts = [[5, 6, 7], list(range(3, 40)), [9] * 20]  # one prompt takes three 16-token chunks
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (6, 9, 4)]
+    params[2] = SamplingParams(max_tokens=4, temperature=0.9, ignore_eos=True)  # its seed is drawn by rank 0
+    queues = [submit(leader, f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    leader.cancel("never-submitted")
+    events = [collect(q) for q in queues]
+    leader.stop()
+    thread.join(60)
+    assert result == {"rc": 0}
+    assert [token_ids(e) for e in events] == [token_ids(seen[f"r{i}"]) for i in range(3)]
+    assert [len(token_ids(e)) for e in events] == [6, 9, 4]
+    assert follower.kv.pages_in_use == 0 and leader.pages_in_use == 0
+
+
+def test_a_follower_whose_state_differs_from_rank_0s_stops_naming_the_step(tiny):
+    from engine_events import collect, submit
+
+    from jkv import SamplingParams
+    from jkv.multihost import MultiHostError
+
+    leader, follower, thread, seen, result = _lockstep(tiny, tamper_from=3)
+    collect(submit(leader, "r0", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True)))
+    thread.join(60)
+    leader.stop()
+    assert isinstance(result.get("error"), MultiHostError), result
+    assert "engine state diverged from rank 0's before step 3" in str(result["error"])
