@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 
 MAGIC = 0x4A4B5631  # "JKV1": a buffer that does not start with it was not written by a StepChannel
 HEADER_WORDS = 3  # magic, payload bytes in this broadcast, 1 when another broadcast continues it
-DEFAULT_WORDS = 16384  # i32 words per broadcast (64 KiB): one step's inbox fits unless prompts are long
+DEFAULT_WORDS = 2048  # i32 words per broadcast (8 KiB, one collective every step): a step whose inbox
+# holds more (long prompts: about 6 bytes a token) takes several broadcasts
 
 
 class ReplicaLostError(RuntimeError):
