@@ -67,11 +67,11 @@ def check_multihost_serve(cfg, mh: MultiHost, device_count: int | None = None) -
         what = "--disaggregation" if cfg.role == "all" else f"--role {cfg.role}"
         raise MultiHostError(f"{what} cannot span processes yet (--num-processes {mh.num_processes}); a multi-host "
                              "replica runs `jkv serve --role all` (the colocated paged engine); docs/scale.md")
-    if cfg.kv_layout != "paged":
-        raise MultiHostError(f"--kv-layout {cfg.kv_layout} cannot span processes: a multi-host replica runs the paged "
+    if cfg.batcher.kv_layout != "paged":
+        raise MultiHostError(f"--kv-layout {cfg.batcher.kv_layout} cannot span processes: a multi-host replica runs the paged "
                              "engine (drop --kv-layout or pass --kv-layout paged)")
-    if cfg.prefix_cache_host_bytes or cfg.prefix_cache_l3:
-        flag = "--prefix-cache-host-bytes" if cfg.prefix_cache_host_bytes else "--prefix-cache-l3"
+    if cfg.batcher.prefix_cache_host_bytes or cfg.batcher.prefix_cache_l3:
+        flag = "--prefix-cache-host-bytes" if cfg.batcher.prefix_cache_host_bytes else "--prefix-cache-l3"
         raise MultiHostError(f"{flag} cannot be used in a multi-host replica: its reads finish at different times on "
                              "each rank, and every rank must admit the same requests at the same step; drop it")
     if device_count is not None and cfg.tensor_parallel != device_count:
