@@ -17,9 +17,9 @@ The coordinator (rank 0's address) comes from flags (`jkv generate --coordinator
 --num-processes --process-id`) or the environment (`JKV_COORDINATOR_ADDRESS`, `JKV_NUM_PROCESSES`,
 `JKV_PROCESS_ID`; deploy/k8s/leaderworkerset.yaml maps the LeaderWorkerSet's variables onto them).
 
-Scope today: the colocated engine (`LLM`, `jkv generate`). The serving roles and the SmartGen
-prefill/decode workers run in one process each (a decode or prefill role spanning processes needs
-rank 0 to broadcast each step's batch from its request queue; docs/scale.md).
+Scope today: the colocated engine (`LLM`, `jkv generate`) and `jkv serve --role all`
+(jkv/serving/replica.py: rank 0 broadcasts each engine step's admissions and cancellations). The
+SmartGen prefill/decode workers run in one process each (docs/scale.md).
 """
 from __future__ import annotations
 

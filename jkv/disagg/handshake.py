@@ -177,10 +177,15 @@ def weights_fingerprint(model, *, gather_on_device: bool | None = None) -> str:
     leaves = jax.tree_util.tree_leaves_with_path(model.params)
     positions = [np.unique(np.linspace(0, max(leaf.size - 1, 0), min(leaf.size, SAMPLE_VALUES)).astype(np.int64))
                  for _, leaf in leaves]
+    # a multi-host replica's params span processes: every rank runs the gather, into replicated samples it can read
+    spans = [x for _, x in leaves if not getattr(x, "is_fully_addressable", True)]
     if gather_on_device is None:
-        gather_on_device = any(d.platform != "cpu" for _, x in leaves for d in getattr(x, "devices", lambda: ())())
+        gather_on_device = bool(spans) or any(d.platform != "cpu" for _, x in leaves
+                                              for d in getattr(x, "devices", lambda: ())())
     if gather_on_device:  # one program for every sample, so only the samples leave the accelerator
-        samples = jax.jit(lambda ls: [jnp.ravel(x)[p] for x, p in zip(ls, positions)])([x for _, x in leaves])
+        out = {"out_shardings": jax.sharding.NamedSharding(spans[0].sharding.mesh, jax.sharding.PartitionSpec())} \
+            if spans else {}
+        samples = jax.jit(lambda ls: [jnp.ravel(x)[p] for x, p in zip(ls, positions)], **out)([x for _, x in leaves])
     else:
         samples = [np.asarray(x).reshape(-1)[p] for (_, x), p in zip(leaves, positions)]
     h = hashlib.blake2b(digest_size=8)

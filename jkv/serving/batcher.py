@@ -352,9 +352,13 @@ class ContinuousBatcher:
                 self._step()
         except Exception as e:  # the engine is dead: fail everything loudly rather than hang clients
             log.exception("engine thread crashed")
-            self._fail_all(f"engine error: {e}")
+            self._fail_all(self._crash_message(e))
             raise
         self._fail_all("the server is shutting down")
+
+    def _crash_message(self, e: Exception) -> str:
+        """The error every open request gets when the engine thread dies of `e`."""
+        return f"engine error: {e}"
 
     def _step(self):
         """One engine iteration after the inbox is drained: admit, then one decode step."""
@@ -363,21 +367,28 @@ class ContinuousBatcher:
             self._decode_one_step()
 
     def _drain_inbox(self, block: bool):
+        items = self._take_inbox(block)
+        if items:
+            self._apply_inbox(items)
+
+    def _take_inbox(self, block: bool) -> list[tuple[str, object]]:
+        """Everything queued now; when `block` (idle), wait up to 0.5 s for the first item."""
+        items = []
         try:
-            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            items.append(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+            while True:
+                items.append(self._inbox.get_nowait())
         except queue.Empty:
-            return
-        while True:
-            kind, payload = item
+            return items
+
+    def _apply_inbox(self, items: list[tuple[str, object]]):
+        """Queue the submitted requests and apply the cancellations, in arrival order."""
+        for kind, payload in items:
             if kind == "submit":
                 self._waiting.append(payload)
             elif kind == "cancel":
                 self._cancel(payload)
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                self._set_gauges()
-                return
+        self._set_gauges()
 
     def _cancel(self, request_id: str):
         for req in list(self._waiting):

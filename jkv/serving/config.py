@@ -66,6 +66,10 @@ class ServeConfig:
     # the prefill worker's (selector, transport, bandwidth, lease_s, timeout_s); the model comes
     # from `model`, the prefill worker addresses are disagg.addresses
     disagg: Disaggregation = dataclasses.field(default_factory=Disaggregation)
+    # role all spanning processes (jkv/serving/replica.py); unset: the JKV_* variables, else one process
+    coordinator_address: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
 
     def __post_init__(self):
         for name in ("upstream", "prefill", "decode"):
@@ -286,6 +290,11 @@ _TABLE = {
                                  "reported on /health"),
     "worker_name": (str, "role prefill: the worker's transport name, unique per deployment (default "
                          "prefill-<pid>)"),
+    "coordinator_address": (str, "role all across processes: rank 0's HOST:PORT for jax.distributed; every rank runs "
+                                 "the same command, rank 0 serves HTTP and broadcasts each engine step, the others "
+                                 "follow (env JKV_COORDINATOR_ADDRESS; docs/scale.md)"),
+    "num_processes": (int, "role all across processes: ranks in the replica (env JKV_NUM_PROCESSES)"),
+    "process_id": (int, "role all across processes: this process's rank, 0 serves HTTP (env JKV_PROCESS_ID)"),
     "prefill": (str, "router: URL of a `jkv serve --role prefill` server (repeatable)"),
     "decode": (str, "router: URL of a `jkv serve --role decode` server (repeatable)"),
 }

@@ -223,13 +223,9 @@ def build_prefill(cfg: ServeConfig):
                               max_request_bytes=cfg.max_request_bytes), worker
 
 
-def build_all(cfg: ServeConfig):
-    """Model + engine + app for --role all. Returns (app, engine)."""
+def _load_colocated(cfg: ServeConfig):
+    """--role all's model (sharded over --tensor-parallel devices) and the engine's BatcherConfig."""
     from models import load_model
-
-    from .batcher import create_batcher
-    from .metrics import ServerMetrics
-    from .server import create_app
 
     model = load_model(cfg.model, dtype=cfg.dtype, tensor_parallel=cfg.tensor_parallel)
     if model.sharding is not None:
@@ -240,8 +236,25 @@ def build_all(cfg: ServeConfig):
     if max_len > ctx:
         log.warning("max_model_len %d exceeds %s's context length %d; using %d", max_len, cfg.model, ctx, ctx)
         max_len = ctx
+    return model, cfg.batcher_config(max_len)
+
+
+def build_all(cfg: ServeConfig, multihost: bool = False):
+    """Model + engine + app for --role all (multihost: rank 0 of a replica spanning processes,
+    jkv/serving/replica.py). Returns (app, engine)."""
+    from .batcher import create_batcher
+    from .metrics import ServerMetrics
+    from .server import create_app
+
+    model, batcher_cfg = _load_colocated(cfg)
+    max_len = batcher_cfg.max_model_len
     metrics = ServerMetrics("all")
-    engine = create_batcher(model, cfg.batcher_config(max_len), metrics)
+    if multihost:
+        from .replica import LeaderBatcher
+
+        engine = LeaderBatcher(model, batcher_cfg, metrics)
+    else:
+        engine = create_batcher(model, batcher_cfg, metrics)
     engine.warmup()
     engine.start()
     if cfg.batcher.kv_layout == "paged":
@@ -258,17 +271,48 @@ def build_all(cfg: ServeConfig):
     return app, engine
 
 
+def _join_replica(cfg: ServeConfig):
+    """The MultiHost of --coordinator-address etc. (or JKV_*) after joining it, or None (one process)."""
+    from ..multihost import MultiHost, initialize
+    from .replica import check_multihost_serve
+
+    mh = MultiHost.from_values(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+    if mh is None:
+        return None
+    check_multihost_serve(cfg, mh)  # before joining: a refused config must not leave its peers waiting
+    initialize(mh)
+    import jax
+
+    check_multihost_serve(cfg, mh, jax.device_count())
+    return mh
+
+
+def run_follower(cfg: ServeConfig) -> int:
+    """A rank > 0 of a --role all replica: the same model and engine, no HTTP; follows rank 0."""
+    from .replica import FollowerBatcher
+
+    model, batcher_cfg = _load_colocated(cfg)
+    engine = FollowerBatcher(model, batcher_cfg)
+    engine.warmup()
+    log.info("multi-host: rank %d follows rank 0's engine steps (no HTTP on this rank)", engine.channel.rank)
+    return engine.run()
+
+
 def run_serve(args) -> int:
     import uvicorn
 
     cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
+    mh = _join_replica(cfg)
+    if mh is not None and mh.process_id != 0:
+        return run_follower(cfg)
     if cfg.uses_disaggregation:
         app, _ = build_disaggregated(cfg)
         what = f"OpenAI API for model {cfg.model_name!r}, disaggregated {cfg.disagg.transfer.mode}"
     elif cfg.role == "all":
-        app, _ = build_all(cfg)
-        what = f"OpenAI API for model {cfg.model_name!r}"
+        app, _ = build_all(cfg, multihost=mh is not None)
+        what = f"OpenAI API for model {cfg.model_name!r}" + (
+            f", rank 0 of a {mh.num_processes}-process replica" if mh is not None else "")
     elif cfg.role == "prefill":
         app, _ = build_prefill(cfg)
         what = "prefill worker /health and /metrics"

@@ -33,6 +33,7 @@ SAMPLES = {
     "prefix_cache_host_bytes": ("1048576", DECODE), "prefix_cache_l3": ("redis://127.0.0.1:6379/0", DECODE),
     "prefix_cache_l3_timeout": ("2.5", DECODE),
     "tensor_parallel": ("2", []),
+    "coordinator_address": ("10.0.0.1:8476", []), "num_processes": ("2", []), "process_id": ("1", []),
     "transport_advertise": ("jkv-prefill-a:7100|jkv-prefill-a:7101", ["--role", "prefill"]), "prefill": ("http://p:2", ROUTER), "decode": ("http://d:2", ROUTER),
     "routing": ("least-load", ROUTER), "routing_chunk_chars": ("32", ROUTER), "routing_record_chunks": ("100", ROUTER),
     "routing_min_match": ("0.5", ROUTER), "balance_abs_tokens": ("512", ROUTER), "balance_rel": ("2.5", ROUTER),
