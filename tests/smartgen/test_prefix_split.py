@@ -137,3 +137,42 @@ def test_second_turn_moves_only_new_kv_and_tokens_match(model, selectors, profil
     finally:
         cached.close()
         plain.close()
+
+
+def test_cancel_and_failure_with_shared_pages_leak_nothing(model, selectors, profiles, selector_name, workers,
+                                                           monkeypatch):
+    from jkv.disagg import decode_owners
+    from tests.smartgen.test_smartgen_admission import Recorder, run_until
+
+    first, new = _turns(model)
+    d = _decode(model, selectors, profiles, selector_name, workers, "smartgen", True)
+    plain = _decode(model, selectors, profiles, selector_name, workers, "smartgen", False)
+    try:
+        turn1 = d.generate(make_requests(first[:1], tag="t1-"))
+        second = first[0] + turn1[0].token_ids + new[0]
+        hit = len(first[0]) // P * P
+        rec = Recorder()
+        for r in make_requests([second, second + new[1]], tag="c"):  # both start with the first turn's pages
+            d.submit(r, on_token=rec.on_token, on_done=rec.on_done)
+        run_until(d, lambda: len(d._running) == 2 and len(rec.tokens("c0")) >= 2)
+        rids = {lv.req.request_id: lv.rid for lv in d._running}
+        shared = d.pages.cache.pages_of(rids["c0"])[:hit // P]
+        assert shared == d.pages.cache.pages_of(rids["c1"])[:hit // P]  # one set of pages, two requests
+        assert d.cancel("c0")
+        run_until(d, lambda: len(rec.outputs) == 2)
+        assert rec.outputs["c0"].finish_reason == "error" and "cancelled" in rec.outputs["c0"].metrics.extra["error"]
+        out = rec.outputs["c1"]
+        assert out.finish_reason == "length" and out.metrics.extra["prefix_hit_tokens"] == hit
+        assert out.token_ids == plain.generate(make_requests([second + new[1]], tag="c"))[0].token_ids
+        alloc = d.pages.cache.allocator
+        assert all(alloc.refcount(p) == 0 and alloc.key_of(p) is not None for p in shared)  # cached, not freed
+        # A prefill worker that hashes the prefix differently fails the request (the key check).
+        real = decode_owners.handin_prefix
+        monkeypatch.setattr(decode_owners, "handin_prefix", lambda pages, lv: dict(real(pages, lv), key="00" * 16))
+        failed = d.generate(make_requests([second], tag="f"))[0]
+        assert failed.finish_reason == "error" and "hashes those tokens" in failed.metrics.extra["error"]
+        _check_no_leak(d, workers)
+        _check_no_leak(plain, workers)
+    finally:
+        d.close()
+        plain.close()
