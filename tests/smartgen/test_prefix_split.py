@@ -176,3 +176,25 @@ def test_cancel_and_failure_with_shared_pages_leak_nothing(model, selectors, pro
     finally:
         d.close()
         plain.close()
+
+
+def test_owner_failure_recomputes_around_shared_pages(model, selectors, profiles, selector_name, workers):
+    """The prefill worker that served turn 1 is gone: turn 2 (on_failure="recompute") prompt KV is
+    recomputed here, its cached rows stay the shared pages', and nothing leaks."""
+    first, new = _turns(model)
+    own = InProcessWorkers(model, selectors[selector_name], 1)
+    d = _decode(model, selectors, profiles, selector_name, own, "smartgen", True, on_failure="recompute")
+    plain = _decode(model, selectors, profiles, selector_name, workers, "smartgen", False)
+    try:
+        turn1 = d.generate(make_requests(first[:1], tag="t1-"))
+        own.close()
+        second = first[0] + turn1[0].token_ids + new[0]
+        out = d.generate(make_requests([second], tag="r"))[0]
+        assert out.finish_reason == "length" and out.metrics.extra["recomputed"]
+        assert out.metrics.extra["prefix_hit_tokens"] == len(first[0]) // P * P
+        assert out.token_ids == plain.generate(make_requests([second], tag="r"))[0].token_ids
+        assert d.pool.live() == [] and d.pool.bytes_in_use == 0 and d.pages.cache.pages_in_use == 0
+        _check_no_leak(plain, workers)
+    finally:
+        d.close()
+        plain.close()
