@@ -154,7 +154,7 @@ def disagg_follow_ups(args, enabled: bool) -> dict:
             after, settled = prefix_counters(server.url), after
             if after == settled and after["kv_bytes"] > before["kv_bytes"]:
                 break
-        turns.append(dict(ok=r["ok"], prompt_tokens=r.get("prompt_tokens", 0),
+        turns.append(dict(ok=r["ok"], prompt_tokens=r.get("prompt_tokens", 0), text=r.get("text"),
                           **{k: after[k] - before[k] for k in after}))
         return r
 
@@ -254,11 +254,14 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     if args.disaggregation:
         rows = [disagg_follow_ups(args, enabled) for enabled in (True, False)]
+        same = [t["text"] for t in rows[0]["turns"]] == [t["text"] for t in rows[1]["turns"]]
+        print(f"answers identical with and without prefix caching: {same}")
         for s in rows:
+            s["answers_identical"] = same
             (out / f"prefix_serve_disagg_{args.disaggregation}_{s['prefix_caching']}.json").write_text(json.dumps(s, indent=2))
         write_csv(out / f"prefix_serve_disagg_{args.disaggregation}.csv", [{k: v for k, v in s.items() if k != "turns"}
                                                                            for s in rows])
-        return 0 if all(s["failed"] == 0 for s in rows) else 1
+        return 0 if same and all(s["failed"] == 0 for s in rows) else 1
     rows = [run_mode(args, enabled) for enabled in (True, False)]
     on, off = rows
     same = on["answers"] == off["answers"]
