@@ -21,6 +21,11 @@ side within one run).
 
     PYTHONPATH=. python experiments/prefix_serve.py --groups 4 --users 6 --conversations 4 --turns 4
     PYTHONPATH=. python experiments/prefix_serve.py --smoke --out /tmp/prefix_smoke   # seconds, not figures
+
+`--disaggregation MODE` measures prefix reuse across the prefill/decode split instead: the
+multi-turn chats, one turn at a time, through `--role all --disaggregation MODE` with and without
+prefix caching; per follow-up turn the server's `jkv_kv_transfer_bytes_total` (proactive,
+speculative, on demand) against the KV of the turn's uncached tokens and of its whole prompt.
 """
 from __future__ import annotations
 
@@ -99,16 +104,88 @@ async def multi_turn(client, url, args, rng: random.Random, offset: int = 0) -> 
     return [r for chat in chats for r in chat]
 
 
+KV_WIRE_PATHS = ("proactive", "speculative", "on_demand")  # KV rows on the wire (metadata apart)
+
+
 def prefix_counters(url: str) -> dict:
+    """The server's prefix-cache counters and, on a disaggregated server, its KV bytes by path."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out = {"prefix_hit_tokens": 0.0, "prefix_query_tokens": 0.0}
+    out = {"prefix_hit_tokens": 0.0, "prefix_query_tokens": 0.0, "kv_bytes": 0.0, "metadata_bytes": 0.0}
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
         for s in fam.samples:
             if s.name == "jkv_prefix_cache_hit_tokens_total":
                 out["prefix_hit_tokens"] += s.value
             elif s.name == "jkv_prefix_cache_query_tokens_total":
                 out["prefix_query_tokens"] += s.value
+            elif s.name == "jkv_kv_transfer_bytes_total" and s.labels.get("path") in KV_WIRE_PATHS:
+                out["kv_bytes"] += s.value
+            elif s.name == "jkv_kv_transfer_bytes_total" and s.labels.get("path") == "metadata":
+                out["metadata_bytes"] += s.value
+    return out
+
+
+def kv_row_bytes(model: str) -> int:
+    """KV bytes of one token on the SmartGen wire (f32 K and V rows of every layer and KV head)."""
+    from models import load_model_spec
+
+    cfg = load_model_spec(model).cfg
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+
+
+def disagg_follow_ups(args, enabled: bool) -> dict:
+    """--role all --disaggregation MODE: the chats one turn at a time (so the server's byte counters
+    split by turn); per follow-up turn, the KV bytes that crossed vs the KV of its uncached tokens
+    (prompt - prefix hit) and of its whole prompt (the conversation so far)."""
+    mode = "on" if enabled else "off"
+    server = Server(["--model", args.model, "--served-model-name", "m", "--max-slots", str(args.max_slots),
+                     "--max-model-len", str(args.max_model_len), "--enable-prefix-caching", str(enabled).lower(),
+                     "--disaggregation", args.disaggregation, "--num-prefill-workers", "1",
+                     "--selector", args.selector, "--strategy", "sequential", "--kr-fraction", "0.3"])
+    row = kv_row_bytes(args.model)
+    turns = []
+
+    async def one(client, msgs):
+        before = prefix_counters(server.url)
+        r = await chat_stream(client, server.url, list(msgs), args.max_tokens)
+        after = prefix_counters(server.url)
+        for _ in range(50):  # a request's bytes are counted when it completes, just after its last chunk
+            await asyncio.sleep(0.1)
+            after, settled = prefix_counters(server.url), after
+            if after == settled and after["kv_bytes"] > before["kv_bytes"]:
+                break
+        turns.append(dict(ok=r["ok"], prompt_tokens=r.get("prompt_tokens", 0), text=r.get("text"),
+                          **{k: after[k] - before[k] for k in after}))
+        return r
+
+    async def chats():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10)) as client:
+            for c in range(args.conversations):
+                msgs = [{"role": "system", "content": system_prompt(100 + c, args.system_words // 2)}]
+                for t in range(args.turns):
+                    msgs.append({"role": "user", "content": f"Turn {t + 1}: {QUESTIONS[(c + t) % len(QUESTIONS)]}"})
+                    r = await one(client, msgs)
+                    turns[-1]["turn"] = t
+                    if not r["ok"]:
+                        return
+                    msgs.append({"role": "assistant", "content": r["text"]})
+
+    try:
+        asyncio.run(chats())
+    finally:
+        server.stop()
+    follow = [t for t in turns if t["turn"] > 0 and t["ok"]]
+    new_kv = sum((t["prompt_tokens"] - t["prefix_hit_tokens"]) * row for t in follow)
+    whole_kv = sum(t["prompt_tokens"] * row for t in follow)
+    moved = sum(t["kv_bytes"] for t in follow)
+    out = dict(prefix_caching=mode, disaggregation=args.disaggregation, follow_up_turns=len(follow),
+               failed=sum(not t["ok"] for t in turns), follow_up_kv_bytes=moved, follow_up_new_kv_bytes=new_kv,
+               follow_up_whole_kv_bytes=whole_kv, follow_up_metadata_bytes=sum(t["metadata_bytes"] for t in follow),
+               kv_over_new=moved / new_kv if new_kv else float("nan"),
+               kv_over_whole=moved / whole_kv if whole_kv else float("nan"), turns=turns, **machine_info())
+    print(f"[disaggregated {args.disaggregation}, prefix caching {mode}] follow-up turns {len(follow)}: KV moved "
+          f"{moved:.0f} B = {out['kv_over_new']:.3f}x their uncached tokens' KV, {out['kv_over_whole']:.3f}x the "
+          f"whole conversations' (+ {out['follow_up_metadata_bytes']:.0f} B selector metadata)", flush=True)
     return out
 
 
@@ -161,6 +238,10 @@ def prefix_parser(description: str, csv: str, *, groups: int, system_words: int,
     ap.add_argument("--max-slots", type=int, default=max_slots, help="each server's --max-slots")
     ap.add_argument("--max-model-len", type=int, default=max_model_len)
     ap.add_argument("--smoke", action="store_true", help="a tiny workload to check the script runs (no figures)")
+    ap.add_argument("--disaggregation", default=None, metavar="MODE",
+                    help="instead: multi-turn chats through `--role all --disaggregation MODE` (full, partial, "
+                         "+profile, +parallel, smartgen), KV bytes of the follow-up turns with / without prefix caching")
+    ap.add_argument("--selector", default="infinigen", help="with --disaggregation: the sparse-attention selector")
     add_seed_arg(ap)
     add_out_arg(ap, RESULTS)
     ap.add_argument("--csv", default=csv, help="summary CSV name under --out")
@@ -180,6 +261,16 @@ def main(argv=None):
         args.system_words, args.max_tokens, args.rate, args.max_model_len = 60, 4, 20.0, 512
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.disaggregation:
+        rows = [disagg_follow_ups(args, enabled) for enabled in (True, False)]
+        same = [t["text"] for t in rows[0]["turns"]] == [t["text"] for t in rows[1]["turns"]]
+        print(f"answers identical with and without prefix caching: {same}")
+        for s in rows:
+            s["answers_identical"] = same
+            (out / f"prefix_serve_disagg_{args.disaggregation}_{s['prefix_caching']}.json").write_text(json.dumps(s, indent=2))
+        write_csv(out / f"prefix_serve_disagg_{args.disaggregation}.csv", [{k: v for k, v in s.items() if k != "turns"}
+                                                                           for s in rows])
+        return 0 if same and all(s["failed"] == 0 for s in rows) else 1
     rows = [run_mode(args, enabled) for enabled in (True, False)]
     on, off = rows
     same = on["answers"] == off["answers"]

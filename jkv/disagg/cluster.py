@@ -123,10 +123,13 @@ class DisaggregatedEngine:
     """One decode worker (this process) fed by prefill worker processes."""
 
     def __init__(self, model, config: Disaggregation, model_spec: str | None = None, selector=None,
-                 oracle_profile: ImportanceProfile | None = None, name: str = "decode-0", page_config=None):
+                 oracle_profile: ImportanceProfile | None = None, name: str = "decode-0", page_config=None,
+                 prefix_caching: bool = False):
         """name: the decode worker's transport name, unique among the decode servers that share a
         prefill worker (a second connection under one name replaces the first). page_config: the
-        decode worker's device page pool (jkv.kvcache.PageConfig; None: DecodePages' default)."""
+        decode worker's device page pool (jkv.kvcache.PageConfig; None: DecodePages' default).
+        prefix_caching: the decode worker keeps finished prompts' pages and later requests move
+        only their new KV (jkv/disagg/prefix_split.py)."""
         self.config = config
         self.model = model
         spec = config.model_spec or model_spec
@@ -147,7 +150,7 @@ class DisaggregatedEngine:
         self.decode = DecodeWorker(model, self.selector, config.transfer, secret=secret, backend=config.transport,
                                    profile=profile, oracle_profile=oracle_profile, on_failure=config.on_failure,
                                    timeout=config.timeout_s, compression=config.compression_policy(), name=name,
-                                   page_config=page_config)
+                                   page_config=page_config, prefix_caching=prefix_caching)
         try:
             addresses = list(config.addresses)
             if not addresses:

@@ -28,6 +28,7 @@ from jkv.compression.kv_transfer import apply_frame
 from jkv.compression.paths import unpack_metadata
 from jkv.disagg import protocol as proto
 from jkv.disagg.decode_state import LiveRequest
+from jkv.disagg.prefix_split import handin_prefix, mark_cached, prefix_eligible, uncached_blocks, uncached_kr
 from jkv.engine import Request
 from jkv.kvbuffers.geometry import LOCAL, BlockGeometry
 from jkv.transfer.plan import proactive_order
@@ -167,11 +168,15 @@ class OwnerSide:
                                 self.transfer.seed)
         request_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * n * cfg.head_dim * 4
         tp = self.profile.prefill_time(n) if self.profile is not None else None
-        kr = min(len(order), self.transfer.kr(geometry, tp, request_bytes, self._metadata_bytes(n)))
+        kr = self.transfer.kr(geometry, tp, request_bytes, self._metadata_bytes(n))
         choice = self.compression.choose(request_bytes, tp or 0.0) if self.compression is not None else None
         # Device pages first (OutOfPages fails this request alone), then the host staging buffers
-        # the transport lands in (decode_pages.py: staging -> pages per layer).
-        self.pages.plan(rid, n, n + req.params.max_tokens)
+        # the transport lands in (decode_pages.py: staging -> pages per layer). With prefix caching
+        # the cached leading pages are shared and only blocks past them are planned (prefix_split.py).
+        hit = self.pages.plan(rid, n, n + req.params.max_tokens,
+                              req.prompt_token_ids if prefix_eligible(choice) else None)
+        order = uncached_blocks(order, geometry, hit)
+        kr = uncached_kr(self.transfer, kr, len(order)) if hit else min(len(order), kr)
         try:
             kv = self.pool.allocate(rid, n, capacity)
             self.endpoint.register(proto.kv_region(rid), kv.kv)
@@ -184,8 +189,10 @@ class OwnerSide:
             self.pool.free(rid)
             raise
         L, H = cfg.num_layers, cfg.num_kv_heads
-        return LiveRequest(req, rid, kv, geometry, owner, order, kr, fetched=np.zeros((L, H, capacity), bool),
-                           on_device=np.zeros((L, H, n), bool), landed=np.zeros(L, bool), compression=choice)
+        lv = LiveRequest(req, rid, kv, geometry, owner, order, kr, fetched=np.zeros((L, H, capacity), bool),
+                         on_device=np.zeros((L, H, n), bool), landed=np.zeros(L, bool), compression=choice)
+        mark_cached(lv, hit)
+        return lv
 
     def _metadata_bytes(self, n: int) -> int:
         """Bytes of selector metadata the prefill worker ships for an n-token prompt (all layers)."""
@@ -213,6 +220,8 @@ class OwnerSide:
                 if lv.compression.metadata is not None:
                     by_owner[lv.owner][-1]["meta_codec"] = lv.compression.metadata
                 lv.t_hand_in = time.time()
+            if lv.prefix_hit:  # the leading rows this side holds: no mode moves them (prefix_split.py)
+                by_owner[lv.owner][-1]["prefix"] = handin_prefix(self.pages, lv)
         for owner, batch in by_owner.items():
             try:
                 self.endpoint.peer(owner).notify("prefill", proto.pack(dict(requests=batch))).wait()

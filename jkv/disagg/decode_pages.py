@@ -2,6 +2,7 @@
 
     pages = DecodePages(model.cfg, PageConfig(page_size=16, num_pages=1025))
     pages.plan(rid, prompt_len, tokens)        # pages for the request; mask REMOTE over the prompt
+    hit = pages.plan(rid, n, tokens, prompt)   # with prefix caching: cached leading pages shared
     table = pages.table(rids, capacity)        # i32[B, ceil(N_cap / P)] (host), idle rows null
     pages.land(lives, layer, table, clock)     # staging -> device pages, then mask 1 (per layer)
     pages.free(rid)
@@ -84,11 +85,14 @@ def _pinned_programs(sharding):
 
 
 class DecodePages:
-    def __init__(self, model_cfg, page_cfg: PageConfig | None = None, dtype=None, sharding=None):
-        """sharding: the decode model's `kv_sharding` (None: one device, no tensor parallelism)."""
+    def __init__(self, model_cfg, page_cfg: PageConfig | None = None, dtype=None, sharding=None,
+                 prefix_namespace=None):
+        """sharding: the decode model's `kv_sharding` (None: one device, no tensor parallelism).
+        prefix_namespace: keeps finished requests' complete prompt pages in a prefix cache
+        (jkv/disagg/prefix_split.py; `jkv.kvcache.prefix_namespace(model, dtype, page_size)`)."""
         if page_cfg is None:
             page_cfg = PageConfig.for_tokens(DEFAULT_DECODE_TOKENS)
-        self.cache = PagedKVCache(model_cfg, page_cfg, dtype, sharding=sharding)
+        self.cache = PagedKVCache(model_cfg, page_cfg, dtype, sharding=sharding, prefix_namespace=prefix_namespace)
         self.num_kv_heads, self.head_dim = model_cfg.num_kv_heads, model_cfg.head_dim
         self.mask = sparse.init_mask(model_cfg.num_layers, page_cfg.num_pages, model_cfg.num_kv_heads,
                                      page_cfg.page_size)
@@ -105,11 +109,18 @@ class DecodePages:
         return self.cache.page_size
 
     # ------------------------------------------------------------ per request
-    def plan(self, rid, prompt_len: int, tokens: int) -> None:
+    def plan(self, rid, prompt_len: int, tokens: int, prompt=None) -> int:
         """Reserve pages for `tokens` tokens (prompt + generated) and set their mask: REMOTE over
-        the prompt, PAD after. Raises OutOfPages (nothing reserved) when the pool is short."""
+        the prompt, PAD after. With prefix caching and the prompt (i32[N]) given, the prompt's cached
+        leading full pages are shared instead (their mask is 1 already: only complete pages are
+        cached). Returns the prompt tokens already on the device (a page multiple, < prompt_len).
+        Raises OutOfPages (nothing reserved) when the pool is short."""
         P = self.page_size
-        new = self.cache.reserve(rid, tokens)
+        if prompt is not None and self.cache.prefix_caching:
+            hit = self.cache.reserve_prefix(rid, prompt, tokens)
+            new = self.cache.pages_of(rid)[hit // P:]
+        else:
+            hit, new = 0, self.cache.reserve(rid, tokens)
         first = len(self.cache.pages_of(rid)) - len(new)
         token = (first + np.arange(len(new)))[:, None] * P + np.arange(P)[None, :]
         values = np.where(token < prompt_len, REMOTE, PAD).astype(np.int8)
@@ -119,6 +130,7 @@ class DecodePages:
         padded = np.full((width, P), PAD, np.int8)
         padded[:len(new)] = values
         self.mask = self._set_masks(self.mask, jnp.asarray(pages), jnp.asarray(padded))
+        return hit
 
     def mark_dropped(self, rid, dropped: np.ndarray) -> int:
         """A token-dropping profile's dropped prompt rows dropped bool[L, H_kv, N] become DROPPED in

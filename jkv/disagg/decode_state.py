@@ -135,6 +135,7 @@ class LiveRequest:
     landed: np.ndarray | None = None  # bool[L]: every prompt row of the layer is on the device
     compression: object = None  # compression.policy.Choice, fixed for the request's KV movement (KVServe §6)
     keep: np.ndarray | None = None  # bool[L, H_kv, N]: prompt rows a token-dropping profile kept (hand-off)
+    prefix_hit: int = 0  # leading prompt tokens in shared cached device pages (jkv/disagg/prefix_split.py)
     codec_s: dict = dataclasses.field(default_factory=dict)  # "encode" (prefill side) / "decode" (here) seconds
     t_hand_in: float = 0.0
     cancelled: bool = False
@@ -175,7 +176,7 @@ class LiveRequest:
             on_demand_ratio=self.remote / self.selected if self.selected else 0.0,
             step_on_demand_ratio=[r / s if s else 0.0 for r, s in zip(self.step_remote, self.step_selected)],
             bytes=bytes_, kr=self.kr, blocks=int(len(self.order)), prefill_s=self.prefill_s, owner=self.owner,
-            recomputed=self.recomputed, mode=mode, step_phases=self.step_phases,
+            recomputed=self.recomputed, mode=mode, step_phases=self.step_phases, prefix_hit_tokens=self.prefix_hit,
             **({} if self.compression is None else self._compression_extra()))
         return RequestOutput(self.req.request_id, self.req.prompt, list(self.req.prompt_token_ids), text, ids,
                              reason, m)

@@ -87,9 +87,10 @@ from jkv.disagg.handshake import role_config
 from jkv.disagg.hint import make_hint as make_set_hint
 from jkv.disagg.lookahead import LayerLookahead
 from jkv.engine import Request, StopChecker, check_context
-from jkv.disagg.decode_pages import DecodePages
+from jkv.disagg.decode_pages import DEFAULT_DECODE_TOKENS, DecodePages
+from jkv.disagg.prefix_split import keep_finished
 from jkv.kvbuffers.pool import KVBufferPool
-from jkv.kvcache import PageConfig
+from jkv.kvcache import PageConfig, prefix_namespace
 from jkv.outputs import RequestOutput
 from jkv.sampling import sample_or_argmax
 from jkv.selection.base import dense_layer_count
@@ -131,7 +132,10 @@ class _Step:
 class DecodeWorker(OwnerSide, FetchLanes):
     def __init__(self, model, selector, transfer: TransferConfig, *, secret: str, backend: str = "tcp",
                  profile=None, oracle_profile=None, on_failure: str = "fail", timeout: float = 5.0,
-                 name: str = "decode-0", compression=None, page_config: PageConfig | None = None):
+                 name: str = "decode-0", compression=None, page_config: PageConfig | None = None,
+                 prefix_caching: bool = False):
+        """prefix_caching: keep finished requests' complete prompt pages and skip them in later
+        requests' transfers (jkv/disagg/prefix_split.py)."""
         if on_failure not in ("fail", "recompute"):
             raise ValueError(f"{on_failure=} must be 'fail' or 'recompute'")
         self.model, self.selector, self.transfer = model, selector, transfer
@@ -142,7 +146,9 @@ class DecodeWorker(OwnerSide, FetchLanes):
         cfg = model.cfg
         self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # host staging (L2)
         # device pages + KV mask (L1), in the model's dtype, split by KV head over the model's mesh
-        self.pages = DecodePages(cfg, page_config, sharding=model.kv_sharding)
+        page_config = page_config or PageConfig.for_tokens(DEFAULT_DECODE_TOKENS)
+        self.pages = DecodePages(cfg, page_config, sharding=model.kv_sharding, prefix_namespace=prefix_namespace(
+            model, cfg.dtype, page_config.page_size) if prefix_caching else None)
         self.programs = decode_program.programs_for(cfg, selector)
         # agreed with every prefill worker in the handshake, before any KV crosses (handshake.py)
         self.config = role_config(model, "decode", selector, max_blocks=transfer.max_blocks)
@@ -370,6 +376,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
         """A request is done: free its KV on both sides and hand its output to `on_done`."""
         lv.finished = done[0] != "error"
         lv.completed = True
+        keep_finished(self, lv)  # with prefix caching: its complete prompt pages stay cached
         self._finish_request(lv, unregister=True)
         self._forget(lv)
         if lv.on_done is not None:

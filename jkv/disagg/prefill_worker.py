@@ -53,6 +53,7 @@ from jkv.disagg import protocol as proto
 from jkv.disagg.bulk_pacer import YieldToOnDemand as _YieldToOnDemand
 from jkv.disagg.handshake import role_config
 from jkv.disagg.head_slices import ExportCounters, export_layer, head_slices, push_slices
+from jkv.disagg.prefix_split import prefill_geometry
 from jkv.disagg.selectors import load_selector, needs_metadata
 from jkv.kvbuffers.fetch import pack_reply, parse_fetch_framed
 from jkv.kvbuffers.geometry import BlockGeometry
@@ -245,7 +246,7 @@ class PrefillWorker:
         now = time.monotonic()
         for b, r in enumerate(requests):
             tokens[b, :lengths[b]] = r["tokens"]
-            geometry = BlockGeometry(int(lengths[b]), cfg.num_layers, int(r["max_blocks"]))
+            geometry = prefill_geometry(model, r)  # skips the rows a decode side's prefix cache holds
             h = _Held(r["rid"], peer_name, self.pool.allocate(r["rid"], int(lengths[b]), int(lengths[b])), geometry,
                       int(r["capacity"]), np.asarray(r["order"], np.int64), np.zeros(geometry.num_blocks, bool),
                       int(r["kr"]), int(r["spec_cap"]), now + self.lease_s)
@@ -487,8 +488,7 @@ class PrefillWorker:
     def _free_call(self, peer_name, payload):
         header, _ = proto.unpack(payload)
         self.on_free_requested(header["rid"])
-        stats = self._release(header["rid"])
-        return proto.pack(dict(bytes=stats))
+        return proto.pack(dict(bytes=self._release(header["rid"])))
 
     def _release(self, rid: str):
         """Forget a request: wait for its in-flight writes (their buffers), then free its KV."""

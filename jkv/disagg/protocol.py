@@ -10,7 +10,10 @@ Every message is a small JSON header, optionally followed by raw array bytes:
 decode -> prefill
   notify "prefill"  {"requests": [{rid, tokens, capacity, order, kr, spec_cap, sampling}]}
                     hand-in of a batch: prompt, sampling params, decode-side capacity and the
-                    block plan (order of flat block ids; the first kr go proactively)
+                    block plan (order of flat block ids; the first kr go proactively); optional
+                    "prefix": {tokens, key, dtype, page_size}: the leading tokens the decode side holds
+                    in its prefix cache (key: the chained hash of their last page); no push carries
+                    them (jkv/disagg/prefix_split.py; a worker that ignores the field only wastes bytes)
   notify "spec"     {"rids": [...]}  speculative trigger at the start of an attention layer
   call   "fetch"    {"layer", "items": [[rid, [count per KV head]]]} + i32 positions
                     -> K rows f32[sum counts, D] then V rows (remote-first, row order);

@@ -209,7 +209,9 @@ _TABLE = {
     "enable_prefix_caching": (on_off, "paged: automatic prefix caching: requests whose prompts share leading full "
                                       "KV pages (a system prompt, earlier turns) share those pages and skip their "
                                       "prefill; cached pages no request holds are evicted least recently used "
-                                      "first when pages run short. `--enable-prefix-caching false` turns it off",
+                                      "first when pages run short; the disaggregated decode role keeps finished "
+                                      "prompts' pages and later requests move only their new KV (docs/kvcache.md). "
+                                      "`--enable-prefix-caching false` turns it off",
                                       "batcher.enable_prefix_caching"),
     "prefix_cache_host_bytes": (int, "paged, with prefix caching: bytes of host memory for a second tier of the "
                                      "prefix cache; cached pages evicted from the device are kept there (LRU) and "

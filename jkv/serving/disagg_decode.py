@@ -112,6 +112,8 @@ class DisaggBatcher:
             metrics.kv.watch_landing(worker.pages.h2d_bytes)
         if metrics is not None:
             metrics.watch_kv_cache(worker.pages.cache)  # device pages: jkv_kv_pages_in_use / _free
+        if metrics is not None and worker.pages.cache.prefix_caching:  # hits: prompt rows that did not cross
+            metrics.watch_prefix_cache(worker.pages.cache.stats)
         if metrics is not None and metrics.transfers is not None:  # fetch RPCs, notifications (transport threads)
             worker.endpoint.observe_transfers(metrics.transfers.observe_transfer)
         self._reconnect = PrefillReconnector(addresses, dict(zip(addresses, owners)),

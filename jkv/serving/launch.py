@@ -135,7 +135,8 @@ def build_disaggregated(cfg: ServeConfig):
     name = f"decode-{socket.gethostname()}-{os.getpid()}"[-200:] if remote else "decode-0"
     batcher_cfg = cfg.batcher_config(max_len)  # --page-size / --num-pages size the decode worker's pages
     cluster = DisaggregatedEngine(model, dis, model_spec=cfg.model, selector=selector, name=name,
-                                  page_config=page_config(batcher_cfg))
+                                  page_config=page_config(batcher_cfg),
+                                  prefix_caching=batcher_cfg.enable_prefix_caching)
     addresses = list(dis.addresses) if remote else cluster.workers.addresses
     if not remote:
         for i, a in enumerate(addresses):
