@@ -372,11 +372,16 @@ class DecodeWorker(OwnerSide, FetchLanes):
         if any(lv.completed for lv in self._running):
             self._restack([lv for lv in self._running if not lv.completed])
 
-    def _complete(self, lv, done) -> None:
-        """A request is done: free its KV on both sides and hand its output to `on_done`."""
+    def _complete(self, lv, done, pull: bool | None = None) -> None:
+        """A request is done: free its KV on both sides and hand its output to `on_done`. pull: see
+        prefix_split.keep_finished (None: only if no other request is decoding)."""
         lv.finished = done[0] != "error"
         lv.completed = True
-        keep_finished(self, lv)  # with prefix caching: its complete prompt pages stay cached
+        # with prefix caching its complete prompt pages stay cached; missing rows are fetched for
+        # that only when no other request is decoding (the fetch would stall their steps)
+        if pull is None:
+            pull = not any(x is not lv and not x.completed for x in self._running)
+        keep_finished(self, lv, pull=pull)
         self._finish_request(lv, unregister=True)
         self._forget(lv)
         if lv.on_done is not None:
@@ -549,6 +554,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
 
     def _end_step(self, st: _Step, steps, current) -> None:
         """The step boundary: each request takes its token; finished ones complete and leave."""
+        outcomes = []
         for b, lv in enumerate(st.lives):
             lv.steps, lv.current = int(steps[b]), int(current[b])
             lv.position = min(lv.position + 1, lv.kv.capacity - 1)
@@ -557,17 +563,20 @@ class DecodeWorker(OwnerSide, FetchLanes):
             lv.step_selected.append(int(st.step_selected[b]))
             lv.step_remote.append(int(st.step_remote[b]))
             if lv.error is not None:
-                self._complete(lv, ("error", [], ""))
+                outcomes.append((lv, ("error", [], "")))
                 continue
             lv.gen.append(lv.current)
             lv.times.append(time.time() - lv.t0)
             if lv.on_token is not None:
                 lv.on_token(lv.req.request_id, lv.current)
             reason, ids, text = lv.checker.finish(lv.gen)
-            if reason:
-                self._complete(lv, (reason, ids, text))
-            else:
+            outcomes.append((lv, (reason, ids, text) if reason else None))
+        last = all(done is not None for _, done in outcomes)  # nothing decodes after this step
+        for lv, done in outcomes:
+            if done is None:
                 self._maybe_release(lv)
+            else:
+                self._complete(lv, done, pull=last)
         self._leave()
 
     def cancel(self, request_id: str) -> bool:

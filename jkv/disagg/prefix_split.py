@@ -135,9 +135,14 @@ def complete_pages(on_device: np.ndarray, page_size: int) -> int:
     return full if ok.all() else int(np.argmin(ok))
 
 
-def keep_finished(worker, lv) -> int:
+def keep_finished(worker, lv, pull: bool = True) -> int:
     """A finished request's complete prompt pages go to the decode side's prefix cache (engine
-    thread, before its owner is told to free it). Returns the pages it holds complete."""
+    thread, before its owner is told to free it). Returns the pages it holds complete.
+
+    pull: first fetch the prompt rows the selective transfer never moved, so every full page can
+    be cached. That fetch runs on the engine thread; the caller passes False when other requests
+    decode after this step, so caching never stalls their steps (then only pages already complete
+    on the device are kept)."""
     pages = worker.pages
     if not (pages.cache.prefix_caching and lv.finished and prefix_eligible(lv.compression, lv.keep)):
         return 0
@@ -147,7 +152,7 @@ def keep_finished(worker, lv) -> int:
     table = pages.table([lv.rid], lv.kv.capacity)
     for layer in range(worker.model.cfg.num_layers):  # what arrived since the request's last step
         pages.land([lv], layer, table, worker.phases)
-    if complete_pages(lv.on_device, P) < n // P and not lv.released and worker.owner_alive(lv.owner):
+    if pull and complete_pages(lv.on_device, P) < n // P and not lv.released and worker.owner_alive(lv.owner):
         _pull_missing(worker, lv, n // P * P, table)
     done = complete_pages(lv.on_device, P)
     if done > lv.prefix_hit // P:
