@@ -28,6 +28,17 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 if importlib.util.find_spec("filelock") is not None:  # jax refuses a size limit without it
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
+# XLA:CPU's LLVM backend at optimization level 0 (XLA reads XLA_FLAGS when its backend starts, so the
+# workers and every process they start get it too): the suite compiles hundreds of small programs
+# once or twice each, and LLVM's optimization was much of each compile (tests/serve/test_batcher.py,
+# back to back: 88.5 -> 56.9 CPU-s). XLA's own HLO passes (fusion, layout) still run. Results differ in the
+# last bits only (optimized and unoptimized code round differently; test_suite_setup.py checks the
+# size and that the tokens agree): a test comparing two jkv paths runs both under the same flag. Not where a jax plugin (CUDA)
+# is installed (a GPU machine, the second CI stage's venv): GPU programs keep the default.
+_XLA_OPT = "--xla_backend_optimization_level="
+if _XLA_OPT not in os.environ.get("XLA_FLAGS", "") and importlib.util.find_spec("jax_plugins") is None:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_XLA_OPT}0".strip()
+
 
 def pytest_configure(config):
     # jax reads its JAX_* variables when it is first imported; a plugin may have imported it before
