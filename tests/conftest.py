@@ -72,15 +72,29 @@ def pytest_unconfigure(config):
 # test_min_budget_http.py comes third, not second: its single-process server has test_lm_eval.py's
 # flags, so when the first worker reaches it that server's programs are already in the run's XLA
 # cache; starting both at once would compile them twice.
+# The order after the first three follows the --durations of a CI run (1806 s, 2 workers): the
+# tensor-parallel, multihost, dropping, metrics-transfer and reconnect files took 45-150 s each but
+# were missing here, so the one- to three-test ones among them were handed out last.
 LONG_FILES = (
     "tests/serve/test_lm_eval.py",
     "tests/models/test_smollm2.py",
     "tests/serve/test_min_budget_http.py",
+    "tests/compression/test_dropping.py",
+    "tests/smartgen/test_smartgen_tensor_parallel.py",
+    "tests/models/test_multihost.py",
+    "tests/models/test_tensor_parallel.py",
     "tests/serve/test_disagg.py",
-    "tests/serve/test_router.py",
-    "tests/kernels/test_gpu_check.py",
-    "tests/serve/test_batcher.py",
+    "tests/serve/test_prefix_batcher.py",
     "tests/serve/test_paged_batcher.py",
+    "tests/kernels/test_gpu_check.py",
+    "tests/serve/test_disagg_reconnect.py",
+    "tests/serve/test_metrics_transfer.py",
+    "tests/serve/test_router.py",
+    "tests/serve/test_router_prefix.py",
+    "tests/smartgen/test_smartgen_admission.py",
+    "tests/selection/test_quest_int8.py",
+    "tests/selection/test_min_budget.py",
+    "tests/serve/test_batcher.py",
     "tests/serve/test_prefix_l3.py",
     "tests/smartgen/test_smartgen_api.py",
     "tests/smartgen/test_smartgen_compiles.py",
