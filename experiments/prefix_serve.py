@@ -149,22 +149,31 @@ def run_mode(args, enabled: bool) -> dict:
     return s
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def prefix_parser(description: str, csv: str, *, groups: int, system_words: int, max_tokens: int, max_slots: int,
+                  max_model_len: int) -> argparse.ArgumentParser:
+    """The flags this script and prefix_route.py share (model, workload, server size, --smoke,
+    --seed, --out, --csv), with each script's defaults; the caller adds its own."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(ap)
-    ap.add_argument("--groups", type=int, default=4, help="shared system prompts")
-    ap.add_argument("--users", type=int, default=6, help="questions per system prompt")
-    ap.add_argument("--system-words", type=int, default=300, help="approximate words per system prompt")
-    ap.add_argument("--conversations", type=int, default=4, help="multi-turn chats")
-    ap.add_argument("--turns", type=int, default=4, help="turns per chat")
-    ap.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
-    ap.add_argument("--max-tokens", type=int, default=24, help="output tokens per request (ignore_eos)")
-    ap.add_argument("--max-slots", type=int, default=8)
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--groups", type=int, default=groups, help="prefix groups (one shared system prompt each)")
+    ap.add_argument("--system-words", type=int, default=system_words, help="approximate words per system prompt")
+    ap.add_argument("--max-tokens", type=int, default=max_tokens, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--max-slots", type=int, default=max_slots, help="each server's --max-slots")
+    ap.add_argument("--max-model-len", type=int, default=max_model_len)
     ap.add_argument("--smoke", action="store_true", help="a tiny workload to check the script runs (no figures)")
     add_seed_arg(ap)
     add_out_arg(ap, RESULTS)
-    ap.add_argument("--csv", default="prefix_serve.csv", help="summary CSV name under --out")
+    ap.add_argument("--csv", default=csv, help="summary CSV name under --out")
+    return ap
+
+
+def main(argv=None):
+    ap = prefix_parser(__doc__, "prefix_serve.csv", groups=4, system_words=300, max_tokens=24, max_slots=8,
+                       max_model_len=2048)
+    ap.add_argument("--users", type=int, default=6, help="questions per system prompt")
+    ap.add_argument("--conversations", type=int, default=4, help="multi-turn chats")
+    ap.add_argument("--turns", type=int, default=4, help="turns per chat")
+    ap.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
     args = ap.parse_args(argv)
     if args.smoke:
         args.groups, args.users, args.conversations, args.turns = 2, 2, 1, 2
