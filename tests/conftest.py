@@ -28,6 +28,18 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 if importlib.util.find_spec("filelock") is not None:  # jax refuses a size limit without it
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
 
+# XLA:CPU's LLVM backend at optimization level 0 (XLA reads XLA_FLAGS when its backend starts, so the
+# workers and every process they start get it too): the suite compiles hundreds of small programs
+# once or twice each, and LLVM's optimization was much of each compile (tests/serve/test_batcher.py,
+# back to back: 88.5 -> 56.9 CPU-s; a tiny-model `jkv serve`, side by side: 29.2 -> 21.6 CPU-s to
+# ready, 35.3 -> 25.3 after five requests). XLA's own HLO passes (fusion, layout) still run. Results differ in the
+# last bits only (optimized and unoptimized code round differently; test_suite_setup.py checks the
+# size and that the tokens agree): a test comparing two jkv paths runs both under the same flag. Not where a jax plugin (CUDA)
+# is installed (a GPU machine, the second CI stage's venv): GPU programs keep the default.
+_XLA_OPT = "--xla_backend_optimization_level="
+if _XLA_OPT not in os.environ.get("XLA_FLAGS", "") and importlib.util.find_spec("jax_plugins") is None:
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_XLA_OPT}0".strip()
+
 
 def pytest_configure(config):
     # jax reads its JAX_* variables when it is first imported; a plugin may have imported it before
@@ -61,15 +73,29 @@ def pytest_unconfigure(config):
 # test_min_budget_http.py comes third, not second: its single-process server has test_lm_eval.py's
 # flags, so when the first worker reaches it that server's programs are already in the run's XLA
 # cache; starting both at once would compile them twice.
+# The order after the first three follows the --durations of a CI run (1806 s, 2 workers): the
+# tensor-parallel, multihost, dropping, metrics-transfer and reconnect files took 45-150 s each but
+# were missing here, so the one- to three-test ones among them were handed out last.
 LONG_FILES = (
     "tests/serve/test_lm_eval.py",
     "tests/models/test_smollm2.py",
     "tests/serve/test_min_budget_http.py",
+    "tests/compression/test_dropping.py",
+    "tests/smartgen/test_smartgen_tensor_parallel.py",
+    "tests/models/test_multihost.py",
+    "tests/models/test_tensor_parallel.py",
     "tests/serve/test_disagg.py",
-    "tests/serve/test_router.py",
-    "tests/kernels/test_gpu_check.py",
-    "tests/serve/test_batcher.py",
+    "tests/serve/test_prefix_batcher.py",
     "tests/serve/test_paged_batcher.py",
+    "tests/kernels/test_gpu_check.py",
+    "tests/serve/test_disagg_reconnect.py",
+    "tests/serve/test_metrics_transfer.py",
+    "tests/serve/test_router.py",
+    "tests/serve/test_router_prefix.py",
+    "tests/smartgen/test_smartgen_admission.py",
+    "tests/selection/test_quest_int8.py",
+    "tests/selection/test_min_budget.py",
+    "tests/serve/test_batcher.py",
     "tests/serve/test_prefix_l3.py",
     "tests/smartgen/test_smartgen_api.py",
     "tests/smartgen/test_smartgen_compiles.py",

@@ -57,3 +57,39 @@ def test_make_test_keeps_the_collection_order_of_files():
     # files run last again, alone on one worker.
     recipe = re.search(r"^test:.*\n((?:\t.*\n)+)", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert "--dist loadfile --no-loadscope-reorder" in recipe
+
+
+_LOGITS = """
+import sys
+import numpy as np
+from models import tiny_model
+m = tiny_model("llama", seed=3)
+ids = np.random.default_rng(0).integers(3, 300, (4, 57)).astype(np.int32)
+logits, _ = m.prefill(ids, np.asarray([57, 40, 21, 9], np.int32))
+sys.stdout.buffer.write(np.asarray(logits, np.float32).tobytes())
+"""
+
+
+def test_xla_cpu_backend_optimization_is_off_and_moves_logits_by_rounding_only():
+    import importlib.util
+
+    import numpy as np
+
+    if importlib.util.find_spec("jax_plugins") is not None:
+        assert "--xla_backend_optimization_level=0" not in os.environ.get("XLA_FLAGS", "")
+        return  # a GPU machine keeps XLA's default optimization (tests/conftest.py)
+    assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]
+    # The same tiny model's prefill logits with LLVM at level 0 and at XLA's default: they differ in the
+    # last bits only (the two round differently), the order of any change of kernel, and pick the same
+    # tokens.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    env.pop("JAX_COMPILATION_CACHE_DIR")  # each compiles its own programs
+    outs = []
+    for flags in (os.environ["XLA_FLAGS"], os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", "")):
+        out = subprocess.run([sys.executable, "-c", _LOGITS], env=dict(env, XLA_FLAGS=flags), capture_output=True,
+                             timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr.decode()[-2000:]
+        outs.append(np.frombuffer(out.stdout, np.float32).reshape(-1, 301))
+    o0, default = outs
+    assert o0.shape == (4, 301) and (o0.argmax(-1) == default.argmax(-1)).all()
+    np.testing.assert_allclose(o0, default, rtol=1e-5, atol=1e-5)

@@ -56,7 +56,14 @@ class OwnerSide:
             name = self.endpoint.connect(main, **kw).name
             self._main_of[name] = main
         if bulk and not (self._bulk_of.get(name) in peers and peers[self._bulk_of[name]].alive):
-            self._bulk_of[name] = self.endpoint.connect(bulk, **kw).name
+            lane = self.endpoint.connect(bulk, **kw)
+            # The handshake returns before the prefill worker's bulk endpoint has adopted the connection
+            # (or replaced this worker's dead one): a hand-in arriving on the main connection meanwhile
+            # finds no live bulk peer and is dropped, and its request would wait for a hand-off forever
+            # (a reconnect right after the prefill worker resumed, test_disagg_reconnect.py). The far
+            # reader starts only once adopted, so one round trip on the lane proves it is usable.
+            lane.regions(refresh=True, timeout=connect_timeout or self.endpoint.timeout)
+            self._bulk_of[name] = lane.name
         if name not in self.owners:
             self.owners.append(name)
         return name

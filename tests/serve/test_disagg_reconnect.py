@@ -11,8 +11,14 @@ import httpx
 import pytest
 
 from conftest import ServerProcess
+from jkv.disagg.decode_worker import DecodeWorker
+from jkv.disagg.prefill_worker import PrefillWorker
 from jkv.disagg.reconnect import Backoff, PrefillReconnector
+from jkv.disagg.selectors import build_selector
+from jkv.transfer.plan import TransferConfig
+from models import tiny_model
 from tests.stop_process import stop_process
+from transport import TransportError
 
 SECRET = {"JKV_SECRET": "serve-reconnect-test-secret"}
 TIMEOUT_S = "1"  # --transfer-timeout: a peer silent this long is declared dead
@@ -69,6 +75,40 @@ def test_reconnector_retries_with_backoff_and_logs_loss_attempts_and_recovery(ca
     assert "attempt 3 to prefill worker prefill-a at A|B failed: A|B refused; next attempt in 4.0s" in \
         caplog.records[3].getMessage()
     assert "reconnected to prefill worker prefill-a at A|B after 7 failed attempts" in caplog.records[-1].getMessage()
+
+
+# ----------------------------------------------------------------------------- the bulk lane, in process
+def test_connect_returns_only_once_the_prefill_worker_has_adopted_the_bulk_lane(monkeypatch):
+    """The CI hang of the live test below: the handshake returns to the decode side before the
+    prefill worker's bulk endpoint has adopted the connection (its handshake thread lags, e.g. just
+    after a SIGCONT); a hand-in arriving meanwhile found no bulk peer and was dropped ("decode peer
+    went away mid-prefill"), and the decode side waited for its hand-off forever."""
+    model = tiny_model("llama", seed=3)
+    sel = build_selector(model, "streamingllm")
+    prefill = PrefillWorker(model, sel, "prefill-lane", secret=SECRET["JKV_SECRET"])
+    adopt = prefill.bulk._adopt
+
+    def lagging_adopt(*a, **kw):
+        time.sleep(0.5)
+        return adopt(*a, **kw)
+
+    monkeypatch.setattr(prefill.bulk, "_adopt", lagging_adopt)
+    address = prefill.listen()
+    decode = DecodeWorker(model, sel, TransferConfig(mode="smartgen", strategy="sequential", kr_fraction=0.3,
+                                                     max_blocks=16), secret=SECRET["JKV_SECRET"])
+    try:
+        assert decode.connect_one(address, connect_timeout=5) == "prefill-lane"
+        first = prefill.bulk.peer(decode.endpoint.name)  # KeyError before the fix: not adopted yet
+        assert first.alive
+        for peer in list(decode.endpoint.peers.values()):  # the link is declared dead, then reconnected
+            for conn in peer.connections:
+                conn.fail(TransportError("test: link declared dead"))
+        assert decode.connect_one(address, connect_timeout=5) == "prefill-lane"
+        second = prefill.bulk.peer(decode.endpoint.name)
+        assert second is not first and second.alive
+    finally:
+        decode.close()
+        prefill.close()
 
 
 # ----------------------------------------------------------------------------- live processes
