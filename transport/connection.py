@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from transport.errors import OpTimeout, PeerDeadError, TransportError
-from transport.checksum import ChecksumWorker
+from transport.checksum import ChecksumWorker, Inline
 from transport.pacing import TokenBucket
 from transport.receiver import MAX_ERROR_TEXT as _MAX_ERROR_TEXT, ReceiveSide
 from transport.shm import ShmRing
@@ -109,6 +109,7 @@ class ConnectionHost(Protocol):
     heartbeat: float  # seconds without sending before a PING goes out
     max_message: int
     payload_checksum: bool
+    checksum_offload: bool  # large payloads' crc32c on side threads (transport/checksum.py)
 
     def transfer_finished(self, transfer: Transfer) -> None:
         """Whichever thread finished it: an operation submitted on this connection is done."""
@@ -334,7 +335,9 @@ class Connection(ReceiveSide):
         parts = [_flat(p) for p in parts if len(p)]
         total = sum(len(p) for p in parts)
         running = None
-        if trailer:
+        if trailer and not self.host.checksum_offload:
+            running = Inline(parts)  # on this thread; the copy that follows reads cache-hot bytes
+        elif trailer:
             running = self._tx_crc.begin()
             for p in parts:
                 running.add(p)

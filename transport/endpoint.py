@@ -47,6 +47,7 @@ from typing import Callable
 from transport.address import parse_tcp, parse_unix
 from transport.admission import Acceptor, HandshakeGate, RefusalLog
 from transport.auth import ConfigCheck, Deadline, HandshakeBusy, client_handshake, server_handshake
+from transport.checksum import offload_default
 from transport.connection import Connection, Frame, Operation
 from transport.errors import AuthError, OpTimeout, TransportError
 from transport.metrics import Metrics
@@ -82,14 +83,18 @@ class Endpoint(RdmaControl):
     ``max_handshakes``: incoming connections allowed to be unauthenticated at once — more are
     refused on accept (the client's ``connect`` retries them until its deadline).
     ``config_check``: this endpoint's configuration, sent to every peer in the handshake, and the
-    test it applies to theirs; a refused peer is never adopted (transport/auth.py)."""
+    test it applies to theirs; a refused peer is never adopted (transport/auth.py).
+    ``checksum_offload``: large payloads' crc32c on side threads while the socket copies (True),
+    or on the socket threads on cache-hot pieces (False); None picks side threads only when the
+    process has >= 4 cores (transport.checksum.offload_default). Same wire format either way."""
 
     def __init__(self, name: str, backend: str = "tcp", *, secret: bytes | str,
                  bandwidth: str | float | None = None, timeout: float = 5.0,
                  heartbeat: float | None = None, op_timeout: float | None = 60.0,
                  max_message: int = 256 << 20, rpc_workers: int = 4, ring_bytes: int = 32 << 20,
                  payload_checksum: bool = True, rdma_device=None, handshake_timeout: float | None = None,
-                 max_handshakes: int = 32, config_check: ConfigCheck | None = None):
+                 max_handshakes: int = 32, config_check: ConfigCheck | None = None,
+                 checksum_offload: bool | None = None):
         if not isinstance(name, str) or not name or len(name.encode()) > 200:
             raise ValueError(f"endpoint name {name!r} must be a non-empty string (<= 200 bytes)")
         if backend not in BACKENDS:
@@ -118,6 +123,7 @@ class Endpoint(RdmaControl):
         self.timeout, self.heartbeat, self.op_timeout = timeout, heartbeat, op_timeout
         self.max_message, self.ring_bytes = max_message, ring_bytes
         self.payload_checksum = bool(payload_checksum)
+        self.checksum_offload = offload_default() if checksum_offload is None else bool(checksum_offload)
         self.handshake_timeout, self.config_check = handshake_timeout, config_check
         self._gate = HandshakeGate(max_handshakes)
         self._refusals = RefusalLog(log, name)

@@ -84,7 +84,10 @@ class ReceiveSide:
             if self._recv_crc(view) != h.payload_crc:
                 raise FrameError(f"{what} payload checksum mismatch")
             return
-        crc = self._recv_offloaded(view) if len(view) > _OFFLOAD_ABOVE else self._recv_crc(view)
+        if len(view) > _OFFLOAD_ABOVE and self.host.checksum_offload:
+            crc = self._recv_offloaded(view)
+        else:
+            crc = self._recv_crc(view)
         trailer = bytearray(TRAILER_SIZE)
         self._recv_exact(memoryview(trailer))
         if crc != TRAILER.unpack(trailer)[0]:

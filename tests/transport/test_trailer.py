@@ -1,7 +1,8 @@
 """Checksum trailers (FLAG_TRAILER): large payloads carry their crc32c after the payload, computed
-on a side thread while the socket copies. A bit flipped anywhere in such a frame (header, payload,
-trailer), or a frame cut short, is rejected: nothing acknowledged, and the mask frame that follows
-the block on the stream (its commit) never applied; a damaged header writes nothing at all."""
+on a side thread while the socket copies (or, with checksum_offload=False, on the socket threads).
+A bit flipped anywhere in such a frame (header, payload, trailer), or a frame cut short, is
+rejected: nothing acknowledged, and the mask frame that follows the block on the stream (its
+commit) never applied; a damaged header writes nothing at all."""
 from __future__ import annotations
 
 import socket
@@ -12,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from transport import checksum
 from transport.checksum import ChecksumWorker
 from transport.connection import _SMALL, _split_tail
 from transport.wire import (FLAG_ACK, FLAG_TRAILER, HEADER_SIZE, TRAILER, Header, Op, crc32c, decode_header,
@@ -44,8 +46,8 @@ class Receiver:
     """An endpoint with one region; ``feed`` pushes raw bytes through a real Connection and
     returns the ops of the frames it sent back (ACK, ERROR, ...)."""
 
-    def __init__(self, make_endpoint):
-        self.ep = make_endpoint("rx")
+    def __init__(self, make_endpoint, checksum_offload: bool | None = None):
+        self.ep = make_endpoint("rx", checksum_offload=checksum_offload)
         self.buf = np.full(REGION, FILL, np.uint8)
         self.ep.register("r", self.buf)
         self.n = 0
@@ -106,8 +108,9 @@ def test_intact_trailer_frame_is_applied_and_acknowledged(make_endpoint):
     assert [h.aux for h in back if h.op == Op.ACK] == [2] and rx.rejected() == 0
 
 
-def test_any_flipped_bit_is_rejected_before_the_commit(make_endpoint):
-    rx = Receiver(make_endpoint)
+@pytest.mark.parametrize("offload", [False, True], ids=["inline", "side-thread"])
+def test_any_flipped_bit_is_rejected_before_the_commit(make_endpoint, offload):
+    rx = Receiver(make_endpoint, checksum_offload=offload)
     data, header_end, _ = block_then_mask()
 
     @given(bit=st.integers(0, 8 * (HEADER_SIZE + BLOCK + 4) - 1))  # header, payload, trailer
@@ -153,15 +156,17 @@ def test_contradictory_checksum_flags_write_nothing(make_endpoint, flags, payloa
     assert (rx.buf == FILL).all() and rx.rejected() == 1
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["inline", "side-thread"])
 @pytest.mark.parametrize("nbytes", [_SMALL + 1, 3 << 20, (16 << 20) + 5])
-def test_large_writes_calls_and_notifies_round_trip_with_trailers(make_endpoint, nbytes):
-    rx = make_endpoint("rx", max_message=32 << 20)
+def test_large_writes_calls_and_notifies_round_trip_with_trailers(make_endpoint, nbytes, offload):
+    """Both checksum placements (side threads, or the socket threads) on both sides."""
+    rx = make_endpoint("rx", max_message=32 << 20, checksum_offload=offload)
     region = np.zeros(nbytes, np.uint8)
     rx.register("big", region)
     rx.serve("echo", lambda peer, payload: bytes(payload))
     got = []
     rx.on_notify("note", lambda n: got.append(n.payload))
-    peer = make_endpoint("tx", max_message=32 << 20).connect(rx.listen())
+    peer = make_endpoint("tx", max_message=32 << 20, checksum_offload=offload).connect(rx.listen())
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
     peer.write("big", 0, data, then=("big", 0, int(data[0]))).wait(30)
     assert np.array_equal(region, data)
@@ -209,3 +214,11 @@ def test_owner_steals_pieces_the_side_thread_has_not_reached():
     running.add(data)
     assert running.result() == crc32c(data)
     worker._thread = None
+
+
+@pytest.mark.parametrize("cpus, offload", [(1, False), (2, False), (3, False), (4, True), (16, True)])
+def test_checksums_go_to_side_threads_only_with_cores_to_spare(monkeypatch, make_endpoint, cpus, offload):
+    monkeypatch.setattr(checksum.os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert checksum.offload_default() is offload
+    assert make_endpoint("auto").checksum_offload is offload
+    assert make_endpoint("forced", checksum_offload=not offload).checksum_offload is (not offload)
