@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jkv.disagg.config import Disaggregation
+from jkv.serving.admission import SCHEDULES
 from jkv.serving.routing import ROUTING_POLICIES, RoutingConfig
 from jkv.transfer.plan import TransferConfig
 from models import DEFAULT_MODEL
@@ -47,6 +48,8 @@ class ServeConfig:
     prefix_cache_host_bytes: int = 0
     prefix_cache_l3: str | None = None
     prefix_cache_l3_timeout: float = 0.5
+    schedule: str = "srpt"
+    cost_model: str | None = None
     default_max_tokens: int = 256
     max_request_bytes: int = 4 * 1024 * 1024
     upstream: tuple[str, ...] = ()
@@ -146,7 +149,8 @@ class ServeConfig:
                              num_pages=self.num_pages, prefill_chunk=self.prefill_chunk,
                              enable_prefix_caching=self.enable_prefix_caching,
                              prefix_cache_host_bytes=self.prefix_cache_host_bytes,
-                             prefix_cache_l3=self.prefix_cache_l3, prefix_cache_l3_timeout=self.prefix_cache_l3_timeout)
+                             prefix_cache_l3=self.prefix_cache_l3, prefix_cache_l3_timeout=self.prefix_cache_l3_timeout,
+                             schedule=self.schedule, cost_model=self.cost_model)
 
     @property
     def model_name(self) -> str:
@@ -225,6 +229,11 @@ _TABLE = {
                              "pages missing in device and host memory are read from it; when it fails or is slow "
                              "requests recompute (jkv_prefix_cache_l3_errors_total) and it is retried later"),
     "prefix_cache_l3_timeout": (float, "seconds one L3 operation may take; a request never waits longer for L3"),
+    "schedule": (str, "paged: which waiting request is admitted next (CALVO, docs/calvo.md): fifo, sjf (smallest "
+                      "modelled prefix-load + prefill time), srpt (smallest remaining), edf (earliest SLO deadline: "
+                      "body field slo_ms or header x-jkv-slo-ms) or lstf (least slack)"),
+    "cost_model": (str, "paged, --schedule sjf/srpt/lstf: cost model JSON (jkv.scheduling.CostModel.save) instead "
+                        "of probing the engine at start-up; refitted from live measurements either way"),
     "default_max_tokens": (int, "max_tokens for chat requests that do not set it (capped by the context)"),
     "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
                                "(all roles, the router included)"),
@@ -325,6 +334,8 @@ def add_serve_arguments(p: argparse.ArgumentParser):
             kw["choices"] = ROLES
         if name == "routing":
             kw["choices"] = ROUTING_POLICIES
+        if name == "schedule":
+            kw["choices"] = SCHEDULES
         p.add_argument("--" + name.replace("_", "-"), **kw)
 
 
