@@ -21,6 +21,13 @@ side within one run).
 
     PYTHONPATH=. python experiments/prefix_serve.py --groups 4 --users 6 --conversations 4 --turns 4
     PYTHONPATH=. python experiments/prefix_serve.py --smoke --out /tmp/prefix_smoke   # seconds, not figures
+
+With `--policies fifo,sjf,srpt,...` it instead compares `jkv serve --schedule` policies against
+FIFO with the prefixes in L3 behind a paced `jkv pool` link (experiments/prefix_serve_policies.py:
+long requests whose document is in L3, short ones without), writing `--csv` (default
+prefix_serve_policies.csv), prefix_serve_policies.json and prefix_serve_policies.png:
+
+    PYTHONPATH=. python experiments/prefix_serve.py --policies fifo,sjf,srpt --link 400mbit --policy-rate 0.5
 """
 from __future__ import annotations
 
@@ -164,8 +171,20 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="a tiny workload to check the script runs (no figures)")
     add_seed_arg(ap)
     add_out_arg(ap, RESULTS)
-    ap.add_argument("--csv", default="prefix_serve.csv", help="summary CSV name under --out")
+    ap.add_argument("--csv", default=None, help="summary CSV name under --out (default prefix_serve.csv, "
+                                                 "with --policies prefix_serve_policies.csv)")
+    ap.add_argument("--policies", type=lambda v: v.split(","), default=None,
+                    help="compare these --schedule policies (e.g. fifo,sjf,srpt) with prefixes in L3 instead")
+    ap.add_argument("--link", default="400mbit", help="--policies: the pool server's paced link")
+    ap.add_argument("--policy-rate", type=float, default=0.5, help="--policies: arrivals per second")
+    ap.add_argument("--docs", type=int, default=8, help="--policies: long requests (one L3 document each)")
+    ap.add_argument("--doc-words", type=int, default=450, help="--policies: approximate words per document")
+    ap.add_argument("--short-per-long", type=int, default=3, help="--policies: short requests per long one")
+    ap.add_argument("--l3-timeout", type=float, default=30.0, help="--policies: --prefix-cache-l3-timeout")
     args = ap.parse_args(argv)
+    if args.policies is not None:
+        return run_policies(args)
+    args.csv = args.csv or "prefix_serve.csv"
     if args.smoke:
         args.groups, args.users, args.conversations, args.turns = 2, 2, 1, 2
         args.system_words, args.max_tokens, args.rate, args.max_model_len = 60, 4, 20.0, 512
@@ -191,6 +210,22 @@ def main(argv=None):
     write_csv(out / args.csv, rows, fields=keys)
     print(f"wrote {out}/{args.csv} and 2 JSON files")
     return 0 if same and all(r["failed"] == 0 for r in rows) else 1
+
+
+def run_policies(args) -> int:
+    from experiments.prefix_serve_policies import FIELDS, compare, plot
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = compare(args)
+    (out / "prefix_serve_policies.json").write_text(json.dumps(rows, indent=2))
+    write_csv(out / (args.csv or "prefix_serve_policies.csv"), rows, fields=FIELDS)
+    plot(rows, out / "prefix_serve_policies.png")
+    for r in rows:
+        print(f"{r['policy']:>5}: mean TTFT {r['mean_ttft_ms']:.0f} ms = {r['ttft_ratio_vs_fifo']:.2f}x FIFO's "
+              f"(long {r['mean_ttft_ms_long']:.0f}, short {r['mean_ttft_ms_short']:.0f}); answers as FIFO's: "
+              f"{r['answers_identical_to_fifo']}; load average {r['loadavg_1m']}")
+    return 0 if all(r["failed"] == 0 and r["answers_identical_to_fifo"] for r in rows) else 1
 
 
 if __name__ == "__main__":
