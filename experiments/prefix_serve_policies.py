@@ -22,6 +22,7 @@ import secrets
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from experiments.common import REPO, machine_info
 from experiments.serve_load import Server, stream_request, summarize
 
+START_TIMEOUT_S = 1800  # a start-up (load, compile, probe) on a loaded shared CPU took over 5 minutes
 QUESTIONS = ["Summarize the rules.", "Which rule is the longest?", "Name two rules about caching.",
              "What does rule 3 say?", "Is anything repeated?", "Give the group number."]
 
@@ -101,7 +103,8 @@ def hits_by_tier(url: str) -> dict:
 def seed_l3(args, l3: list[str], env: dict):
     """Compute every document on a server whose small page pool evicts it (to L3) at the next request."""
     doc_pages = -(-(args.doc_words * 2 + 64) // 16)  # generous: words -> tokens is about 1.3 here
-    server = Server(l3 + ["--num-pages", str(doc_pages + 8), "--max-slots", "1", "--schedule", "fifo"], env=env)
+    server = Server(l3 + ["--num-pages", str(doc_pages + 8), "--max-slots", "1", "--schedule", "fifo"], env=env,
+                    timeout=START_TIMEOUT_S)
     try:
         seeds = [(0.0, "long", p) for _, kind, p in workload(args) if kind == "long"]
         fillers = [(0.0, "filler", document(900 + k, args.doc_words)) for k in range(2)]
@@ -113,7 +116,7 @@ def seed_l3(args, l3: list[str], env: dict):
 
 
 def run_policy(args, policy: str, l3: list[str], env: dict) -> dict:
-    server = Server(l3 + ["--schedule", policy, "--max-slots", str(args.max_slots)], env=env)
+    server = Server(l3 + ["--schedule", policy, "--max-slots", str(args.max_slots)], env=env, timeout=START_TIMEOUT_S)
     try:
         asyncio.run(_run(server.url, [(0.0, k, p) for _, k, p in workload(args, offset=500)[:6]], args.max_tokens))
         before = hits_by_tier(server.url)
@@ -144,7 +147,10 @@ def compare(args) -> list[dict]:
           "--prefix-cache-l3", f"jkvpool://{address}", "--prefix-cache-l3-timeout", str(args.l3_timeout)]
     try:
         seed_l3(args, l3, env)
-        rows = [run_policy(args, p, l3, env) for p in args.policies]
+        rows = []
+        for p in args.policies:  # each row also saved as it comes: a long run stopped early keeps its rows
+            rows.append(run_policy(args, p, l3, env))
+            (Path(args.out) / "prefix_serve_policies.partial.json").write_text(json.dumps(rows, indent=2))
     finally:
         pool.stdin.close()
         pool.wait(30)

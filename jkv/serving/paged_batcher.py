@@ -206,7 +206,7 @@ class PagedBatcher(ContinuousBatcher):
         elif cfg.schedule not in ("fifo", "edf"):
             from .cost_probe import probe_cost_model
 
-            cost = probe_cost_model(self.model, self.kv, cfg.prefill_chunk)
+            cost = probe_cost_model(self.model, self.kv)
         self.scheduler = AdmissionScheduler(cfg.schedule, cost)
         self._refit = Refit(cost) if cost is not None else None
 
