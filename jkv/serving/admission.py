@@ -19,8 +19,7 @@ prefix that is in no tier although L3 is configured is then counted as a load, t
 guess (an L3 lookup per queued request would cost a round trip each).
 
 Cost model: `--cost-model FILE` (CostModel.save's JSON), else a probe of the live engine at
-warm-up (`PagedBatcher.probe_costs`: prefills of three lengths, a host-to-device page load and,
-with L3, a read of a few pages). `Refit` then keeps the latest measurements (single-chunk
+start (jkv/serving/cost_probe.py: a timed prefill chunk and a timed page load). `Refit` then keeps the latest measurements (single-chunk
 prefills, L2 loads, L3 reads) and refits the lines every `REFIT_EVERY` new samples, so the order
 follows the deployment's real costs.
 
@@ -159,15 +158,6 @@ def refit_lines(model: CostModel, loads, computes) -> CostModel:
             n, t = zip(*samples)
             fields.update(zip(names, fit_line(n, t, what, nonneg=True)))
     return dataclasses.replace(model, **fields) if fields else model
-
-
-def fit_probe(loads: list[tuple[int, float]], computes: list[tuple[int, float]], deployment: str) -> CostModel:
-    """The start-up cost model from probe samples (tokens, seconds) of page loads and prefills
-    (each list with at least two distinct sizes)."""
-    model = refit_lines(CostModel(0.0, 0.0, 0.0, 0.0, deployment=deployment), loads, computes)
-    if model.c == 0.0 and model.d == 0.0:
-        raise ValueError(f"the cost-model probe needs prefills of two distinct lengths; got {computes}")
-    return model
 
 
 class SchedulingMetrics:
