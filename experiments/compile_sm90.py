@@ -82,24 +82,20 @@ def kernel_cases() -> list[Case]:
         cases.append(Case("split_reorder", f"B={batch} H_kv={hpb} N={n} k={k}",
                           functools.partial(_split_reorder, heads_per_batch=hpb),
                           (S((batch * hpb, k), I32), S((batch, n), jnp.int8))))
-    for group, dtype, head_dim in [(1, BF16, 128), (7, F32, 64), (4, BF16, 128)]:
-        batch, kv_heads, k = 8, 8, 6_554
-        rows = batch * kv_heads
-        avals = (S((batch, kv_heads * group, head_dim), dtype), S((rows, k, head_dim), dtype),
-                 S((rows, k, head_dim), dtype), S((rows,), I32))
-        cases.append(Case("sparse_decode_attention[triton]",
-                          f"B={batch} H_kv={kv_heads} G={group} k={k} D={head_dim} "
-                          f"{jnp.dtype(dtype).name}", _triton_attention, avals))
-    for group, dtype, head_dim, k in [(4, BF16, 128, 6_554), (3, BF16, 64, 2_048),
-                                      (1, BF16, 128, 100), (7, jnp.float16, 64, 2_048),
-                                      (4, F32, 128, 6_554), (7, F32, 64, 2_048)]:
+    # (backend, entry, G, dtype, D, k) of the sparse attention kernels, one row of B=8, H_kv=8 each
+    attention = [("triton", _triton_attention, *shape) for shape in
+                 [(1, BF16, 128, 6_554), (7, F32, 64, 6_554), (4, BF16, 128, 6_554)]]
+    attention += [("mosaic", _mosaic_attention, *shape) for shape in
+                  [(4, BF16, 128, 6_554), (3, BF16, 64, 2_048), (1, BF16, 128, 100), (7, jnp.float16, 64, 2_048),
+                   (4, F32, 128, 6_554), (7, F32, 64, 2_048)]]
+    for backend, entry, group, dtype, head_dim, k in attention:
         batch, kv_heads = 8, 8
         rows = batch * kv_heads
         avals = (S((batch, kv_heads * group, head_dim), dtype), S((rows, k, head_dim), dtype),
                  S((rows, k, head_dim), dtype), S((rows,), I32))
-        cases.append(Case("sparse_decode_attention[mosaic]",
+        cases.append(Case(f"sparse_decode_attention[{backend}]",
                           f"B={batch} H_kv={kv_heads} G={group} k={k} D={head_dim} "
-                          f"{jnp.dtype(dtype).name}", _mosaic_attention, avals))
+                          f"{jnp.dtype(dtype).name}", entry, avals))
     for page_size, head_dim, pages, dtype in [(16, 128, 256, BF16), (16, 64, 128, BF16),
                                               (64, 128, 32, BF16), (16, 128, 256, F32),
                                               (16, 64, 128, F32)]:

@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from experiments.common import RESULTS, add_out_arg, write_csv  # noqa: E402
-from experiments.kvserve_real_kv import document_tokens  # noqa: E402
+from experiments.kvserve_real_kv import add_document_args, document_kv  # noqa: E402
 from jkv.compression.dropping import pack_keep  # noqa: E402
 from jkv.compression.kv_transfer import KVCodec  # noqa: E402
 from jkv.compression.streaming import MaskedDecoder  # noqa: E402
@@ -39,17 +39,12 @@ def softmax(x):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--steps", type=int, default=16)
+    add_document_args(ap, tokens=512, steps=16)
     ap.add_argument("--max-blocks", type=int, default=1024)
     add_out_arg(ap, RESULTS / "kvserve_dropping_wire.csv")
     args = ap.parse_args()
-    from models import load_model
-
-    model = load_model("smollm2-135m-instruct")
-    ids = document_tokens(model.tokenizer, args.tokens + args.steps)
+    model, ids, kv, _ = document_kv(args.tokens, args.steps)
     n, L = args.tokens, model.cfg.num_layers
-    _, kv = model.prefill(np.asarray([ids[:n]], np.int32), np.asarray([n], np.int32))
     layers = [(np.asarray(k[0, :, :n], np.float32), np.asarray(v[0, :, :n], np.float32)) for k, v in kv]
     fp16_bytes = sum(k.size + v.size for k, v in layers) * 2
     forced = ids[n:n + args.steps]

@@ -55,6 +55,23 @@ def document_tokens(tokenizer, n: int) -> list[int]:
     return ids
 
 
+def add_document_args(ap: argparse.ArgumentParser, tokens: int, steps: int) -> None:
+    ap.add_argument("--tokens", type=int, default=tokens, help="prompt tokens (from the repository's docs)")
+    ap.add_argument("--steps", type=int, default=steps, help="teacher-forced decode steps after the prompt")
+
+
+def document_kv(tokens: int, steps: int):
+    """smollm2-135m-instruct, `tokens` + `steps` ids of the repository's docs, the KV of one prefill
+    of the first `tokens` (per layer (K, V) [1, H_kv, N, D]) and that prefill's seconds."""
+    from models import load_model
+
+    model = load_model("smollm2-135m-instruct")
+    ids = document_tokens(model.tokenizer, tokens + steps)
+    t0 = time.perf_counter()
+    _, kv = model.prefill(np.asarray([ids[:tokens]], np.int32), np.asarray([tokens], np.int32))
+    return model, ids, kv, time.perf_counter() - t0
+
+
 def encode_all(pipe: Pipeline, kv16, nb: int) -> list[list[bytes]]:
     """Per layer, the containers of K and V blocks of nb tokens."""
     out = []
@@ -140,18 +157,12 @@ def streaming_rows(model, prompt, kv16, next_tokens, n, ref_logits, raw_bytes):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=32)
+    add_document_args(ap, tokens=1024, steps=32)
     add_out_arg(ap, RESULTS / "kvserve_real_kv.csv")
     args = ap.parse_args()
-    from models import load_model
-
-    model = load_model("smollm2-135m-instruct")
-    ids = document_tokens(model.tokenizer, args.tokens + args.steps)
     n = args.tokens
-    t0 = time.perf_counter()
-    _, kv = model.prefill(jnp.array([ids[:n]]), jnp.array([n]))
-    print(f"prefill {n} tokens: {time.perf_counter() - t0:.1f}s; {model}")
+    model, ids, kv, prefill_s = document_kv(n, args.steps)
+    print(f"prefill {n} tokens: {prefill_s:.1f}s; {model}")
     kv16 = [(np.asarray(k[0], np.float16), np.asarray(v[0], np.float16)) for k, v in kv]
     raw_bytes = sum(k.nbytes + v.nbytes for k, v in kv16)
     next_tokens = ids[n:n + args.steps]

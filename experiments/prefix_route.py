@@ -25,7 +25,6 @@ instance's cache but fits the instances together; that is what `--num-pages` set
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import concurrent.futures
 import math
@@ -39,8 +38,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from experiments.common import RESULTS, add_model_arg, add_out_arg, add_seed_arg, machine_info, write_csv  # noqa: E402
-from experiments.prefix_serve import QUESTIONS, chat_stream, prefix_counters, system_prompt  # noqa: E402
+from experiments.common import machine_info, write_csv  # noqa: E402
+from experiments.prefix_serve import QUESTIONS, chat_stream, prefix_counters, prefix_parser, system_prompt  # noqa: E402
 from experiments.serve_load import Server  # noqa: E402
 
 POLICIES = ("least-load", "cache-aware")
@@ -112,23 +111,15 @@ def run_policy(policy: str, instances: list[Server], router: Server, args, offse
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arg(ap)
-    ap.add_argument("--groups", type=int, default=4, help="prefix groups (one system prompt each)")
-    ap.add_argument("--per-group", type=int, default=8, help="requests per group")
-    ap.add_argument("--system-words", type=int, default=150, help="approximate words per system prompt")
-    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
-    ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per request (ignore_eos)")
-    ap.add_argument("--max-slots", type=int, default=2, help="each instance's --max-slots")
-    ap.add_argument("--max-model-len", type=int, default=512)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap = prefix_parser(__doc__, "prefix_route.csv", groups=4, system_words=150, max_tokens=8, max_slots=2,
+                       max_model_len=512)
+    # the servers' KV pool, next to prefix_parser's --max-slots / --max-model-len; then the workload
     ap.add_argument("--num-pages", type=int, default=None,
                     help="each instance's KV pages (default: two groups' system prompts + --max-slots requests' "
                          "own pages + the null page, from a probe of the prompt length)")
-    ap.add_argument("--smoke", action="store_true", help="a tiny workload to check the script runs (no figures)")
-    add_seed_arg(ap)
-    add_out_arg(ap, RESULTS)
-    ap.add_argument("--csv", default="prefix_route.csv", help="summary CSV name under --out")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--per-group", type=int, default=8, help="requests per group")
+    ap.add_argument("--concurrency", type=int, default=2, help="requests in flight at once")
     args = ap.parse_args(argv)
     if args.smoke:
         args.per_group, args.system_words, args.max_tokens = 3, 60, 2

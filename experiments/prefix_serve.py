@@ -156,25 +156,34 @@ def run_mode(args, enabled: bool) -> dict:
     return s
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def prefix_parser(description: str, csv: str, *, groups: int, system_words: int, max_tokens: int, max_slots: int,
+                  max_model_len: int) -> argparse.ArgumentParser:
+    """The flags this script and prefix_route.py share (model, workload, server size, --smoke,
+    --seed, --out, --csv), with each script's defaults; the caller adds its own."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arg(ap)
-    ap.add_argument("--groups", type=int, default=4, help="shared system prompts")
-    ap.add_argument("--users", type=int, default=6, help="questions per system prompt")
-    ap.add_argument("--system-words", type=int, default=300, help="approximate words per system prompt")
-    ap.add_argument("--conversations", type=int, default=4, help="multi-turn chats")
-    ap.add_argument("--turns", type=int, default=4, help="turns per chat")
-    ap.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
-    ap.add_argument("--max-tokens", type=int, default=24, help="output tokens per request (ignore_eos)")
-    ap.add_argument("--max-slots", type=int, default=8)
-    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--groups", type=int, default=groups, help="prefix groups (one shared system prompt each)")
+    ap.add_argument("--system-words", type=int, default=system_words, help="approximate words per system prompt")
+    ap.add_argument("--max-tokens", type=int, default=max_tokens, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--max-slots", type=int, default=max_slots, help="each server's --max-slots")
+    ap.add_argument("--max-model-len", type=int, default=max_model_len)
     ap.add_argument("--smoke", action="store_true", help="a tiny workload to check the script runs (no figures)")
     add_seed_arg(ap)
     add_out_arg(ap, RESULTS)
-    ap.add_argument("--csv", default=None, help="summary CSV name under --out (default prefix_serve.csv, "
-                                                 "with --policies prefix_serve_policies.csv)")
+    ap.add_argument("--csv", default=csv, help="summary CSV name under --out")
+    return ap
+
+
+def main(argv=None):
+    ap = prefix_parser(__doc__, "prefix_serve.csv", groups=4, system_words=300, max_tokens=24, max_slots=8,
+                       max_model_len=2048)
+    ap.add_argument("--users", type=int, default=6, help="questions per system prompt")
+    ap.add_argument("--conversations", type=int, default=4, help="multi-turn chats")
+    ap.add_argument("--turns", type=int, default=4, help="turns per chat")
+    ap.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
     ap.add_argument("--policies", type=lambda v: v.split(","), default=None,
-                    help="compare these --schedule policies (e.g. fifo,sjf,srpt) with prefixes in L3 instead")
+                    help="compare these --schedule policies (e.g. fifo,sjf,srpt) with prefixes in L3 instead "
+                         "(CSV default prefix_serve_policies.csv)")
     ap.add_argument("--link", default="400mbit", help="--policies: the pool server's paced link")
     ap.add_argument("--policy-rate", type=float, default=0.5, help="--policies: arrivals per second")
     ap.add_argument("--docs", type=int, default=8, help="--policies: long requests (one L3 document each)")
@@ -184,7 +193,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.policies is not None:
         return run_policies(args)
-    args.csv = args.csv or "prefix_serve.csv"
     if args.smoke:
         args.groups, args.users, args.conversations, args.turns = 2, 2, 1, 2
         args.system_words, args.max_tokens, args.rate, args.max_model_len = 60, 4, 20.0, 512
@@ -219,7 +227,7 @@ def run_policies(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = compare(args)
     (out / "prefix_serve_policies.json").write_text(json.dumps(rows, indent=2))
-    write_csv(out / (args.csv or "prefix_serve_policies.csv"), rows, fields=FIELDS)
+    write_csv(out / ("prefix_serve_policies.csv" if args.csv == "prefix_serve.csv" else args.csv), rows, fields=FIELDS)
     plot(rows, out / "prefix_serve_policies.png")
     for r in rows:
         print(f"{r['policy']:>5}: mean TTFT {r['mean_ttft_ms']:.0f} ms = {r['ttft_ratio_vs_fifo']:.2f}x FIFO's "

@@ -103,7 +103,7 @@ def _load_cache(dirpath: Path, tensor_parallel: int = 1):
     from tokenizers import Tokenizer as HFTok
 
     cfg = ModelConfig.from_dict(json.loads((dirpath / "config.json").read_text()))
-    abstract = jax.eval_shape(lambda: tfm.init_params(cfg, 0))
+    abstract = tfm.param_shapes(cfg)
     if tensor_parallel != 1:  # each device reads only its shard: the whole model never sits on one device
         shardings = TensorSharding(cfg, tensor_parallel).param_shardings(abstract)
         abstract = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),

@@ -150,6 +150,22 @@ def _log_mosaic_fallback(op: str, reason: str, fallback: str) -> None:
     log.info("%s: Mosaic kernel does not take this call (%s); using %s", op, reason, fallback)
 
 
+def _mosaic_takes(op: str, fallback: str, head_dim: int, dtype, group: int, page_size: int | None = None) -> bool:
+    """Whether the "mosaic" backend is chosen and its kernel takes these shapes (`page_size`: the
+    paged kernel's, whole pages a 64-entry tile); when it is chosen but does not, log once that
+    `op` uses `fallback`."""
+    if resolved_backend() != "mosaic":
+        return False
+    try:
+        mosaic_attention.check_supported(head_dim, dtype, group)
+        if page_size is not None and page_size not in (8, 16, 32, 64):
+            raise ValueError(f"page size {page_size} is not 8, 16, 32 or 64")
+    except ValueError as exc:
+        _log_mosaic_fallback(op, str(exc), fallback)
+        return False
+    return True
+
+
 @functools.cache
 def _log_fallback(op: str, reason: str, fallback: str) -> None:
     # Once per (op, reason), as above, for a Triton kernel that does not take a call.
@@ -240,16 +256,9 @@ def sparse_decode_attention_partials(
         return sparse_attention.sparse_decode_attention_partials_reference(
             q, k_sel, v_sel, valid_count, scale=scale
         )
-    if resolved_backend() == "mosaic":
-        *_, group = sparse_attention._check_shapes(q, k_sel, v_sel, valid_count)
-        try:
-            mosaic_attention.check_supported(q.shape[-1], k_sel.dtype, group)
-        except ValueError as exc:
-            _log_mosaic_fallback("sparse attention", str(exc), "the Triton kernel")
-        else:
-            return mosaic_attention.sparse_decode_attention_partials_mosaic(
-                q, k_sel, v_sel, valid_count, scale=scale
-            )
+    *_, group = sparse_attention._check_shapes(q, k_sel, v_sel, valid_count)
+    if _mosaic_takes("sparse attention", "the Triton kernel", q.shape[-1], k_sel.dtype, group):
+        return mosaic_attention.sparse_decode_attention_partials_mosaic(q, k_sel, v_sel, valid_count, scale=scale)
     return sparse_attention.sparse_decode_attention_partials_pallas(
         q, k_sel, v_sel, valid_count, scale=scale, interpret=interpret
     )
@@ -282,18 +291,11 @@ def paged_decode_attention_partials(
     tokens in the paged KV cache [num_pages, H_kv, P, D] (token t: page page_table[b, t // P],
     slot t % P). The Mosaic kernel under "mosaic" (when it takes the shapes); there is no Triton
     paged kernel, so every other backend uses the XLA reference (a gather of the pages)."""
-    if resolved_backend() == "mosaic":
-        group = q.shape[1] // max(1, k_pages.shape[1])
-        try:
-            mosaic_attention.check_supported(q.shape[-1], k_pages.dtype, group)
-            if k_pages.shape[2] not in (8, 16, 32, 64):
-                raise ValueError(f"page size {k_pages.shape[2]} is not 8, 16, 32 or 64")
-        except ValueError as exc:
-            _log_mosaic_fallback("paged attention", str(exc), "the XLA reference")
-        else:
-            return mosaic_attention.paged_decode_attention_partials_mosaic(
-                q, k_pages, v_pages, page_table, lengths, scale=scale
-            )
+    group = q.shape[1] // max(1, k_pages.shape[1])
+    if _mosaic_takes("paged attention", "the XLA reference", q.shape[-1], k_pages.dtype, group, k_pages.shape[2]):
+        return mosaic_attention.paged_decode_attention_partials_mosaic(
+            q, k_pages, v_pages, page_table, lengths, scale=scale
+        )
     return mosaic_attention.paged_decode_attention_partials_reference(
         q, k_pages, v_pages, page_table, lengths, scale=scale
     )

@@ -52,14 +52,13 @@ cuda on jax 0.10-0.12.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.sparse_attention import _check_shapes, _default_splits, merge_splits
+from pallas_kernels.sparse_attention import _check_shapes, merge_splits, split_plan
 
 try:
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -290,10 +289,16 @@ def _store_split(values, smem, gmem):
     plgpu.wait_smem_to_gmem(0)
 
 
-def check_supported(head_dim: int, dtype, group: int = 1) -> None:
-    """Raise ValueError naming what the Mosaic kernel cannot take (dispatch then uses Triton)."""
+def check_supported(head_dim: int, dtype, group: int = 1, interpret: bool = False) -> None:
+    """Raise ValueError naming what the Mosaic kernel cannot take (dispatch then uses Triton), and
+    RuntimeError when interpret=True asks for a CPU interpreter this jax does not have."""
     if not MOSAIC_AVAILABLE:
         raise ValueError(f"jax {jax.__version__} has no Mosaic GPU Pallas (plgpu.kernel)")
+    if interpret and not INTERPRET_AVAILABLE:
+        raise RuntimeError(
+            f"jax {jax.__version__} cannot interpret Mosaic GPU kernels on CPU "
+            "(plgpu.InterpretGPUParams needs jax >= 0.11)"
+        )
     if jnp.dtype(dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"{dtype=} must be bf16, f16 or f32 for the Mosaic kernel")
     if jnp.dtype(dtype) == jnp.float32:
@@ -325,13 +330,7 @@ def sparse_decode_attention_partials_mosaic(
     """Mosaic GPU flash-decoding (see module docstring). Use `dispatch` unless testing;
     interpret=True runs it on CPU (jax >= 0.11)."""
     batch, heads, head_dim, rows, k, group = _check_shapes(q, k_sel, v_sel, valid_count)
-    check_supported(head_dim, k_sel.dtype, group)
-    if interpret and not INTERPRET_AVAILABLE:
-        raise RuntimeError(
-            f"jax {jax.__version__} cannot interpret Mosaic GPU kernels on CPU "
-            "(plgpu.InterpretGPUParams needs jax >= 0.11)"
-        )
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    check_supported(head_dim, k_sel.dtype, group, interpret)
     dtype = k_sel.dtype
     # One tile must fit in the row, and the clamped start of the last tile (k - 64) must be a
     # multiple of the SMEM tiling's 8 rows (Mosaic requires TMA offsets it can prove aligned).
@@ -340,9 +339,7 @@ def sparse_decode_attention_partials_mosaic(
     if k_rows != k:
         pad = ((0, 0), (0, k_rows - k), (0, 0))
         k_sel, v_sel = jnp.pad(k_sel, pad), jnp.pad(v_sel, pad)
-    splits = num_splits or _default_splits(rows, k)
-    split_len = pl.cdiv(pl.cdiv(k, splits), BLOCK_K) * BLOCK_K
-    splits = pl.cdiv(k, split_len)
+    scale, splits, split_len = split_plan(rows, k, head_dim, scale, num_splits)
     body = functools.partial(_kernel, scale=scale, split_len=split_len, k=k, k_rows=k_rows)
     return _launch(body, q, group, rows, splits, dtype, interpret,
                    valid_count.astype(jnp.int32), k_sel, v_sel)
@@ -423,18 +420,10 @@ def paged_decode_attention_partials_mosaic(
         raise ValueError(f"{page_table.shape=} must be [B={batch}, max_pages], "
                          f"{lengths.shape=} ({batch},)")
     group = heads // kv_heads
-    check_supported(head_dim, k_pages.dtype, group)
-    if interpret and not INTERPRET_AVAILABLE:
-        raise RuntimeError(
-            f"jax {jax.__version__} cannot interpret Mosaic GPU kernels on CPU "
-            "(plgpu.InterpretGPUParams needs jax >= 0.11)"
-        )
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    check_supported(head_dim, k_pages.dtype, group, interpret)
     rows = batch * kv_heads
     capacity = page_table.shape[1] * page_size
-    splits = num_splits or _default_splits(rows, capacity)
-    split_len = pl.cdiv(pl.cdiv(capacity, splits), BLOCK_K) * BLOCK_K
-    splits = pl.cdiv(capacity, split_len)
+    scale, splits, split_len = split_plan(rows, capacity, head_dim, scale, num_splits)
     body = functools.partial(_paged_kernel, scale=scale, split_len=split_len,
                              page_size=page_size, kv_heads=kv_heads)
     return _launch(body, q, group, rows, splits, k_pages.dtype, interpret,

@@ -80,9 +80,16 @@ def _attention_kernel(
     l_ref[...] = l
 
 
-def _default_splits(rows: int, k: int) -> int:
+def split_plan(rows: int, length: int, head_dim: int, scale: float | None,
+               num_splits: int | None) -> tuple[float, int, int]:
+    """(scale, splits, split_len) of flash-decoding `rows` rows of `length` entries: scale defaults
+    to 1/sqrt(D); split_len is a whole number of BLOCK_K tiles, and no split is empty. Both the
+    Triton and the Mosaic kernels take their grid from here."""
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     # Enough programs to fill an H100/H200 (132 SMs) twice, never splits shorter than 4 blocks.
-    return max(1, min(pl.cdiv(264, rows), pl.cdiv(k, 4 * BLOCK_K)))
+    splits = num_splits or max(1, min(pl.cdiv(264, rows), pl.cdiv(length, 4 * BLOCK_K)))
+    split_len = pl.cdiv(pl.cdiv(length, splits), BLOCK_K) * BLOCK_K
+    return scale, pl.cdiv(length, split_len), split_len
 
 
 def _check_shapes(q, k_sel, v_sel, valid_count):
@@ -120,10 +127,7 @@ def sparse_decode_attention_partials_pallas(
     batch, heads, head_dim, rows, k, group = _check_shapes(q, k_sel, v_sel, valid_count)
     if head_dim < 16 or head_dim != next_pow2(head_dim):
         raise ValueError(f"{head_dim=} must be a power of two >= 16 for the Pallas kernel")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    splits = num_splits or _default_splits(rows, k)
-    split_len = pl.cdiv(pl.cdiv(k, splits), BLOCK_K) * BLOCK_K
-    splits = pl.cdiv(k, split_len)
+    scale, splits, split_len = split_plan(rows, k, head_dim, scale, num_splits)
     group_pad = max(_MIN_GROUP, next_pow2(group))
     q_rows = q.reshape(rows, group, head_dim).astype(k_sel.dtype)  # head h -> KV head h // G
     q_rows = jnp.pad(q_rows, ((0, 0), (0, group_pad - group), (0, 0)))  # [R, G_pad, D]

@@ -47,7 +47,6 @@ import numpy as np
 from jkv.compression.kv_transfer import LOCAL, WIRE_DTYPE, WIRE_ITEMSIZE, RequestCodec
 from jkv.compression.pipeline import decode_block
 from jkv.compression.spec import PipelineSpec
-from jkv.framing import pack
 
 _DUO = re.compile(r"^duo(\d+)s(\d+)w(\d+):(.+)$")
 _TIERS = re.compile(r"^tiers:hi(\d+):([^:]+?)(\+lo\d+:[^:]+)?:s(\d+)w(\d+)o(\d+)p(\d+)$")
@@ -244,17 +243,15 @@ class DroppingCodec(RequestCodec):
             self.raw_bytes += 2 * kv_layer[0, :, start:stop].size * WIRE_ITEMSIZE
             self._containers[(layer, c)] = (bits, groups)
 
-    def frame(self, rid: str, layer: int, chunks) -> bytes:
-        """The "ckv" notification payload carrying `chunks` of `layer` (absorbed before)."""
-        meta, payload = [], []
-        for c in chunks:
-            start, stop = self.chunks.tokens(c)
-            if start == stop:
-                continue
-            bits, groups = self._containers[(layer, c)]
-            meta.append([start, stop, len(bits), zlib.crc32(bits)] + [len(x) for kv in groups for x in kv])
-            payload += [bits] + [x for kv in groups for x in kv]
-        return pack(dict(rid=rid, layer=layer, drop=1, chunks=meta)) + b"".join(payload)
+    _frame_marks = {"drop": 1}
+
+    @staticmethod
+    def _chunk_wire(container) -> tuple[list[int], list[bytes]]:
+        """A chunk's (keep bits, head groups' (K, V) containers) -> (header fields [len bits,
+        crc32 bits, len of each container], payload parts [bits, K0, V0, K1, V1, ...])."""
+        bits, groups = container
+        parts = [x for kv in groups for x in kv]
+        return [len(bits), zlib.crc32(bits)] + [len(x) for x in parts], [bits] + parts
 
 
 def apply_dropping_frame(header: dict, payload, kv: np.ndarray, mask: np.ndarray) -> int:

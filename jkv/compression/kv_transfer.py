@@ -119,16 +119,27 @@ class RequestCodec:
         return chunks, [m for c in chunks for m in self.chunks.blocks(c)]
 
     def frame(self, rid: str, layer: int, chunks) -> bytes:
-        """The "ckv" notification payload carrying `chunks` of `layer` (absorbed before)."""
+        """The "ckv" notification payload carrying `chunks` of `layer` (absorbed before): a header
+        with one [start, stop, *fields] entry a non-empty chunk, then each chunk's byte strings in
+        order. A subclass changes what a chunk carries (`_chunk_wire`) and marks its frames
+        (`_frame_marks`, e.g. drop=1), so every "ckv" frame is laid out here."""
         meta, payload = [], []
         for c in chunks:
             start, stop = self.chunks.tokens(c)
             if start == stop:
                 continue
-            kb, vb = self._containers[(layer, c)]
-            meta.append([start, stop, len(kb), len(vb)])
-            payload += [kb, vb]
-        return pack(dict(rid=rid, layer=layer, chunks=meta)) + b"".join(payload)
+            fields, parts = self._chunk_wire(self._containers[(layer, c)])
+            meta.append([start, stop, *fields])
+            payload += parts
+        return pack(dict(rid=rid, layer=layer, **self._frame_marks, chunks=meta)) + b"".join(payload)
+
+    _frame_marks: dict = {}  # extra header keys that tell `apply_frame`'s callers which decoder a frame needs
+
+    @staticmethod
+    def _chunk_wire(container) -> tuple[list[int], list[bytes]]:
+        """A chunk's (K, V) containers -> (header fields [len K, len V], payload parts [K, V])."""
+        kb, vb = container
+        return [len(kb), len(vb)], [kb, vb]
 
     @property
     def cr(self) -> float:

@@ -33,9 +33,10 @@ depends on what arrived and what was fetched, so compiling on first use put comp
 smartgen's first decode step (its TTST).
 
 Tensor parallelism (`sharding=Model.kv_sharding`): the pages are split by KV head over the decode
-model's mesh and the mask is replicated on it. Rows arrive whole-head from the wire (every head,
-global order: the prefill side may run any degree), and `land`'s one program scatters each row into
-the shard that holds its head; `land` and `write_new` pin their outputs to these layouts, so the
+model's mesh and the mask is replicated on it. Rows arrive in blocks of KV-head slices of the
+prefill's layout (global head order, jkv/disagg/head_slices.py: the prefill side may run any degree;
+a slice may span two of these shards or be part of one), a run's staging mask byte after its last
+slice, and `land`'s one program scatters each row into the shard that holds its head; `land` and `write_new` pin their outputs to these layouts, so the
 cache never drifts to another (a drift would recompile the step programs and move the cache).
 
 Threads: everything runs on the decode worker's engine thread (plan, land, write, gather, free);

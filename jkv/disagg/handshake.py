@@ -19,23 +19,29 @@ Fields, in the order they are checked (the first mismatch is reported):
     kv_dtype         dtype of KV rows on the wire and in the host pools (float32 today)
     num_layers, num_kv_heads, head_dim    the KV geometry
     head_order       which model KV head a wire head index is ("global": head h is the model's
-                     head h, also when a role shards heads over tensor parallelism later)
+                     head h on both sides, whatever either side's tensor-parallel split; a pushed
+                     block's KV-head slice [start, stop) indexes this order, jkv/disagg/head_slices.py)
     max_blocks       M, transfer blocks per layer; a prefill worker follows the M each request
                      names, so a standalone one declares None (no constraint)
     page_size        tokens per page of the receiving KV cache; None today: KV lands in
                      per-request contiguous host pools addressed by token row (the paged device
                      cache of [kvstore] declares its page size here)
     tensor_parallel  the TP degree of the role's model (`Model.tensor_parallel`): declared (and shown
-                     on /health), never compared. The wire carries whole KV heads in global order
-                     (head_order), each side gathers/re-shards onto its own mesh, so a prefill at
-                     TP 2 feeds a decode at TP 1 and the reverse (docs/scale.md)
+                     on /health), never compared. Blocks carry KV-head slices in global order
+                     (head_order), the receiver lands each row in the shard of its own mesh that
+                     holds its head, so a prefill at TP 2 feeds a decode at TP 1 and the reverse
+                     (docs/scale.md)
+    kv_head_slices   the KV-head ranges of the role's layout, "0:1,1:2" (a prefill worker pushes one
+                     block per range; "0:H_kv" when heads are not split): declared, not compared
+                     (any split lands on any other), but a peer's must split this side's
+                     num_kv_heads into ranges covering each head once, or the connection is refused
     selector         the sparse-attention selector (prefill ships its metadata to decode)
     compression      the KV compression format: container version and stage registry
     weights          a fingerprint of the weights (checked last: a different model or dtype
                      changes it too, and those fields name the cause better)
 
-A None on either side means "this side adapts to the peer" and is never a mismatch. `role` and
-`tensor_parallel` are declared only (`DECLARED_ONLY`).
+A None on either side means "this side adapts to the peer" and is never a mismatch. `role`,
+`tensor_parallel` and `kv_head_slices` are declared only (`DECLARED_ONLY`).
 
 Weights fingerprint: a hash of every parameter's path, shape and dtype plus `SAMPLE_VALUES` values
 at evenly spaced flat positions, computed once per loaded model and cached. Sampled, not a full
@@ -55,6 +61,7 @@ import weakref
 
 import numpy as np
 
+from jkv.disagg.head_slices import format_slices, head_slices, parse_slices
 from jkv.disagg.protocol import PROTOCOL_VERSION
 from transport import ConfigCheck
 
@@ -80,7 +87,7 @@ _FIX = {
     "weights": "both roles must load the same checkpoint file with the same --dtype",
 }
 
-DECLARED_ONLY = ("role", "tensor_parallel")  # in the handshake, never a mismatch
+DECLARED_ONLY = ("role", "tensor_parallel", "kv_head_slices")  # in the handshake, never a mismatch
 
 _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -101,6 +108,7 @@ class RoleConfig:
     max_blocks: int | None
     page_size: int | None
     tensor_parallel: int
+    kv_head_slices: str | None
     selector: str
     compression: str
     weights: str
@@ -120,6 +128,12 @@ class RoleConfig:
             mine, theirs = getattr(self, name), peer[name]
             if mine is not None and theirs is not None and mine != theirs:
                 return f"{self.role} runs {name}={mine} but {them} runs {theirs}: {fix}"
+        slices = peer.get("kv_head_slices")
+        if slices is not None:  # validated here, so no block with a bad head range is ever addressed
+            try:
+                parse_slices(slices, self.num_kv_heads)
+            except ValueError as e:
+                return f"{them} declares kv_head_slices={slices!r}, not a split of {self.role}'s KV heads: {e}"
         return None
 
     def check(self) -> ConfigCheck:
@@ -134,11 +148,12 @@ def role_config(model, role: str, selector, *, max_blocks: int | None, page_size
     cfg = model.cfg
     if tensor_parallel is None:
         tensor_parallel = getattr(model, "tensor_parallel", 1)
+    slices = format_slices(head_slices(getattr(model, "kv_sharding", None), cfg.num_kv_heads))
     return RoleConfig(role=role, protocol=PROTOCOL_VERSION, model=model_id(model), dtype=str(cfg.dtype),
                       kv_dtype=KV_DTYPE, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                       head_dim=cfg.head_dim, head_order=HEAD_ORDER, max_blocks=max_blocks, page_size=page_size,
-                      tensor_parallel=tensor_parallel, selector=selector.name, compression=compression_version(),
-                      weights=weights_fingerprint(model))
+                      tensor_parallel=tensor_parallel, kv_head_slices=slices, selector=selector.name,
+                      compression=compression_version(), weights=weights_fingerprint(model))
 
 
 def model_id(model) -> str:

@@ -10,9 +10,10 @@ every earlier write applied before a later notification; SmartGen §4.1):
   1. decode notifies "prefill" with a batch (prompt, sampling, capacity, block plan).
   2. the main thread prefills the batch; as each layer l finishes (`model.prefill(on_layer=)`)
      it copies the layer's K, V into this worker's host pool (`f32[2, L, H_kv, N, D]` per
-     request), sends the selector metadata of layer l ("meta"), then the layer's blocks that
-     are in the request's proactive set (the first `kr` of its plan) as one write_many, each
-     run followed by its mask bytes (LOCAL) — SmartGen §4.1 proactive transfer.
+     request) shard by shard, sends the selector metadata of layer l ("meta"), then the layer's
+     blocks that are in the request's proactive set (the first `kr` of its plan), one write_many
+     per KV-head slice of this worker's layout, each run's mask bytes (LOCAL) after its last
+     slice — SmartGen §4.1 proactive transfer; jkv/disagg/head_slices.py.
   3. after the last layer: "handoff" with the first token. A request with a token-dropping
      profile (jkv/compression/dropping.py) pushes nothing in step 2: its keep table needs the
      prompt's last queries, so after the prefill it is decided, every layer is absorbed and the
@@ -51,15 +52,16 @@ from jkv.compression.paths import F16, encode_rows, pack_framed_reply, pack_meta
 from jkv.disagg import protocol as proto
 from jkv.disagg.bulk_pacer import YieldToOnDemand as _YieldToOnDemand
 from jkv.disagg.handshake import role_config
+from jkv.disagg.head_slices import ExportCounters, export_layer, head_slices, push_slices
 from jkv.disagg.selectors import load_selector, needs_metadata
-from jkv.kvbuffers.fetch import kv_offset, mask_offset, pack_reply, parse_fetch_framed
-from jkv.kvbuffers.geometry import LOCAL, BlockGeometry
+from jkv.kvbuffers.fetch import pack_reply, parse_fetch_framed
+from jkv.kvbuffers.geometry import BlockGeometry
 from jkv.kvbuffers.pool import KVBufferPool
 from jkv.sampling import sample_or_argmax
 from jkv.selection.base import dense_layer_count
 from jkv.transfer.plan import per_layer
 from models import load_model_spec
-from transport import Endpoint, Mask, TransportError, WriteItem
+from transport import Endpoint, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ class PrefillWorker:
         self.codec = codec  # jkv.compression.KVCodec; made on first use by a request that asks for compression
         cfg = model.cfg
         self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
+        self.head_slices = head_slices(model.kv_sharding, cfg.num_kv_heads)  # one pushed block per slice
+        self.kv_export = ExportCounters(self.head_slices)
         self.lease_s = lease_s
         # checked against every decode worker in the handshake, on both endpoints (handshake.py)
         self.config = role_config(model, "prefill", selector, max_blocks=max_blocks)
@@ -263,15 +267,12 @@ class PrefillWorker:
         t_start = time.time()
 
         def on_layer(layer, K, V):  # as each layer's KV exists (DESIGN.md: transfer starts after layer 0)
-            Kn, Vn = np.asarray(K, np.float32), np.asarray(V, np.float32)
+            self.kv_export.exported(export_layer((K, V), [h.kv.kv[:, layer] for h in held], lengths))
             leaves = None
             if ship_meta and layer >= dense_below:
                 leaves = jax.tree_util.tree_leaves(self.selector.prepare(layer, K, jl))
                 leaves = [np.asarray(x) for x in leaves]
             for b, h in enumerate(held):
-                n = h.geometry.num_tokens
-                h.kv.kv[0, layer] = Kn[b, :, :n]
-                h.kv.kv[1, layer] = Vn[b, :, :n]
                 if h.original is not None:
                     h.original[:, layer] = h.kv.kv[:, layer]
                 if h.codec is not None and h.rid not in dropping:  # every later row read sees decode(encode(KV))
@@ -373,9 +374,9 @@ class PrefillWorker:
 
     # ---------------------------------------------------------------- pushes
     def _push(self, peer, h: _Held, layer: int, blocks, path: str):
-        """One write_many of `blocks` (indices m of `layer`): per contiguous run, K rows of every
-        head, V rows of every head, then the run's mask bytes (ordered after the rows). Nothing
-        once the request is released (decode freed it)."""
+        """`blocks` (indices m of `layer`) as one write_many per KV-head slice (head_slices.py: per
+        contiguous run, K rows then V rows of the slice's heads; the run's mask bytes after the last
+        slice). Returns the last write. Nothing once the request is released (decode freed it)."""
         with h.push_lock:
             if h.released:
                 return None
@@ -384,26 +385,14 @@ class PrefillWorker:
     def _push_locked(self, peer, h: _Held, layer: int, blocks, path: str):
         if h.codec is not None:
             return self._push_compressed(peer, h, layer, blocks, path)
-        items, nbytes = [], 0
-        _, L, H, _, D = h.kv.kv.shape
-        region, mregion = proto.kv_region(h.rid), proto.mask_region(h.rid)
-        for start, stop in h.geometry.runs(blocks):
-            for kv in (0, 1):
-                for head in range(H):
-                    data = h.kv.kv[kv, layer, head, start:stop]
-                    last = kv == 1 and head == H - 1
-                    off = kv_offset(L, H, h.capacity, D, kv, layer, head, start)  # in the decode side's pool
-                    items.append(WriteItem(region, off, data,
-                                           Mask(mregion, mask_offset(h.capacity, layer, start),
-                                                bytes([LOCAL]) * (stop - start)) if last else None))
-                    nbytes += data.nbytes
+        t = None
+        for heads, t, nbytes in push_slices(peer, h.rid, h.kv.kv, h.capacity, layer, h.geometry.runs(blocks),
+                                            self.head_slices):
+            h.bytes[path] += nbytes
+            h.inflight.append(t)
+            self.kv_export.pushed(heads)
         for m in blocks:
             h.sent[layer * h.geometry.blocks_per_layer + m] = True
-        if not items:
-            return None
-        t = peer.write_many(items)
-        h.bytes[path] += nbytes
-        h.inflight.append(t)
         return t
 
     def _push_compressed(self, peer, h: _Held, layer: int, blocks, path: str):
@@ -552,7 +541,7 @@ def add_args(p):
     p.add_argument("--model", required=True, help='model name/path, or "tiny:llama:0"')
     p.add_argument("--dtype", default="float32")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N", help="shard the weights and KV cache "
-                   "over N devices; any decode side's degree works (KV crosses whole-head; docs/scale.md)")
+                   "over N devices; any decode side's degree works (KV crosses per KV-head slice; docs/scale.md)")
     p.add_argument("--selector-file", required=True, help="selector saved by the decode side (save_selector)")
     p.add_argument("--name", default="prefill-0")
     p.add_argument("--listen", default=None, help="host:port, or main|bulk host:port pair (default 127.0.0.1 on "

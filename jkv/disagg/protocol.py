@@ -27,7 +27,9 @@ prefill -> decode
                     for a request whose "prefill" entry carries "compression": <pipeline id>; with
                     "drop": 1 a token-dropping profile's chunks (keep bits, then per head group K, V)
   notify "failed"   {"rid", "error"}
-  writes into regions "kv/<rid>" (f32[2, L, H_kv, N_cap, D]) then "mask/<rid>" (i8[L, N_cap])
+  writes into regions "kv/<rid>" (f32[2, L, H_kv, N_cap, D]) then "mask/<rid>" (i8[L, N_cap]):
+                    one write_many per (layer, KV-head slice) block of the prefill's layout, the
+                    mask bytes after the last slice (jkv/disagg/head_slices.py)
 """
 from __future__ import annotations
 

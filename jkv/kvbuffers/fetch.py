@@ -6,7 +6,9 @@ Pool layout (one request, decode side; DESIGN.md "KV geometry"):
     mask: i8[L, N_cap]                 byte (layer, token) at `mask_offset(...)`
 
 The prefill worker addresses the decode side's pool with these offsets when it pushes blocks
-(it has no `RequestKV` of that capacity), and `RequestKV.offset` is the same formula.
+(it has no `RequestKV` of that capacity), and `RequestKV.offset` is the same formula. A pushed
+block holds one KV-head slice [start, stop) of a layer (jkv/disagg/head_slices.py); `check_heads`
+validates the range before its rows are written.
 
 The on-demand "fetch" RPC (SmartGen §4.2, Algorithm 1), decode -> prefill:
 
@@ -40,6 +42,18 @@ def kv_offset(num_layers: int, num_kv_heads: int, capacity: int, head_dim: int, 
 def mask_offset(capacity: int, layer: int, token: int) -> int:
     """Byte offset of mask[layer, token] in a flat i8[L, N_cap] mask."""
     return layer * capacity + token
+
+
+def check_heads(heads, num_kv_heads: int) -> None:
+    """A block's KV-head range [start, stop) in the model's global head order must be a non-empty
+    part of [0, H_kv); raises ValueError naming it (before any of its rows is written)."""
+    try:
+        start, stop = (int(h) for h in heads)
+    except (TypeError, ValueError):
+        raise ValueError(f"KV-head range {heads!r} must be a (start, stop) pair of ints") from None
+    if not 0 <= start < stop <= num_kv_heads:
+        raise ValueError(f"KV-head range [{start}, {stop}) is outside the model's {num_kv_heads} KV heads: "
+                         f"a slice needs 0 <= start < stop <= {num_kv_heads}")
 
 
 @dataclasses.dataclass

@@ -70,7 +70,7 @@ class BatcherConfig:
     or jkvpool://ADDRESS) that evicted pages are written to and missing ones read from, every
     operation bounded by prefix_cache_l3_timeout seconds (None: no remote tier). Paged only:
     schedule orders admission of waiting requests (jkv/serving/admission.py: fifo, sjf, srpt, edf,
-    lstf) by the cost model in the cost_model file (None: probed from the engine at warm-up)."""
+    lstf) by the cost model in the cost_model file (None: probed from the engine at start)."""
 
     max_slots: int = 8
     max_model_len: int = 1024
@@ -232,6 +232,22 @@ class _Running:
     def take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
         out, self.prompt_logprobs = self.prompt_logprobs, None
         return out
+
+
+def push_token(run, token_id: int, metrics) -> str:
+    """One generated token of `run` (a running request: .req, .stream, .token_times): its time since
+    arrival (and the TTFT / TTST / TBT histograms of `metrics`, if any), then its text delta from
+    run.stream, whose finish_reason says whether it ended the request. Engine thread only."""
+    run.token_times.append(time.perf_counter() - run.req.arrival)
+    if metrics is not None:
+        metrics.observe_token(run.token_times)
+    return run.stream.push(token_id)
+
+
+def token_event(run, token_id: int, delta: str, **extra) -> StreamEvent:
+    """The StreamEvent carrying one token of a request that goes on (extra: its logprobs fields)."""
+    return StreamEvent(run.req.request_id, text=delta, token_ids=[token_id],
+                       prompt_tokens=len(run.req.prompt_token_ids), completion_tokens=len(run.stream.ids), **extra)
 
 
 class ContinuousBatcher:
@@ -465,17 +481,11 @@ class ContinuousBatcher:
 
     def _emit_token(self, slot: int, token_id: int):
         run = self._slots[slot]
-        now = time.perf_counter()
-        run.token_times.append(now - run.req.arrival)
-        if self.metrics is not None:
-            self.metrics.observe_token(run.token_times)
-        delta = run.stream.push(token_id)
+        delta = push_token(run, token_id, self.metrics)
         if run.stream.finish_reason is not None:
             self._free(slot, run.stream.finish_reason, delta)
         else:
-            self._send(run.req, StreamEvent(run.req.request_id, text=delta, token_ids=[token_id],
-                                            prompt_tokens=len(run.req.prompt_token_ids),
-                                            completion_tokens=len(run.stream.ids),
+            self._send(run.req, token_event(run, token_id, delta,
                                             logprobs=run.logprobs[-1:] if run.req.logprobs is not None else None,
                                             prompt_logprobs=run.take_prompt_logprobs()))
 

@@ -1,7 +1,8 @@
 """`jkv serve` configuration: frozen dataclasses, CLI flags, and the same keys from YAML/TOML.
 
-`ServeConfig` holds the server's own options and, in `disagg`, the `Disaggregation` of the
-SmartGen roles (which holds the `TransferConfig`): each option lives in exactly one dataclass.
+`ServeConfig` holds the server's own options, in `batcher` the colocated engine's `BatcherConfig`,
+and in `disagg` the `Disaggregation` of the SmartGen roles (which holds the `TransferConfig`): each
+option lives in exactly one dataclass.
 Flags and file keys stay flat (`--strategy`, `strategy:`); `FLAGS` maps each to its field
 (`disagg.transfer.strategy`).
 
@@ -20,6 +21,7 @@ from typing import NamedTuple
 
 from jkv.disagg.config import Disaggregation
 from jkv.serving.admission import SCHEDULES
+from jkv.serving.batcher import BatcherConfig
 from jkv.serving.routing import ROUTING_POLICIES, RoutingConfig
 from jkv.transfer.plan import TransferConfig
 from models import DEFAULT_MODEL
@@ -38,18 +40,6 @@ class ServeConfig:
     served_model_name: str | None = None
     dtype: str = "float32"
     tensor_parallel: int = 1
-    max_slots: int = 8
-    max_model_len: int = 1024
-    kv_layout: str = "paged"
-    page_size: int = 16
-    num_pages: int | None = None
-    prefill_chunk: int = 512
-    enable_prefix_caching: bool = True
-    prefix_cache_host_bytes: int = 0
-    prefix_cache_l3: str | None = None
-    prefix_cache_l3_timeout: float = 0.5
-    schedule: str = "srpt"
-    cost_model: str | None = None
     default_max_tokens: int = 256
     max_request_bytes: int = 4 * 1024 * 1024
     upstream: tuple[str, ...] = ()
@@ -68,6 +58,9 @@ class ServeConfig:
     worker_name: str | None = None
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
+    # the colocated engine's batch, KV cache and prefix-cache tiers (role all); the disaggregated decode
+    # engine takes its max_slots, max_model_len and page pool from here too
+    batcher: BatcherConfig = dataclasses.field(default_factory=BatcherConfig)
     # the router's choice of upstream: policy (--routing) and cache-aware routing's options
     routing: RoutingConfig = dataclasses.field(default_factory=RoutingConfig)
     # the SmartGen roles' settings: the decode engine's (role decode, role all disaggregated) and
@@ -84,18 +77,17 @@ class ServeConfig:
             raise ValueError(f"port={self.port} must be in [0, 65535] (0 picks a free port)")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r} must be float32, bfloat16 or float16")
-        for name in ("max_slots", "max_model_len", "default_max_tokens", "max_request_bytes"):
+        for name in ("default_max_tokens", "max_request_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("health_interval", "health_timeout", "upstream_timeout", "graceful_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0 seconds")
         self._check_roles()
-        self.batcher_config(self.max_model_len)  # validates kv_layout, page_size, num_pages, prefill_chunk
-        if self.uses_disaggregation and self.kv_layout != "paged":
-            raise ValueError(f"--kv-layout {self.kv_layout} is for the colocated engine; the disaggregated decode "
-                             "engine keeps its KV in the paged cache only (--page-size and --num-pages size it): "
-                             "drop --kv-layout or pass --kv-layout paged")
+        if self.uses_disaggregation and self.batcher.kv_layout != "paged":
+            raise ValueError(f"--kv-layout {self.batcher.kv_layout} is for the colocated engine; the disaggregated "
+                             "decode engine keeps its KV in the paged cache only (--page-size and --num-pages size "
+                             "it): drop --kv-layout or pass --kv-layout paged")
         for u in self.upstream + self.prefill + self.decode:
             if not u.startswith(("http://", "https://")):
                 raise ValueError(f"upstream {u!r} must be an http:// or https:// URL")
@@ -141,16 +133,9 @@ class ServeConfig:
         if self.disagg.timeout_s <= 0:
             raise ValueError(f"transfer_timeout={self.disagg.timeout_s} must be > 0 seconds")
 
-    def batcher_config(self, max_model_len: int):
+    def batcher_config(self, max_model_len: int) -> BatcherConfig:
         """The colocated engine's `BatcherConfig` (max_model_len: capped to the model's context)."""
-        from .batcher import BatcherConfig
-
-        return BatcherConfig(self.max_slots, max_model_len, kv_layout=self.kv_layout, page_size=self.page_size,
-                             num_pages=self.num_pages, prefill_chunk=self.prefill_chunk,
-                             enable_prefix_caching=self.enable_prefix_caching,
-                             prefix_cache_host_bytes=self.prefix_cache_host_bytes,
-                             prefix_cache_l3=self.prefix_cache_l3, prefix_cache_l3_timeout=self.prefix_cache_l3_timeout,
-                             schedule=self.schedule, cost_model=self.cost_model)
+        return dataclasses.replace(self.batcher, max_model_len=max_model_len)
 
     @property
     def model_name(self) -> str:
@@ -201,39 +186,46 @@ _TABLE = {
     "dtype": (str, "weights/activations dtype: float32, bfloat16 or float16"),
     "tensor_parallel": (int, "shard the weights and the KV cache over this many devices (attention heads, MLP "
                              "and vocabulary split over a (\"data\", \"tensor\") mesh; docs/scale.md); a prefill "
-                             "and a decode role may run different degrees (the KV crosses as whole heads); "
+                             "and a decode role may run different degrees (the KV crosses per KV-head slice); "
                              "--role all --disaggregation starts its local prefill workers at the same degree"),
-    "max_slots": (int, "decode slots = the continuous batch size; more requests queue"),
-    "max_model_len": (int, "max prompt + generated tokens per request; sets the per-slot KV length"),
+    "max_slots": (int, "decode slots = the continuous batch size; more requests queue", "batcher.max_slots"),
+    "max_model_len": (int, "max prompt + generated tokens per request; sets the per-slot KV length",
+                      "batcher.max_model_len"),
     "kv_layout": (str, "role all: paged = one paged KV cache shared by all requests (memory and decode "
                        "cost follow each request's own length) with chunked prefill; slots = one "
                        "max-model-len KV cache per slot, every decode step attends over all of it "
-                       "(the previous engine, kept for comparison)"),
-    "page_size": (int, "paged (and the disaggregated decode engine): tokens per KV page"),
+                       "(the previous engine, kept for comparison)", "batcher.kv_layout"),
+    "page_size": (int, "paged (and the disaggregated decode engine): tokens per KV page", "batcher.page_size"),
     "num_pages": (int, "paged (and the disaggregated decode engine): KV pages in the pool, one of them the "
                        "reserved null page (default: max-slots x ceil(max-model-len / page-size) + 1, the slot "
                        "layout's KV memory); paged: a request waits in the queue until its prompt + max_tokens "
-                       "fit the free pages; decode: a request that does not fit fails with the reason"),
+                       "fit the free pages; decode: a request that does not fit fails with the reason",
+                       "batcher.num_pages"),
     "prefill_chunk": (int, "paged: prompt tokens prefilled per engine iteration; a longer prompt is "
-                           "prefilled in chunks between decode steps of the running requests"),
+                           "prefilled in chunks between decode steps of the running requests", "batcher.prefill_chunk"),
     "enable_prefix_caching": (on_off, "paged: automatic prefix caching: requests whose prompts share leading full "
                                       "KV pages (a system prompt, earlier turns) share those pages and skip their "
                                       "prefill; cached pages no request holds are evicted least recently used "
-                                      "first when pages run short. `--enable-prefix-caching false` turns it off"),
+                                      "first when pages run short. `--enable-prefix-caching false` turns it off",
+                                      "batcher.enable_prefix_caching"),
     "prefix_cache_host_bytes": (int, "paged, with prefix caching: bytes of host memory for a second tier of the "
                                      "prefix cache; cached pages evicted from the device are kept there (LRU) and "
-                                     "copied back on a hit instead of recomputed (0: no host tier)"),
+                                     "copied back on a hit instead of recomputed (0: no host tier)",
+                                     "batcher.prefix_cache_host_bytes"),
     "prefix_cache_l3": (str, "paged, with prefix caching: a remote third tier shared by servers, redis://host:port[/db] "
                              "(Redis or Valkey) or jkvpool://ADDRESS (a `jkv pool` server; secret in $JKV_SECRET); "
                              "pages evicted from the device are written there in the background and a prompt's "
                              "pages missing in device and host memory are read from it; when it fails or is slow "
-                             "requests recompute (jkv_prefix_cache_l3_errors_total) and it is retried later"),
-    "prefix_cache_l3_timeout": (float, "seconds one L3 operation may take; a request never waits longer for L3"),
+                             "requests recompute (jkv_prefix_cache_l3_errors_total) and it is retried later",
+                             "batcher.prefix_cache_l3"),
+    "prefix_cache_l3_timeout": (float, "seconds one L3 operation may take; a request never waits longer for L3",
+                                "batcher.prefix_cache_l3_timeout"),
     "schedule": (str, "paged: which waiting request is admitted next (CALVO, docs/calvo.md): fifo, sjf (smallest "
                       "modelled prefix-load + prefill time), srpt (smallest remaining), edf (earliest SLO deadline: "
-                      "body field slo_ms or header x-jkv-slo-ms) or lstf (least slack)"),
+                      "body field slo_ms or header x-jkv-slo-ms) or lstf (least slack)", "batcher.schedule"),
     "cost_model": (str, "paged, --schedule sjf/srpt/lstf: cost model JSON (jkv.scheduling.CostModel.save) instead "
-                        "of probing the engine at start-up; refitted from live measurements either way"),
+                        "of probing the engine at start-up; refitted from live measurements either way",
+                   "batcher.cost_model"),
     "default_max_tokens": (int, "max_tokens for chat requests that do not set it (capped by the context)"),
     "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
                                "(all roles, the router included)"),
@@ -383,7 +375,7 @@ def read_config_file(path: str | Path) -> dict:
 
 def config_from_flags(values: dict) -> ServeConfig:
     """ServeConfig from flag name (underscore spelling) -> value, each value put at its flag's field."""
-    kwargs = {"": {}, "disagg": {}, "disagg.transfer": {}, "routing": {}}  # keyword arguments of each nested dataclass
+    kwargs = {"": {}, "batcher": {}, "disagg": {}, "disagg.transfer": {}, "routing": {}}  # keyword arguments of each nested dataclass
     for name, value in values.items():
         flag = FLAGS[name]
         if flag.switch:
@@ -402,7 +394,8 @@ def config_from_flags(values: dict) -> ServeConfig:
         if not renamed:
             raise
         raise ValueError(f"{e} ({'; '.join(renamed)})") from None
-    return ServeConfig(**kwargs[""], disagg=disagg, routing=RoutingConfig(**kwargs["routing"]))
+    return ServeConfig(**kwargs[""], batcher=BatcherConfig(**kwargs["batcher"]), disagg=disagg,
+                       routing=RoutingConfig(**kwargs["routing"]))
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

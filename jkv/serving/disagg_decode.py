@@ -48,7 +48,8 @@ import time
 
 from ..disagg.reconnect import PrefillReconnector
 from ..engine import Request
-from .batcher import BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent
+from .batcher import (BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent, push_token,
+                      token_event)
 from .text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -338,16 +339,11 @@ class DisaggBatcher:
             if run.cancelled:  # cancelled before the worker planned it: stop it here, on its own thread
                 self.worker.cancel(run.req.request_id)
             return
-        run.token_times.append(time.perf_counter() - run.req.arrival)
-        if self.metrics is not None:
-            self.metrics.observe_token(run.token_times)
-        delta = run.stream.push(token_id)
+        delta = push_token(run, token_id, self.metrics)
         if run.stream.finish_reason is not None:
             self._finish(run, run.stream.finish_reason, delta)
         else:
-            self._send(run, StreamEvent(run.req.request_id, text=delta, token_ids=[token_id],
-                                        prompt_tokens=len(run.req.prompt_token_ids),
-                                        completion_tokens=len(run.stream.ids)), final=False)
+            self._send(run, token_event(run, token_id, delta), final=False)
 
     def _finish(self, run: _Run, reason: str, delta: str = "", error: str | None = None,
                 final_text: str | None = None):

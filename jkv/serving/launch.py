@@ -105,7 +105,7 @@ def _load(cfg: ServeConfig):
 
     model = load_model_spec(cfg.model, cfg.dtype, tensor_parallel=cfg.tensor_parallel)
     ctx = model.cfg.max_position_embeddings
-    max_len = cfg.max_model_len
+    max_len = cfg.batcher.max_model_len
     if max_len > ctx:
         log.warning("max_model_len %d exceeds %s's context length %d; using %d", max_len, cfg.model, ctx, ctx)
         max_len = ctx
@@ -153,7 +153,7 @@ def build_disaggregated(cfg: ServeConfig):
     log.info("engine: %r, mode disaggregated %s (selector %s, strategy %s, transport %s, link estimate %s), "
              "continuous batching of up to %d requests, paged KV cache of %d pages x %d tokens, prefill workers %s",
              model, dis.transfer.mode, selector.name, dis.transfer.strategy, dis.transport, dis.bandwidth or "unpaced",
-             cfg.max_slots, cluster.decode.pages.cache.page_cfg.num_pages, cluster.decode.pages.page_size,
+             cfg.batcher.max_slots, cluster.decode.pages.cache.page_cfg.num_pages, cluster.decode.pages.page_size,
              dict(zip(cluster.decode.owners, addresses)))
 
     supervisor = None if remote else _supervise(cluster.workers, engine, metrics, cfg.prefill_restarts)
@@ -236,7 +236,7 @@ def build_all(cfg: ServeConfig):
         log.info("model: %s over devices %s", model.sharding.layout.describe(),
                  [str(d) for d in model.sharding.mesh.devices.flat])
     ctx = model.cfg.max_position_embeddings
-    max_len = cfg.max_model_len
+    max_len = cfg.batcher.max_model_len
     if max_len > ctx:
         log.warning("max_model_len %d exceeds %s's context length %d; using %d", max_len, cfg.model, ctx, ctx)
         max_len = ctx
@@ -244,15 +244,15 @@ def build_all(cfg: ServeConfig):
     engine = create_batcher(model, cfg.batcher_config(max_len), metrics)
     engine.warmup()
     engine.start()
-    if cfg.kv_layout == "paged":
+    if cfg.batcher.kv_layout == "paged":
         pc = engine.page_cfg
         log.info("engine: %r, mode colocated continuous batching of up to %d requests, paged KV cache of %d pages x "
                  "%d tokens (%d usable), prefill in chunks of %d tokens, prefix caching %s, one engine thread", model,
-                 cfg.max_slots, pc.num_pages, pc.page_size, pc.usable_pages, cfg.prefill_chunk,
+                 cfg.batcher.max_slots, pc.num_pages, pc.page_size, pc.usable_pages, cfg.batcher.prefill_chunk,
                  f"on ({engine.prefix_namespace.prefix})" if engine.prefix_namespace is not None else "off")
     else:
         log.info("engine: %r, mode colocated continuous batching, %d decode slots x %d tokens of KV (N_max %d), "
-                 "one engine thread", model, cfg.max_slots, max_len, engine.n_max)
+                 "one engine thread", model, cfg.batcher.max_slots, max_len, engine.n_max)
     app = create_app(engine, cfg.model_name, metrics, cfg.default_max_tokens, on_shutdown=engine.stop,
                      max_request_bytes=cfg.max_request_bytes)
     return app, engine

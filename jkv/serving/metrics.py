@@ -111,57 +111,60 @@ class _PrefixCacheCollector:
 
     def collect(self):
         stats = self.read_stats()
-        queries = CounterMetricFamily("jkv_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
-                                      "cache (every full page but the one holding the last prompt token)")
-        queries.add_metric([], stats["prefix_query_tokens"])
-        hits = CounterMetricFamily("jkv_prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix "
-                                   "cache instead of prefill, by tier", labels=["tier"])
-        hits.add_metric(["device"], stats["prefix_hit_tokens"])
+        hits = {"device": stats["prefix_hit_tokens"]}
         if "prefix_hit_tokens_host" in stats:  # the host tier (L2) is configured
-            hits.add_metric(["host"], stats["prefix_hit_tokens_host"])
+            hits["host"] = stats["prefix_hit_tokens_host"]
         if "prefix_hit_tokens_remote" in stats:  # the remote tier (L3) is configured
-            hits.add_metric(["remote"], stats["prefix_hit_tokens_remote"])
-        evictions = CounterMetricFamily("jkv_prefix_cache_evictions", "cached prefix pages evicted to make room "
-                                        "for new pages, by tier", labels=["tier"])
-        evictions.add_metric(["device"], stats["prefix_evictions"])
-        cached = GaugeMetricFamily("jkv_prefix_cache_pages", "KV pages holding a cached prefix (shared by running "
-                                   "requests or kept evictable)", labels=["tier"])
-        cached.add_metric(["device"], stats["prefix_cached_pages"])
-        out = []
+            hits["remote"] = stats["prefix_hit_tokens_remote"]
+        evictions, cached = {"device": stats["prefix_evictions"]}, {"device": stats["prefix_cached_pages"]}
         if "prefix_host_pages" in stats:
-            cached.add_metric(["host"], stats["prefix_host_pages"])
-            evictions.add_metric(["host"], stats["prefix_host_evictions"])
-            writes = CounterMetricFamily("jkv_prefix_cache_host_writes", "cached prefix pages evicted from the "
-                                         "device and written to the host tier")
-            writes.add_metric([], stats["prefix_host_writes"])
-            host_bytes = GaugeMetricFamily("jkv_prefix_cache_host_bytes", "bytes of KV pages held by the host tier")
-            host_bytes.add_metric([], stats["prefix_host_bytes"])
-            out = [writes, host_bytes]
+            evictions["host"], cached["host"] = stats["prefix_host_evictions"], stats["prefix_host_pages"]
+        out = [
+            _family(CounterMetricFamily, "jkv_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
+                    "cache (every full page but the one holding the last prompt token)", stats["prefix_query_tokens"]),
+            _family(CounterMetricFamily, "jkv_prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix "
+                    "cache instead of prefill, by tier", hits),
+            _family(CounterMetricFamily, "jkv_prefix_cache_evictions", "cached prefix pages evicted to make room "
+                    "for new pages, by tier", evictions),
+            _family(GaugeMetricFamily, "jkv_prefix_cache_pages", "KV pages holding a cached prefix (shared by running "
+                    "requests or kept evictable)", cached),
+            _family(GaugeMetricFamily, "jkv_prefix_cache_evictable_pages", "cached prefix pages no request holds: "
+                    "counted as free (jkv_kv_pages_free), evicted least recently used first",
+                    stats["prefix_evictable_pages"]),
+        ]
+        if "prefix_host_pages" in stats:
+            out += [_family(CounterMetricFamily, "jkv_prefix_cache_host_writes", "cached prefix pages evicted from "
+                            "the device and written to the host tier", stats["prefix_host_writes"]),
+                    _family(GaugeMetricFamily, "jkv_prefix_cache_host_bytes", "bytes of KV pages held by the host "
+                            "tier", stats["prefix_host_bytes"])]
         if "prefix_l3_errors" in stats:
-            l3_errors = CounterMetricFamily("jkv_prefix_cache_l3_errors", "remote tier (L3) operations that failed or "
-                                            "timed out, and pages read from it that failed verification: each made "
-                                            "requests recompute instead of load")
-            l3_errors.add_metric([], stats["prefix_l3_errors"])
-            remote_writes = CounterMetricFamily("jkv_prefix_cache_remote_writes", "cached prefix pages evicted from "
-                                                "the device and written to the remote tier")
-            remote_writes.add_metric([], stats["prefix_remote_writes"])
-            lookups = CounterMetricFamily("jkv_prefix_cache_remote_lookups", "L3 reads started (one per admitted "
-                                          "request whose prompt has pages L1 and L2 lack)")
-            lookups.add_metric([], stats["prefix_remote_lookups"])
-            out += [l3_errors, remote_writes, lookups]
+            out += [_family(CounterMetricFamily, "jkv_prefix_cache_l3_errors", "remote tier (L3) operations that "
+                            "failed or timed out, and pages read from it that failed verification: each made "
+                            "requests recompute instead of load", stats["prefix_l3_errors"]),
+                    _family(CounterMetricFamily, "jkv_prefix_cache_remote_writes", "cached prefix pages evicted from "
+                            "the device and written to the remote tier", stats["prefix_remote_writes"]),
+                    _family(CounterMetricFamily, "jkv_prefix_cache_remote_lookups", "L3 reads started (one per "
+                            "admitted request whose prompt has pages L1 and L2 lack)", stats["prefix_remote_lookups"])]
         if "prefix_writeback_pending_pages" in stats:
-            pending = GaugeMetricFamily("jkv_prefix_cache_writeback_pending_pages", "evicted pages queued for or "
-                                        "being written to the host and remote tiers")
-            pending.add_metric([], stats["prefix_writeback_pending_pages"])
-            dropped = CounterMetricFamily("jkv_prefix_cache_writeback_dropped", "evicted pages not written back, by "
-                                          "tier: its queue was full, or the remote tier unreachable", labels=["tier"])
-            dropped.add_metric(["host"], stats["prefix_writeback_dropped_host"])
-            dropped.add_metric(["remote"], stats["prefix_writeback_dropped_remote"])
-            out += [pending, dropped]
-        evictable = GaugeMetricFamily("jkv_prefix_cache_evictable_pages", "cached prefix pages no request holds: "
-                                      "counted as free (jkv_kv_pages_free), evicted least recently used first")
-        evictable.add_metric([], stats["prefix_evictable_pages"])
-        return [queries, hits, evictions, cached, evictable, *out]
+            dropped = {"host": stats["prefix_writeback_dropped_host"],
+                       "remote": stats["prefix_writeback_dropped_remote"]}
+            out += [_family(GaugeMetricFamily, "jkv_prefix_cache_writeback_pending_pages", "evicted pages queued for "
+                            "or being written to the host and remote tiers", stats["prefix_writeback_pending_pages"]),
+                    _family(CounterMetricFamily, "jkv_prefix_cache_writeback_dropped", "evicted pages not written "
+                            "back, by tier: its queue was full, or the remote tier unreachable", dropped)]
+        return out
+
+
+def _family(kind, name: str, documentation: str, value):
+    """A Counter/GaugeMetricFamily `kind` with one sample: `value`, or {tier: value} (a "tier" label)."""
+    if isinstance(value, dict):
+        family = kind(name, documentation, labels=["tier"])
+        for tier, v in value.items():
+            family.add_metric([tier], v)
+    else:
+        family = kind(name, documentation)
+        family.add_metric([], value)
+    return family
 
 
 KV_PATHS = ("proactive", "speculative", "on_demand", "metadata")

@@ -14,6 +14,12 @@ def kv_like(seed: int = 0, shape=(H_KV, NB, D), dtype=np.float16) -> np.ndarray:
     return ((rng.standard_normal((h, n, d)) + trend) * channel_scale).astype(dtype)
 
 
+def random_prompts(model, lengths, seed: int) -> list[list[int]]:
+    """One prompt of token ids in [3, vocab) (above the special ids) per length, drawn from `seed`."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in lengths]
+
+
 @pytest.fixture
 def block() -> np.ndarray:
     return kv_like()

@@ -25,6 +25,8 @@ from jkv.sampling import SamplingParams
 from jkv.transfer.plan import TransferConfig
 from models import tiny_model
 
+from .conftest import random_prompts
+
 pytestmark = pytest.mark.timeout(900)  # end to end on a loaded 2-core box: compilation dominates
 
 SECRET = "dropping-test-secret"
@@ -201,8 +203,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts(model):
-    rng = np.random.default_rng(5)
-    return [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in PROMPT_LENS]
+    return random_prompts(model, PROMPT_LENS, seed=5)
 
 
 @pytest.fixture(scope="module")

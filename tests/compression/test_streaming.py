@@ -13,6 +13,8 @@ from jkv.compression.streaming import (MaskedDecoder, StreamingConfig, Streaming
 from jkv.compression.workloads import ModelObjective, WorkloadSample
 from models import tiny_model
 
+from .conftest import random_prompts
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -21,8 +23,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def prefilled(model):
-    rng = np.random.default_rng(4)
-    prompt = rng.integers(3, model.cfg.vocab_size, 150).tolist()
+    [prompt] = random_prompts(model, [150], seed=4)
     _, kv = model.prefill(jnp.asarray([prompt], jnp.int32), jnp.asarray([150], jnp.int32))
     return prompt, [(np.asarray(k[0], np.float16), np.asarray(v[0], np.float16)) for k, v in kv]
 

@@ -45,6 +45,11 @@ def test_context_manager_restores_even_on_error():
     assert dispatch.get_backend() == "xla"
 
 
+def _sparse_attention(q_shape, valid_rows):
+    rows = jnp.zeros((4, 8, 16))
+    return dispatch.sparse_decode_attention(jnp.zeros(q_shape), rows, rows, jnp.zeros((valid_rows,), jnp.int32))
+
+
 @pytest.mark.parametrize(
     "call,match",
     [
@@ -63,24 +68,9 @@ def test_context_manager_restores_even_on_error():
             ),
             "B\\*H_kv",
         ),
-        (
-            lambda: dispatch.sparse_decode_attention(
-                jnp.zeros((2, 5, 16)),
-                jnp.zeros((4, 8, 16)),
-                jnp.zeros((4, 8, 16)),
-                jnp.zeros((4,), jnp.int32),
-            ),
-            "multiple of H_kv",
-        ),
-        (
-            lambda: dispatch.sparse_decode_attention(
-                jnp.zeros((2, 4, 16)),
-                jnp.zeros((4, 8, 16)),
-                jnp.zeros((4, 8, 16)),
-                jnp.zeros((2,), jnp.int32),
-            ),
-            "valid_count",
-        ),
+        # q [B, H, D] and valid_count [rows] against k_sel, v_sel [4, 8, 16]
+        (functools.partial(_sparse_attention, (2, 5, 16), 4), "multiple of H_kv"),
+        (functools.partial(_sparse_attention, (2, 4, 16), 2), "valid_count"),
     ],
 )
 def test_bad_input_raises_clear_error(call, match):

@@ -2,8 +2,6 @@
 form one replica at tensor_parallel=4 over jax.distributed (loopback, gloo) and generate the same
 greedy tokens as one process at tensor_parallel=1; a batch that differs on one rank is refused by
 every rank. The ranks run tests/models/multihost_worker.py."""
-import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,10 +10,10 @@ from pathlib import Path
 import pytest
 
 from jkv.multihost import MultiHost, MultiHostError, batch_digest
+from tests.device_subprocess import ROOT, device_env, result_line
 from tests.models import multihost_worker as w
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -27,18 +25,16 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ranks():
     port = _free_port()
-    base = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                JKV_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JKV_NUM_PROCESSES="2")
+    base = device_env(2, JKV_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JKV_NUM_PROCESSES="2")
     procs = [subprocess.Popen([sys.executable, str(WORKER)], env=dict(base, JKV_PROCESS_ID=str(rank)), cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     results = []
     try:
         for rank, proc in enumerate(procs):
             out, err = proc.communicate(timeout=600)
-            lines = [l for l in out.splitlines() if l.startswith("MULTIHOST ")]
-            assert proc.returncode == 0 and lines, f"rank {rank} failed (rc {proc.returncode}):\n{err[-4000:]}"
-            results.append(json.loads(lines[-1][len("MULTIHOST "):]))
+            result = result_line(out, "MULTIHOST")
+            assert proc.returncode == 0 and result is not None, f"rank {rank} failed (rc {proc.returncode}):\n{err[-4000:]}"
+            results.append(result)
     finally:
         for proc in procs:
             if proc.poll() is None:

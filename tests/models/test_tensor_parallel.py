@@ -6,40 +6,23 @@ XLA_FLAGS=--xla_force_host_platform_device_count=4: the host device count is fix
 initialises, and the rest of the suite keeps its single CPU device. The planning and refusal
 checks that need no devices run here.
 """
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from models import TensorParallelError, plan_layout, tiny_config, tiny_model
+from tests.device_subprocess import run_worker
 
 WORKER = Path(__file__).with_name("tp_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
-# LLVM at -O0 for the worker's programs: nearly all of its ~85 s of CPU is XLA compiling ~40 small
-# sharded programs (7 tiny models x paged/dense decode, prefill, writes; 3 SmolLM2 prefills; 2 serve
-# engines), and -O0 cuts that by ~20 % (tiny runs 57 -> 45 s, SmolLM2 runs 17 -> 15 s of CPU)
-# while these tiny programs run no slower. Every degree compiles under the same flag, and the
-# checks compare the degrees with one another, so the flag cannot hide a difference.
-XLA_FLAGS = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-
-
+# The worker compiles ~40 small sharded programs (7 tiny models x paged/dense decode, prefill,
+# writes; 3 SmolLM2 prefills; 2 serve engines) at -O0 (tests/device_subprocess.py; tiny runs
+# 57 -> 45 s, SmolLM2 runs 17 -> 15 s of CPU).
 @pytest.fixture(scope="module")
 def runs():
-    env = dict(os.environ, XLA_FLAGS=XLA_FLAGS, JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(WORKER)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("TP-RESULT ")]
-    assert proc.returncode == 0 and lines, f"tp_worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1][len("TP-RESULT "):])
-    assert result["devices"] == 4
-    return result
+    return run_worker(WORKER, "TP-RESULT")
 
 
 CASES = ["qwen3-6q2kv", "qwen2-8q2kv", "llama-8q8kv-bias"]

@@ -1,6 +1,8 @@
 """Quest's int8 page bounds: outward-rounded codes on a per-channel grid must still bound every
 key's score (property test over random q and K), cost what float16 bounds of twice the page do,
 and keep bounding after decode appends keys beyond the prompt's grid."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,13 @@ def exact_page_max(q, K, length, page_size):
     return np.stack([scores[..., p * page_size:(p + 1) * page_size].max(-1) for p in range(pages)], -1)
 
 
+@functools.cache
+def int8_quest(page_size: int):
+    """One selector per page size for the property test: each selector jits its own `prepare`, so a
+    fresh one per example traced and compiled it again (~60 compiles for 15 examples)."""
+    return get_selector("quest", metadata_dtype="int8", page_size=page_size)
+
+
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2 ** 31 - 1), length=st.integers(1, 41), page_size=st.integers(1, 4),
        log_scale=st.integers(-4, 4), outlier=st.booleans())
@@ -29,7 +38,7 @@ def test_int8_page_bound_dominates_every_key(seed, length, page_size, log_scale,
     K = (rng.normal(size=(1, H_KV, 48, D)) * 10.0 ** log_scale).astype(np.float32)
     if outlier:  # one huge channel value: the rest of that channel sits on a coarse grid
         K[0, 0, rng.integers(length), rng.integers(D)] *= 1e3
-    sel = get_selector("quest", metadata_dtype="int8", page_size=page_size)
+    sel = int8_quest(page_size)
     meta = sel.prepare(LAYER, jnp.asarray(K), jnp.asarray([length]))
     assert meta["kmin"].dtype == meta["kmax"].dtype == jnp.int8
     q = rng.normal(size=(1, H_KV, H // H_KV, D)).astype(np.float32)

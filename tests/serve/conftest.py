@@ -76,6 +76,21 @@ def metric(url: str, name: str, labels: dict | None = None) -> float:
     return total
 
 
+def health(url: str) -> dict:
+    """A server's /health JSON."""
+    return httpx.get(url + "/health", timeout=10).json()
+
+
+def wait_for(cond, timeout: float, what: str = "", poll: float = 0.05) -> float:
+    """Poll `cond()` every `poll` seconds until it is true; fail naming `what` after `timeout`
+    seconds. Returns the seconds waited."""
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(poll)
+    return time.time() - t0
+
+
 def wait_idle(url: str, timeout: float = 10) -> tuple[float, float]:
     """Wait until no slot is allocated, nothing is queued and no KV page is held (paged engine);
     returns the last (slots, waiting), with the pages still held added to slots (a page leak

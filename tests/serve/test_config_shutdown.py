@@ -21,11 +21,11 @@ def test_defaults_file_and_flag_precedence(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("max-slots: 3\nmodel: m1\nupstream: http://a:1\nrole: router\n")
     cfg = parse(["--config", str(y), "--model", "m2"])
-    assert (cfg.max_slots, cfg.model, cfg.upstream, cfg.role) == (3, "m2", ("http://a:1",), "router")
+    assert (cfg.batcher.max_slots, cfg.model, cfg.upstream, cfg.role) == (3, "m2", ("http://a:1",), "router")
     t = tmp_path / "c.toml"
     t.write_text('max_model_len = 300\nupstream = ["http://a:1", "http://b:2"]\nrole = "router"\n')
     cfg = parse(["--config", str(t), "--max-model-len", "200"])
-    assert (cfg.max_model_len, cfg.upstream) == (200, ("http://a:1", "http://b:2"))
+    assert (cfg.batcher.max_model_len, cfg.upstream) == (200, ("http://a:1", "http://b:2"))
 
 
 @pytest.mark.parametrize("text,match", [

@@ -4,6 +4,7 @@ subprocesses on loopback driven with the official openai client. After every tes
 KV is left on any role (their /health leak counters)."""
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -15,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import ServerProcess, metric
+from conftest import ServerProcess, health, metric, wait_for as wait_until
 from jkv import SamplingParams
 from jkv.serving.config import ServeConfig, add_serve_arguments, config_from_args
 
@@ -50,15 +51,7 @@ def start_parallel(*specs):
     return out
 
 
-def health(url):
-    return httpx.get(url + "/health", timeout=10).json()
-
-
-def wait_for(cond, timeout=20, what=""):
-    t0 = time.time()
-    while not cond():
-        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.05)
+wait_for = functools.partial(wait_until, timeout=20)  # this file's default wait
 
 
 class Stack:

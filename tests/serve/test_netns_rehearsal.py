@@ -5,15 +5,14 @@ address only (nothing on loopback crosses roles), served to the official openai 
 root namespace. The second prefill role runs at --tensor-parallel 2, the decode role at 1. Killing
 the first prefill namespace's process is survived: the router drops it, and new requests run on the
 TP 2 one with the same greedy text. Needs root ('ip netns'); skipped with the reason otherwise."""
+import functools
 import signal
 import subprocess
-import time
 
-import httpx
 import openai
 import pytest
 
-from conftest import REPO, ServerProcess
+from conftest import REPO, ServerProcess, health, wait_for as wait_until
 from jkv import SamplingParams
 from transport.netns import StarNetwork, netns_available
 
@@ -34,15 +33,7 @@ class NsServer(ServerProcess):
                          host=net.addr[name], prefix=tuple(net.exec_in(name)))
 
 
-def health(url):
-    return httpx.get(url + "/health", timeout=10).json()
-
-
-def wait_for(cond, timeout=30, what=""):
-    t0 = time.time()
-    while not cond():
-        assert time.time() - t0 < timeout, f"timed out waiting for {what}"
-        time.sleep(0.1)
+wait_for = functools.partial(wait_until, timeout=30, poll=0.1)  # this file's default wait
 
 
 def test_router_two_prefills_and_a_decode_in_separate_namespaces_survive_a_killed_prefill(tiny_dir, cache_env,
@@ -52,7 +43,7 @@ def test_router_two_prefills_and_a_decode_in_separate_namespaces_survive_a_kille
     servers = []
     with StarNetwork(["router", "prefill-a", "prefill-b", "decode"], rate=LINK) as net:
         try:
-            # prefill-b runs at TP 2 on 2 CPU devices; the decode role at TP 1 (the KV crosses whole-head)
+            # prefill-b runs at TP 2 on 2 CPU devices; the decode role at TP 1 (the KV crosses per KV-head slice)
             prefills = [NsServer(net, name, "serve", ["--role", "prefill", *common, "--worker-name", name,
                                                       "--transport-listen", f"{net.addr[name]}:0", "--lease-s", "60",
                                                       "--tensor-parallel", str(tp)],

@@ -13,7 +13,7 @@ from jkv.serving.batcher import BatcherConfig, ContinuousBatcher, EngineRequest,
 from jkv.serving.metrics import ServerMetrics
 from jkv.serving.paged_batcher import KVCapacityError, PagedBatcher, page_config
 from models import tiny_model
-from engine_events import collect as _collect, submit as _submit, token_ids as _ids
+from engine_events import collect as _collect, start_paged, submit as _submit, token_ids as _ids
 
 PAGE = 8
 CHUNK = 32  # prompts longer than this are prefilled in several chunks
@@ -30,11 +30,7 @@ def llm(model):
 
 
 def _paged(model, metrics=None, **kw):
-    cfg = dict(max_slots=4, max_model_len=1024, page_size=PAGE, prefill_chunk=CHUNK)
-    cfg.update(kw)
-    b = PagedBatcher(model, BatcherConfig(**cfg), metrics)
-    b.start()
-    return b
+    return start_paged(model, metrics, dict(max_slots=4, max_model_len=1024, page_size=PAGE, prefill_chunk=CHUNK), **kw)
 
 
 @pytest.fixture

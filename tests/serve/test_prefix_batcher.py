@@ -14,7 +14,7 @@ from jkv.serving.batcher import BatcherConfig
 from jkv.serving.metrics import ServerMetrics
 from jkv.serving.paged_batcher import PagedBatcher
 from models import tiny_model
-from engine_events import collect, submit, token_ids
+from engine_events import collect, start_paged, submit, token_ids
 
 PAGE = 8
 CHUNK = 32
@@ -26,11 +26,7 @@ def model():
 
 
 def _start(model, metrics=None, **kw):
-    cfg = dict(max_slots=4, max_model_len=256, page_size=PAGE, prefill_chunk=CHUNK)
-    cfg.update(kw)
-    b = PagedBatcher(model, BatcherConfig(**cfg), metrics)
-    b.start()
-    return b
+    return start_paged(model, metrics, dict(max_slots=4, max_model_len=256, page_size=PAGE, prefill_chunk=CHUNK), **kw)
 
 
 @pytest.fixture(scope="module")

@@ -113,14 +113,34 @@ def test_flags_map_to_distinct_fields_and_no_field_is_repeated_between_levels():
     assert ServeConfig().routing == RoutingConfig()
 
 
+def test_the_engine_flags_live_only_in_the_nested_batcher_config():
+    """--max-slots ... --prefix-cache-l3-timeout set ServeConfig.batcher, declared once in BatcherConfig."""
+    from jkv.serving.batcher import BatcherConfig
+
+    batcher = {f.name for f in dataclasses.fields(BatcherConfig)}
+    assert not batcher & {f.name for f in dataclasses.fields(ServeConfig)}
+    assert {field_path(name) for name in FLAGS if field_path(name).startswith("batcher.")} == {
+        "batcher." + name for name in batcher}
+    assert ServeConfig().batcher == BatcherConfig()  # the serve defaults are the engine's
+    cfg = parse(["--max-slots", "3", "--page-size", "32", "--enable-prefix-caching", "false"])
+    assert cfg.batcher_config(256) == BatcherConfig(3, 256, page_size=32, enable_prefix_caching=False)
+
+
 @pytest.mark.parametrize("argv, match", [
+    # an error in a nested field names the flag that set it
     (["--num-prefill-workers", "0"], r"prefill_workers=0 must be an int >= 1 \(prefill_workers is --num-prefill-w"),
     (["--disaggregation", "fast"], r"mode='fast' must be one of .*\(mode is --disaggregation\)$"),
+    # a bad L3 URL or timeout is refused at start, naming the fix
+    (["--prefix-cache-l3", "127.0.0.1:6379"], r"prefix_cache_l3='127.0.0.1:6379' must start with one of redis://"),
+    (["--prefix-cache-l3-timeout", "0"], r"prefix_cache_l3_timeout=0.0 must be > 0 seconds"),
 ])
-def test_an_error_in_a_nested_field_names_the_flag(argv, match):
+def test_a_bad_value_is_refused_naming_the_flag_or_the_fix(argv, match):
     with pytest.raises(ValueError, match=match):
         parse(argv)
-    with pytest.raises(ValueError, match="strategy='best' must be one of") as e:  # named like its flag
+
+
+def test_an_error_in_a_field_named_like_its_flag_is_not_annotated():
+    with pytest.raises(ValueError, match="strategy='best' must be one of") as e:
         parse(["--strategy", "best"])
     assert " is --" not in str(e.value)
 
@@ -160,12 +180,3 @@ def test_the_decode_batcher_refuses_pages_its_worker_does_not_have(config, match
     with pytest.raises(ValueError, match=match):
         DisaggBatcher(model, worker, BatcherConfig(4, 256, **config))
     assert page_config(BatcherConfig(4, 256, num_pages=300)) == worker.pages.cache.page_cfg  # what launch builds
-
-
-@pytest.mark.parametrize("argv, match", [
-    (["--prefix-cache-l3", "127.0.0.1:6379"], r"prefix_cache_l3='127.0.0.1:6379' must start with one of redis://"),
-    (["--prefix-cache-l3-timeout", "0"], r"prefix_cache_l3_timeout=0.0 must be > 0 seconds"),
-])
-def test_a_bad_l3_url_or_timeout_is_refused_at_start_naming_the_fix(argv, match):
-    with pytest.raises(ValueError, match=match):
-        parse(argv)

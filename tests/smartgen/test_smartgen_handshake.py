@@ -44,8 +44,8 @@ def test_every_compared_field_has_a_case():
 
 
 def test_different_tensor_parallel_degrees_connect(model, selector):
-    """TP is declared, not compared: the KV crosses whole-head, each side lays it out on its own
-    mesh (tests/smartgen/test_smartgen_tensor_parallel.py runs such pairs end to end)."""
+    """TP is declared, not compared: the KV crosses per global KV-head slice, each side lays it out
+    on its own mesh (tests/smartgen/test_smartgen_tensor_parallel.py runs such pairs end to end)."""
     decode = role_config(model, "decode", selector, max_blocks=16, tensor_parallel=1)
     prefill = role_config(model, "prefill", selector, max_blocks=16, tensor_parallel=2)
     assert decode.mismatch(prefill.as_dict()) is None and prefill.mismatch(decode.as_dict()) is None
@@ -117,3 +117,37 @@ def test_decode_and_prefill_workers_with_different_dtypes_never_connect(model, s
     finally:
         decode.close()
         worker.close()
+
+
+def test_kv_head_slices_are_declared_and_any_split_of_the_heads_connects(model, selector):
+    """Issue 21 item 2: each side declares the KV-head slices of its layout; a different split is
+    no mismatch (every slice indexes the global head order)."""
+    decode = role_config(model, "decode", selector, max_blocks=16)
+    assert decode.kv_head_slices == f"0:{model.cfg.num_kv_heads}" == "0:2"  # TP 1: one slice
+    prefill = dataclasses.replace(decode, role="prefill", tensor_parallel=2, kv_head_slices="0:1,1:2")
+    assert decode.mismatch(prefill.as_dict()) is None and prefill.mismatch(decode.as_dict()) is None
+    older = {k: v for k, v in prefill.as_dict().items() if k != "kv_head_slices"}  # a release before slices
+    assert decode.mismatch(older) is None
+
+
+@pytest.mark.parametrize("slices, why", [("0:1,1:3", r"\[1, 3\) is outside the model's 2 KV heads"),
+                                         ("0:1", "must cover each of the 2 KV heads once"),
+                                         ("0:2,1:2", "must cover each of the 2 KV heads once"),
+                                         ("0-2", "not a list of start:stop")])
+def test_a_prefill_whose_head_slices_do_not_split_the_heads_is_refused_before_any_kv(model, selector, slices, why):
+    decode = role_config(model, "decode", selector, max_blocks=16)
+    prefill = dataclasses.replace(decode, role="prefill", kv_head_slices=slices)
+    server = Endpoint("prefill-0", secret=SECRET, config_check=prefill.check())
+    client = Endpoint("decode-0", secret=SECRET, config_check=decode.check())
+    try:
+        with pytest.raises(ConfigMismatch, match=why) as err:
+            client.connect(server.listen())
+        assert f"prefill declares kv_head_slices={slices!r}, not a split of decode's KV heads" in str(err.value)
+        assert client.peers == {}  # the decode side never adopts it, so nothing reaches its regions
+        deadline = time.monotonic() + 10  # the prefill side (which found decode's slices fine) sees it close
+        while server.peers:
+            assert time.monotonic() < deadline, server.peers
+            time.sleep(0.02)
+    finally:
+        client.close()
+        server.close()

@@ -1,34 +1,25 @@
 """Prefill TP != decode TP (issue 21 item 2): a prefill worker at TP 2 feeding a decode worker at
 TP 1, and TP 1 feeding TP 2, generate the same tokens as TP 1 -> 1 in every transfer mode.
 
-The KV crosses whole-head (every KV head, global order): the prefill side gathers each layer's
-sharded K, V into its host pool, the decode side scatters the rows into pages split by KV head over
-its own mesh. The runs happen in one subprocess (tests/smartgen/tp_disagg_worker.py) with
-XLA_FLAGS=--xla_force_host_platform_device_count=4, like tests/models/test_tensor_parallel.py.
+The KV crosses per KV-head slice (global head order): the prefill side copies each layer's K, V
+to its host pool shard by shard and pushes one block per head slice of its layout, the decode side
+scatters the rows into pages split by KV head over its own mesh (TP 2 -> 2 as well, with what the
+TP 2 prefill copied and pushed per slice). The runs happen in one subprocess (tests/smartgen/tp_disagg_worker.py) with
+4 CPU devices (tests/device_subprocess.py), like tests/models/test_tensor_parallel.py.
 """
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.device_subprocess import run_worker
+
 WORKER = Path(__file__).with_name("tp_disagg_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 MODES = ("full", "partial", "+profile", "+parallel", "smartgen")
 
 
 @pytest.fixture(scope="module")
 def runs():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(WORKER)], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("TP-DISAGG ")]
-    assert proc.returncode == 0 and lines, f"tp_disagg_worker failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1][len("TP-DISAGG "):])
-    assert result["devices"] == 4
+    result = run_worker(WORKER, "TP-DISAGG", timeout=900)
     assert not result["prefill_leaked"]
     return result["runs"]
 
@@ -52,3 +43,29 @@ def test_a_decode_worker_at_tp_2_keeps_its_pages_split_by_kv_head(runs):
         run = runs[f"1->2 {mode}"]  # 2 KV heads over 2 shards; pinned after landing and writes
         assert (run["pages_spec"], run["pages_devices"], run["mask_devices"]) == ("P(None, 'tensor')", 2, 2)
         assert runs[f"2->1 {mode}"]["pages_spec"] == "single-device"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_and_decode_both_at_tp_2_generate_the_tp1_tokens(runs, mode):
+    test_prefill_and_decode_at_different_degrees_generate_the_tp1_tokens(runs, "2->2", mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prefill_at_tp_2_copies_kv_by_shard_and_pushes_one_block_per_head_slice(runs, mode):
+    """Issue 21 item 2: the TP 2 prefill (2 KV heads, one per shard) copies each layer's K and V
+    to the host one shard at a time (2 + 2 device-to-host copies a layer; no sharded K or V is
+    taken whole on its thread) and pushes every block as two head slices, in equal numbers."""
+    run = runs[f"2->2 {mode}"]
+    assert run["slices"] == ["0:1,1:2", "0:1,1:2"]  # both sides' layouts, declared in the handshake
+    export = run["export"]
+    assert export["layers"] > 0 and export["copies"] == 4 * export["layers"]
+    assert run["gathers"] == [], run["gathers"]
+    assert run["blocks"]["0:1"] == run["blocks"]["1:2"] > 0, run["blocks"]
+
+
+def test_the_export_copies_each_shard_once_and_a_replicated_head_once(runs):
+    """4 devices: 8 KV heads split 2 a shard give 4 slices and 4 + 4 copies; 2 KV heads replicated
+    on all 4 give one slice and 1 + 1 copies; either way the pools hold exactly K, V."""
+    export = runs["export"]
+    assert export["split"] == dict(slices=[[0, 2], [2, 4], [4, 6], [6, 8]], copies=8, exact=True)
+    assert export["replicated"] == dict(slices=[[0, 2]], copies=2, exact=True)
