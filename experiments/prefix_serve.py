@@ -26,6 +26,13 @@ side within one run).
 multi-turn chats, one turn at a time, through `--role all --disaggregation MODE` with and without
 prefix caching; per follow-up turn the server's `jkv_kv_transfer_bytes_total` (proactive,
 speculative, on demand) against the KV of the turn's uncached tokens and of its whole prompt.
+
+With `--policies fifo,sjf,srpt,...` it instead compares `jkv serve --schedule` policies against
+FIFO with the prefixes in L3 behind a paced `jkv pool` link (experiments/prefix_serve_policies.py:
+long requests whose document is in L3, short ones without), writing `--csv` (default
+prefix_serve_policies.csv), prefix_serve_policies.json and prefix_serve_policies.png:
+
+    PYTHONPATH=. python experiments/prefix_serve.py --policies fifo,sjf,srpt --link 400mbit --policy-rate 0.5
 """
 from __future__ import annotations
 
@@ -255,7 +262,18 @@ def main(argv=None):
     ap.add_argument("--conversations", type=int, default=4, help="multi-turn chats")
     ap.add_argument("--turns", type=int, default=4, help="turns per chat")
     ap.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
+    ap.add_argument("--policies", type=lambda v: v.split(","), default=None,
+                    help="compare these --schedule policies (e.g. fifo,sjf,srpt) with prefixes in L3 instead "
+                         "(CSV default prefix_serve_policies.csv)")
+    ap.add_argument("--link", default="400mbit", help="--policies: the pool server's paced link")
+    ap.add_argument("--policy-rate", type=float, default=0.5, help="--policies: arrivals per second")
+    ap.add_argument("--docs", type=int, default=8, help="--policies: long requests (one L3 document each)")
+    ap.add_argument("--doc-words", type=int, default=450, help="--policies: approximate words per document")
+    ap.add_argument("--short-per-long", type=int, default=3, help="--policies: short requests per long one")
+    ap.add_argument("--l3-timeout", type=float, default=30.0, help="--policies: --prefix-cache-l3-timeout")
     args = ap.parse_args(argv)
+    if args.policies is not None:
+        return run_policies(args)
     if args.smoke:
         args.groups, args.users, args.conversations, args.turns = 2, 2, 1, 2
         args.system_words, args.max_tokens, args.rate, args.max_model_len = 60, 4, 20.0, 512
@@ -291,6 +309,22 @@ def main(argv=None):
     write_csv(out / args.csv, rows, fields=keys)
     print(f"wrote {out}/{args.csv} and 2 JSON files")
     return 0 if same and all(r["failed"] == 0 for r in rows) else 1
+
+
+def run_policies(args) -> int:
+    from experiments.prefix_serve_policies import FIELDS, compare, plot
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = compare(args)
+    (out / "prefix_serve_policies.json").write_text(json.dumps(rows, indent=2))
+    write_csv(out / ("prefix_serve_policies.csv" if args.csv == "prefix_serve.csv" else args.csv), rows, fields=FIELDS)
+    plot(rows, out / "prefix_serve_policies.png")
+    for r in rows:
+        print(f"{r['policy']:>5}: mean TTFT {r['mean_ttft_ms']:.0f} ms = {r['ttft_ratio_vs_fifo']:.2f}x FIFO's "
+              f"(long {r['mean_ttft_ms_long']:.0f}, short {r['mean_ttft_ms_short']:.0f}); answers as FIFO's: "
+              f"{r['answers_identical_to_fifo']}; load average {r['loadavg_1m']}")
+    return 0 if all(r["failed"] == 0 and r["answers_identical_to_fifo"] for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -104,6 +104,7 @@ LONG_FILES = (
     "tests/serve/test_server_api.py",
     "tests/serve/test_config_shutdown.py",
     "tests/serve/test_multihost_serve.py",
+    "tests/serve/test_schedule.py",
 )
 
 

@@ -163,11 +163,25 @@ class PagedKVCache:
         if self.remote is None or not self.prefix_caching:
             return None
         keys = self.prompt_keys(prompt)
+        l1, l2 = self._tier_run(keys)
+        return self.remote.prefetch(keys, l1 + l2)
+
+    def _tier_run(self, keys: list[bytes]) -> tuple[int, int]:
+        """(pages of the leading run of `keys` in L1, pages right after them in L2): a probe, no copy."""
         with self._lock:
-            start = self.allocator.cached_run(keys)
-            if self.host is not None:
-                start += self.host.available(keys[start:])
-        return self.remote.prefetch(keys, start)
+            l1 = self.allocator.cached_run(keys)
+            return l1, self.host.available(keys[l1:]) if self.host is not None else 0
+
+    def tier_run(self, prompt) -> tuple[int, int, int]:
+        """Where the prompt's shareable pages are now, as tokens: (in L1, next ones in L2, the rest),
+        (0, 0, 0) without prefix caching. A probe (no reference, no recency); the rest may or may
+        not be in L3 (asking would take a round trip)."""
+        if not self.prefix_caching:
+            return 0, 0, 0
+        keys = self.prompt_keys(prompt)
+        l1, l2 = self._tier_run(keys)
+        P = self.page_size
+        return l1 * P, l2 * P, (len(keys) - l1 - l2) * P
 
     def reserve_prefix(self, request_id: Hashable, prompt, n_tokens: int, remote=None) -> int:
         """Start a new request: share its prompt's cached leading full pages, allocate pages for the

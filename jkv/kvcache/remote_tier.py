@@ -74,6 +74,7 @@ class Prefetch:
     future: concurrent.futures.Future
     deadline: float  # time.monotonic() after which the engine stops waiting
     outcome: list[np.ndarray] | None = None  # set by the first `collect` that resolves it
+    measured: bool = False  # its load time was recorded (the engine may collect it again)
 
 
 class RemoteTier:

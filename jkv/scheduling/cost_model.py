@@ -178,6 +178,12 @@ class CostModel:
         return cls(**raw)
 
 
+def fit_line(x, y, what: str, nonneg: bool = False) -> tuple[float, float]:
+    """(slope, intercept) of y ~= slope * x + intercept by least squares (nonneg: both >= 0), for
+    one stage measured alone (a serving engine's page loads, or its prefills)."""
+    return _line(np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64), what, nonneg=nonneg)
+
+
 def _line(x: np.ndarray, y: np.ndarray, what: str, relative: bool = False,
           nonneg: bool = False) -> tuple[float, float]:
     slope, intercept = _solve(np.stack([x, np.ones_like(x)], axis=1), y, what, relative, nonneg)

@@ -68,7 +68,9 @@ class BatcherConfig:
     keep evicted cached pages in a host-memory LRU of this many bytes and load them back on a hit
     (0: no host tier); prefix_cache_l3: with prefix caching, URL of a remote pool (redis://host:port
     or jkvpool://ADDRESS) that evicted pages are written to and missing ones read from, every
-    operation bounded by prefix_cache_l3_timeout seconds (None: no remote tier)."""
+    operation bounded by prefix_cache_l3_timeout seconds (None: no remote tier). Paged only:
+    schedule orders admission of waiting requests (jkv/serving/admission.py: fifo, sjf, srpt, edf,
+    lstf) by the cost model in the cost_model file (None: probed from the engine at start)."""
 
     max_slots: int = 8
     max_model_len: int = 1024
@@ -80,8 +82,13 @@ class BatcherConfig:
     prefix_cache_host_bytes: int = 0
     prefix_cache_l3: str | None = None
     prefix_cache_l3_timeout: float = 0.5
+    schedule: str = "srpt"
+    cost_model: str | None = None
 
     def __post_init__(self):
+        from .admission import check_schedule
+
+        check_schedule(self.schedule)
         if not self.prefix_cache_l3_timeout > 0:
             raise ValueError(f"prefix_cache_l3_timeout={self.prefix_cache_l3_timeout} must be > 0 seconds")
         if self.prefix_cache_l3 is not None:
@@ -143,7 +150,8 @@ class EngineRequest:
     with each generated / prompt token's log-probability. prompt_only: score the prompt and
     generate nothing (OpenAI's echo with max_tokens 0); params.max_tokens is then unused.
     prefix_cache: the request may start from cached prefix pages (paged engine with prefix caching);
-    False computes its whole prompt (it still offers its pages to the cache)."""
+    False computes its whole prompt (it still offers its pages to the cache). slo_ms: its
+    time-to-first-token target, for the paged engine's edf / lstf admission (None: none)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -155,6 +163,7 @@ class EngineRequest:
     prompt_logprobs: int | None = None
     prompt_only: bool = False
     prefix_cache: bool = True
+    slo_ms: float | None = None
 
 
 class ContextLengthError(ValueError):

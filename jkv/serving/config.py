@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from jkv.disagg.config import Disaggregation
+from jkv.serving.admission import SCHEDULES
 from jkv.serving.batcher import BatcherConfig
 from jkv.serving.routing import ROUTING_POLICIES, RoutingConfig
 from jkv.transfer.plan import TransferConfig
@@ -225,6 +226,12 @@ _TABLE = {
                              "batcher.prefix_cache_l3"),
     "prefix_cache_l3_timeout": (float, "seconds one L3 operation may take; a request never waits longer for L3",
                                 "batcher.prefix_cache_l3_timeout"),
+    "schedule": (str, "paged: which waiting request is admitted next (CALVO, docs/calvo.md): fifo, sjf (smallest "
+                      "modelled prefix-load + prefill time), srpt (smallest remaining), edf (earliest SLO deadline: "
+                      "body field slo_ms or header x-jkv-slo-ms) or lstf (least slack)", "batcher.schedule"),
+    "cost_model": (str, "paged, --schedule sjf/srpt/lstf: cost model JSON (jkv.scheduling.CostModel.save) instead "
+                        "of probing the engine at start-up; refitted from live measurements either way",
+                   "batcher.cost_model"),
     "default_max_tokens": (int, "max_tokens for chat requests that do not set it (capped by the context)"),
     "max_request_bytes": (int, "largest HTTP request body accepted; a larger one gets 413 before it is parsed "
                                "(all roles, the router included)"),
@@ -330,6 +337,8 @@ def add_serve_arguments(p: argparse.ArgumentParser):
             kw["choices"] = ROLES
         if name == "routing":
             kw["choices"] = ROUTING_POLICIES
+        if name == "schedule":
+            kw["choices"] = SCHEDULES
         p.add_argument("--" + name.replace("_", "-"), **kw)
 
 

@@ -41,6 +41,12 @@ stays queued (the running requests keep stepping) until it answers or its op tim
 (`prefix_cache_l3_timeout`) passes, and then it is admitted with what arrived (nothing, on a
 failure or timeout: it recomputes; jkv/kvcache/remote_tier.py).
 
+Admission order (`schedule`, jkv/serving/admission.py): the request admitted next (and whose L3
+prefetch is started) is the policy's pick among the waiting ones (fifo: the oldest; sjf / srpt /
+lstf by the cost model of its prefix load and prefill; edf by its slo_ms deadline). The cost model
+is loaded from `cost_model` or probed from the engine at start (jkv/serving/cost_probe.py) and
+refitted from the loads and single-chunk prefills the engine measures while serving.
+
 Schedule, per engine iteration: drain inbox → admit (reserve pages, take a seat) → prefill chunks of
 up to `prefill_chunk` tokens, oldest admitted request first, until `prefill_chunk` prompt tokens are
 done (a long prompt takes several iterations; several short ones share one) → one decode step for every request whose prompt is complete. So a 4K-token prompt
@@ -68,6 +74,7 @@ from models import Model
 from ..engine import bucket_prompt_len
 from ..kvcache import OutOfPages, PageConfig, PagedKVCache, bucket_pages, prefix_namespace
 from ..sampling import sample_tokens
+from .admission import AdmissionScheduler, Refit, SchedulingMetrics
 from .batcher import (BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent, _Running,
                       logprob_rows, prompt_logprob_list)
 from .text_stream import TextStream
@@ -102,6 +109,7 @@ class _PagedRun(_Running):
         super().__init__(req, stream, seed)
         self.key = key
         self.prefilled = 0  # prompt tokens already in its pages (shared from the prefix cache or computed)
+        self.first_chunk = 0  # where its prefill started (the tokens it found cached)
 
     @property
     def decoding(self) -> bool:
@@ -120,7 +128,10 @@ class PagedBatcher(ContinuousBatcher):
         self._prefilling: collections.deque[int] = collections.deque()  # seats still prefilling, oldest first
         self._next_key = 0
         self._blocked: str | None = None  # request id last logged as waiting for pages
-        self._prefetch = None  # (request, remote_tier.Prefetch or None): the L3 read for the head of the queue
+        self._prefetch = None  # (request, remote_tier.Prefetch or None): the L3 read for the request admitted next
+        self.scheduler: AdmissionScheduler | None = None  # made by start(): its cost model may need the live cache
+        self._refit: Refit | None = None
+        self._sched_metrics: SchedulingMetrics | None = None
 
     # ------------------------------------------------------------ any thread
     def check_request(self, prompt_len: int, max_tokens: int):
@@ -151,7 +162,10 @@ class PagedBatcher(ContinuousBatcher):
         if self._thread is not None:
             raise RuntimeError("the engine is already started")
         self.kv = self._new_cache(tiers=True)
+        self._start_scheduler()
         if self.metrics is not None:
+            self._sched_metrics = SchedulingMetrics(self.metrics.registry, self.config.schedule,
+                                                    self.prefix_namespace is not None)
             self.metrics.watch_kv_cache(self)
             if self.prefix_namespace is not None:
                 self.metrics.watch_prefix_cache(lambda: self.kv.stats())
@@ -179,6 +193,32 @@ class PagedBatcher(ContinuousBatcher):
             sample_tokens(np.zeros((B, self.model.cfg.vocab_size), np.float32), np.ones(B, np.float32), z,
                           np.ones(B, np.float32), z.astype(np.uint32), z)
         jax.block_until_ready(logits)
+
+    def _start_scheduler(self):
+        """The admission scheduler, with the cost model from the `cost_model` file or a probe of the
+        engine (sjf / srpt / lstf only: fifo and edf do not read it)."""
+        cfg = self.config
+        cost = None
+        if cfg.cost_model is not None:
+            from ..scheduling import CostModel
+
+            cost = CostModel.load(cfg.cost_model)
+        elif cfg.schedule not in ("fifo", "edf"):
+            from .cost_probe import probe_cost_model
+
+            cost = probe_cost_model(self.model, self.kv)
+        self.scheduler = AdmissionScheduler(cfg.schedule, cost)
+        self._refit = Refit(cost) if cost is not None else None
+
+    def _measured(self, kind: str, tokens: int, seconds: float, tier: str | None = None):
+        """A load (kind "load", from `tier`) or a prefill ("compute") the engine timed: to the metrics
+        and the cost model's refit."""
+        if tier is not None and self._sched_metrics is not None:
+            self._sched_metrics.loaded(tier, seconds)
+        if self._refit is not None and tokens > 0:
+            model = (self._refit.add_load if kind == "load" else self._refit.add_compute)(tokens, seconds)
+            if model is not None:
+                self.scheduler.set_cost_model(model)
 
     def _new_cache(self, tiers: bool = False) -> PagedKVCache:
         """The paged cache; with tiers, its host (L2) and remote (L3) tiers as configured (warm-up's
@@ -217,7 +257,7 @@ class PagedBatcher(ContinuousBatcher):
 
     def _admit(self):
         while self._waiting and None in self._slots:
-            req = self._waiting[0]
+            req = self.scheduler.pick(self._waiting, self._estimate, self._loaded, time.perf_counter())
             n = len(req.prompt_token_ids)
             key = f"{req.request_id}#{self._next_key}"  # unique even if a client reuses request ids
             total = n if req.prompt_only else n + req.params.max_tokens
@@ -226,13 +266,13 @@ class PagedBatcher(ContinuousBatcher):
             if from_cache and self.kv.remote is not None:
                 remote = self._remote_pages(req)
                 if remote is False:
-                    return  # its L3 read is in flight: admit it (and those behind it, FIFO) later
+                    return  # its L3 read is in flight: admit it (and the others, after it) later
             try:
                 if not from_cache:
                     self.kv.reserve(key, total)
                     cached = 0
                 else:
-                    cached = self.kv.reserve_prefix(key, req.prompt_token_ids, total, remote=remote)
+                    cached = self._reserve_prefix(key, req, total, remote)
             except OutOfPages as e:
                 self.kv.free(key)  # drop the empty entry the failed reserve left
                 if self._blocked != req.request_id:  # once per request, not once per step
@@ -242,18 +282,45 @@ class PagedBatcher(ContinuousBatcher):
                 return
             self._next_key += 1
             self._prefetch = None
-            self._waiting.popleft()
+            self._waiting.remove(req)
+            self.scheduler.forget(req)
+            if self._sched_metrics is not None:
+                self._sched_metrics.admitted(time.perf_counter() - req.arrival, len(self._waiting))
             p = req.params
             seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**31))
             slot = self._slots.index(None)
             run = self._slots[slot] = _PagedRun(req, TextStream(self.model.tokenizer, p, self.eos_ids), seed, key)
-            run.prefilled = cached
+            run.prefilled = run.first_chunk = cached
             self._steps[slot] = 0
             self._prefilling.append(slot)
             with self._lock:
                 self._n_waiting -= 1
                 self._n_running += 1
             self._set_gauges()
+
+    def _reserve_prefix(self, key: str, req: EngineRequest, total: int, remote) -> int:
+        """kv.reserve_prefix, timing the pages it copied from L2 (the host read and the copy's dispatch)."""
+        host_before = self.kv.prefix_hits_host
+        t0 = time.perf_counter()
+        cached = self.kv.reserve_prefix(key, req.prompt_token_ids, total, remote=remote)
+        if self.kv.prefix_hits_host > host_before:
+            self._measured("load", self.kv.prefix_hits_host - host_before, time.perf_counter() - t0, "l2")
+        return cached
+
+    def _estimate(self, req: EngineRequest) -> tuple[int, int]:
+        """(prompt tokens to load, to compute) for the admission policy: tokens of its shareable prefix
+        in L2, and, with an L3, the rest of it (maybe there: the optimistic guess); the tail computed."""
+        n = len(req.prompt_token_ids)
+        if req.prompt_logprobs is not None or not req.prefix_cache:
+            return 0, n
+        l1, l2, rest = self.kv.tier_run(req.prompt_token_ids)
+        loaded = l2 + (rest if self.kv.remote is not None else 0)
+        return loaded, n - l1 - loaded
+
+    def _loaded(self, req: EngineRequest) -> bool:
+        """Its L3 read has answered (srpt / lstf: no load left)."""
+        pre = self._prefetch
+        return pre is not None and pre[0] is req and pre[1] is not None and pre[1].outcome is not None
 
     def _remote_pages(self, req: EngineRequest):
         """The head request's pages from L3 as reserve_prefix's `remote` argument ((start, payloads)
@@ -271,6 +338,10 @@ class PagedBatcher(ContinuousBatcher):
             payloads = self.kv.remote.collect(pre)
         if payloads is None:
             return False
+        if payloads and not pre.measured:
+            pre.measured = True  # once: a request waiting for pages collects the same answer again
+            started = pre.deadline - self.kv.remote.op_timeout_s
+            self._measured("load", len(payloads) * self.page_cfg.page_size, time.monotonic() - started, "l3")
         return pre.start, payloads
 
     def _prefill_some(self, budget: int):
@@ -307,13 +378,16 @@ class PagedBatcher(ContinuousBatcher):
         # instead of one per context-width bucket it passes through (an XLA compile mid-serving
         # stalls every stream for seconds); the pages past the chunk are masked.
         table = self.kv.table([run.key])
+        t0 = time.perf_counter()
         logits, self.kv.kv = self.model.prefill_chunk(self.kv.kv, table, tokens, np.array([start], np.int32),
                                                       np.array([n_chunk], np.int32))
         run.prefilled += n_chunk
         self.kv.commit_pages(run.key, ids[:run.prefilled])
         if run.decoding:
             self._prefilling.popleft()
-            self._prefill_done(slot, run, logits)
+            self._prefill_done(slot, run, logits)  # blocks on the logits (the first token is sampled)
+            if run.first_chunk == start:  # prefilled in one chunk: a clean compute sample
+                self._measured("compute", n_chunk, time.perf_counter() - t0)
 
     def _prefill_scored(self, slot: int, run: _PagedRun):
         """A prompt_logprobs request is prefilled whole, as ContinuousBatcher does: its scores need
@@ -407,10 +481,15 @@ class PagedBatcher(ContinuousBatcher):
     def _cancel(self, request_id: str):
         if self._prefetch is not None and self._prefetch[0].request_id == request_id:
             self._prefetch = None  # a queued request's L3 read: its buffers go with it (the read ends on its own)
+        for req in self._waiting:
+            if req.request_id == request_id:
+                self.scheduler.forget(req)
         super()._cancel(request_id)
 
     def _fail_all(self, message: str):
         self._prefetch = None
+        for req in self._waiting:
+            self.scheduler.forget(req)
         for slot, run in enumerate(self._slots):
             if run is not None:
                 self.kv.free(run.key)

@@ -34,6 +34,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # vLLM extension
+    slo_ms: Optional[float] = Field(default=None, gt=0)  # jkv extension: TTFT target for --schedule edf/lstf
 
     def stop_list(self) -> tuple[str, ...]:
         if self.stop is None:

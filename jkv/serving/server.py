@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .admission import SLO_HEADER, parse_slo_ms
 from .batcher import ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent
 from .metrics import ServerMetrics
 from . import protocol as P
@@ -148,7 +149,7 @@ class _Job:
         self.open: set[str] = set()
 
     def submit(self, prompts_ids: list[list[int]], params_for, **scoring) -> None:
-        """scoring: EngineRequest's logprobs / prompt_logprobs / prompt_only, the same for every choice."""
+        """scoring: EngineRequest's logprobs / prompt_logprobs / prompt_only / slo_ms, the same for every choice."""
         for p, ids in enumerate(prompts_ids):
             for c, sp in enumerate(params_for(p, ids)):
                 rid = P.new_id("req")
@@ -252,9 +253,13 @@ class _Frontend:
         return lambda p, ids: planned[p]
 
     async def run(self, request: Request, body: P.SamplingFields, prompts_ids, params_for, shape: _Shape):
+        try:
+            slo_ms = parse_slo_ms(body.slo_ms, request.headers.get(SLO_HEADER))
+        except ValueError as e:
+            return P.error_response(str(e), 400, param=SLO_HEADER)
         job = _Job(self.engine, asyncio.get_running_loop(), request.headers.get(PREFILL_WORKER_HEADER))
         try:
-            job.submit(prompts_ids, params_for, **shape.scoring())
+            job.submit(prompts_ids, params_for, slo_ms=slo_ms, **shape.scoring())
         except (RuntimeError, ContextLengthError) as e:
             job.cancel_open()
             return P.error_response(str(e), 503 if isinstance(e, RuntimeError) else 400)

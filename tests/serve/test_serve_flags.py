@@ -31,7 +31,7 @@ SAMPLES = {
     "kv_layout": ("slots", []), "page_size": ("32", DECODE), "num_pages": ("200", DECODE),
     "prefill_chunk": ("256", DECODE), "enable_prefix_caching": ("false", DECODE),
     "prefix_cache_host_bytes": ("1048576", DECODE), "prefix_cache_l3": ("redis://127.0.0.1:6379/0", DECODE),
-    "prefix_cache_l3_timeout": ("2.5", DECODE),
+    "prefix_cache_l3_timeout": ("2.5", DECODE), "schedule": ("edf", DECODE), "cost_model": ("cost.json", DECODE),
     "tensor_parallel": ("2", []),
     "coordinator_address": ("10.0.0.1:8476", []), "num_processes": ("2", []), "process_id": ("1", []),
     "transport_advertise": ("jkv-prefill-a:7100|jkv-prefill-a:7101", ["--role", "prefill"]), "prefill": ("http://p:2", ROUTER), "decode": ("http://d:2", ROUTER),
