@@ -9,14 +9,22 @@ batch's prefill time Tp, then paces each prefill worker so full transfer takes -
   strategy  +parallel with proactive profile / sequential / random / streaming / oracle at fixed
             proactive fractions (--strategy-fractions; no speculation, so the on-demand ratio
             reflects the proactive choice alone; fast link: it does not depend on timing) -> Fig. 15
+  compression  (with --compression auto | <pipeline id>) full uncompressed (the pacing reference),
+            full + compression, smartgen alone, smartgen + compression (KVServe x SmartGen,
+            docs/compression.md) -> smartgen_ttst{_quick}_compression*.csv
 
     python experiments/smartgen_ttst.py --quick      # 4 x 512 tokens, 24 new tokens
     python experiments/smartgen_ttst.py              # 4 x 2048 tokens, 64 new tokens
     python experiments/smartgen_ttst.py --parts strategy   # one part only (its files only)
+    python experiments/smartgen_ttst.py --compression auto # the compression part only
 
 Writes experiments/results/smartgen_ttst{_quick}_*.csv and fig9/13/14/15 PNGs; prints the
 ratios TTST(full)/TTST(smartgen), mean TBT smartgen/full over steps 11-64, partial vs smartgen
-TBT over steps 2-10, and whether every mode generated the same tokens.
+TBT over steps 2-10, and whether every mode generated the same tokens. The compression part prints
+TTST(full)/TTST(run) and TBT 11-64 run/full for each of its runs, the controller's choice per path
+and request with its profile quality, and the compressed runs' token agreement with the
+uncompressed ones (lossy: they may differ) and with each other (the mode invariant: requests that
+moved with the same pipeline must generate the same tokens in full and smartgen).
 """
 from __future__ import annotations
 
@@ -34,6 +42,10 @@ from experiments.common import RESULTS, add_model_arg, write_csv
 MODES = ("full", "partial", "+profile", "+parallel", "smartgen")
 SPEC_RATIOS = (0.05, 0.10, 0.20)
 STRATEGIES = ("profile", "sequential", "random", "streaming", "oracle")
+# the compression part: (run name, transfer mode, compressed)
+COMPRESSION_RUNS = (("full", "full", False), ("full+comp", "full", True), ("smartgen", "smartgen", False),
+                    ("smartgen+comp", "smartgen", True))
+TABLE1_PROFILE = os.path.join(RESULTS, "kvserve_profile_table1_min.json")  # experiments/table1_profile.py
 
 
 def tbt_window(outs, first: int, last: int) -> float:
@@ -56,14 +68,15 @@ def phase_table(outs, windows=((1, 1), (2, 10), (11, 64))) -> dict:
     return out
 
 
-def link_bounds(runs, bw_bps: float, workers: int, max_tokens: int) -> dict:
+def link_bounds(runs, bw_bps: float, workers: int, max_tokens: int, full_key=("mode", "full"),
+                smart_key=("mode", "smartgen")) -> dict:
     """What the paced link alone allows (every byte of the emulated link is booked in one token
     bucket per prefill worker; the requests split evenly over the workers):
       TTST(mode) >= (metadata + proactive + step-1 on-demand bytes) / link,
       TTST(full) ~= (metadata + all KV) / link, so the ratio is at most their quotient;
       smartgen's TBT >= its per-step on-demand bytes / link."""
     rate = workers * bw_bps / 8  # bytes/s over all workers
-    full, smart = runs[("mode", "full")], runs[("mode", "smartgen")]
+    full, smart = runs[full_key], runs[smart_key]
 
     def tot(outs, key):
         return sum(o.metrics.extra["bytes"][key] for o in outs)
@@ -99,9 +112,16 @@ def main(argv=None) -> int:
     p.add_argument("--ratio", type=float, default=6.5)
     p.add_argument("--max-blocks", type=int, default=64)
     p.add_argument("--workers", type=int, default=2, help="prefill worker processes")
-    p.add_argument("--parts", default="modes,spec,strategy",
-                   help="comma list of parts to run: modes (Figs. 9, 13), spec (Fig. 14), strategy (Fig. 15); "
-                        "a part's CSV/PNG files are written only when it runs")
+    p.add_argument("--parts", default=None,
+                   help="comma list of parts to run: modes (Figs. 9, 13), spec (Fig. 14), strategy (Fig. 15), "
+                        "compression (needs --compression); a part's CSV/PNG files are written only when it runs "
+                        "(default: modes,spec,strategy; compression alone when --compression is given)")
+    p.add_argument("--compression", default="off",
+                   help="off | auto | a pipeline id (docs/compression.md) for the compressed runs of the "
+                        "compression part")
+    p.add_argument("--compression-options", default=None,
+                   help="JSON compression_options (profiles, workload, q_min, t_slo_s, min_sample_bytes); default "
+                        f'for auto: {{"profiles": ["{os.path.relpath(TABLE1_PROFILE)}"], "q_min": 0.97}}')
     p.add_argument("--skip", default="", help="comma list of parts to skip (applied after --parts)")
     p.add_argument("--modes", default=",".join(MODES), help="modes of the 'modes' part (smoke runs)")
     p.add_argument("--lookahead", choices=("default", "on", "off"), default="default",
@@ -128,7 +148,12 @@ def main(argv=None) -> int:
     max_tokens = args.max_tokens or (24 if args.quick else 64)
     tag = "smartgen_ttst_quick" if args.quick else "smartgen_ttst"
     os.makedirs(RESULTS, exist_ok=True)
+    if args.parts is None:
+        args.parts = "compression" if args.compression != "off" else "modes,spec,strategy"
     parts = set(filter(None, args.parts.split(","))) - set(filter(None, args.skip.split(",")))
+    if "compression" in parts and args.compression == "off":
+        raise SystemExit("--parts compression needs --compression auto | <pipeline id>")
+    copts = compression_options(args)
     modes = tuple(m for m in args.modes.split(",") if m)
     saved = {}
     if args.merge_runs:
@@ -152,7 +177,7 @@ def main(argv=None) -> int:
     try:
         prompts = h.eval_prompts(args.requests, prompt_len)
         h.build_profile(prompt_len)
-        if parts & {"modes", "spec"}:
+        if parts & {"modes", "spec", "compression"}:
             tp, bw = h.pace_link(prompts, args.ratio, tp_runs=args.tp_runs, tp=args.tp,
                                  bandwidth_bps=None if args.bandwidth_mbit is None else args.bandwidth_mbit * 1e6)
             args.tp_samples = list(saved.get("tp_samples", h.tp_samples))
@@ -179,6 +204,12 @@ def main(argv=None) -> int:
                 print(f"  spec {r:.2f} done", flush=True)
             if ("mode", "full") not in runs and not args.spec_without_full:
                 runs[("mode", "full")] = h.run("full", prompts, max_tokens)
+        if "compression" in parts:
+            for name, mode, compressed in COMPRESSION_RUNS:
+                t = time.perf_counter()
+                comp = dict(compression=args.compression, compression_options=copts) if compressed else {}
+                runs[("compression", name)] = h.run(mode, prompts, max_tokens, **comp, **(common if mode != "full" else {}))
+                print(f"  {name:<13} {time.perf_counter() - t:6.1f}s  (load {os.getloadavg()[0]:.1f})", flush=True)
         if "strategy" in parts:
             # Fig. 15 compares strategies at one transfer budget: Kr is a fixed fraction of the blocks
             # (Eq. 2 clips to the dense layers or to all of the KV at these sizes). Without speculation
@@ -194,7 +225,8 @@ def main(argv=None) -> int:
     finally:
         h.close()
 
-    token_runs = {k: v for k, v in runs.items() if k[0] != "strategy"}
+    # compressed runs are lossy: compared with the uncompressed ones and each other in write_compression
+    token_runs = {k: v for k, v in runs.items() if k[0] != "strategy" and not str(k[1]).endswith("+comp")}
     ref = runs.get(("mode", "full")) or next(iter(token_runs.values()), None)
     same = all([o.token_ids for o in outs] == [o.token_ids for o in ref] for outs in token_runs.values())
     strategy_same = True
@@ -207,12 +239,97 @@ def main(argv=None) -> int:
         write_spec(runs, tag)
     if "modes" in parts and {("mode", "full"), ("mode", "smartgen")} <= set(runs):
         write_modes(runs, modes, tag, max_tokens, tp, bw, same, args)
+    if "compression" in parts:
+        same = write_compression(runs, tag, max_tokens, tp, bw, args, copts) and same
     print(f"\nload average now {os.getloadavg()}")
     print(f"identical tokens in every run: {same and strategy_same}; total {time.perf_counter() - t_start:.0f}s")
     if not (same and strategy_same):  # the mode invariant: any difference is a bug, whatever the timings say
         print("ERROR: some runs generated different tokens from the others", file=sys.stderr)
         return 1
     return 0
+
+
+def compression_options(args) -> dict:
+    """--compression-options as a dict; "auto" without options uses Table 1's worst-workload profile."""
+    import json
+    if args.compression_options is not None:
+        return json.loads(args.compression_options)
+    return dict(profiles=[TABLE1_PROFILE], q_min=0.97) if args.compression == "auto" else {}
+
+
+def token_agreement(a, b) -> list[float]:
+    """Per request: the fraction of generated positions where runs a and b produced the same token."""
+    return [float(np.mean([x == y for x, y in zip(oa.token_ids, ob.token_ids)])) if oa.token_ids else float("nan")
+            for oa, ob in zip(a, b)]
+
+
+def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
+    """The compression part's CSVs and printout. Returns the mode invariant: every request that moved
+    with the same pipeline in full + compression and smartgen + compression generated the same tokens."""
+    from jkv.compression.profiling import load_profile
+    from jkv.compression.spec import UNCOMPRESSED
+
+    r = {name: runs[("compression", name)] for name, _, _ in COMPRESSION_RUNS}
+    hi = min(64, max_tokens)
+    summary = {name: summarize(outs) for name, outs in r.items()}
+    tbt_full = tbt_window(r["full"], 11, hi)
+    quality = {UNCOMPRESSED.id: 1.0}
+    for path in options.get("profiles", ()):
+        quality.update({pt.spec_id: pt.accuracy for pt in load_profile(path).points})
+    rows = [dict(run=name, **summary[name], ttst_full_over_run=summary["full"]["ttst"] / summary[name]["ttst"],
+                 **{f"tbt_steps_11_{hi}": tbt_window(r[name], 11, hi),
+                    f"tbt_11_{hi}_over_full": tbt_window(r[name], 11, hi) / tbt_full},
+                 kr_mean=float(np.mean([o.metrics.extra["kr"] for o in r[name]])),
+                 blocks_mean=float(np.mean([o.metrics.extra["blocks"] for o in r[name]]))) for name in r]
+    write_csv(os.path.join(RESULTS, f"{tag}_compression.csv"), rows)
+    reqs, same_choice_equal = [], True
+    for run, ref in (("full+comp", "full"), ("smartgen+comp", "smartgen")):
+        agree = token_agreement(r[run], r[ref])
+        for o, a, other in zip(r[run], agree, r["smartgen+comp" if run == "full+comp" else "full+comp"]):
+            x = o.metrics.extra
+            paths = x.get("compression_paths", {})
+            same_pipeline = x.get("compression") == other.metrics.extra.get("compression")
+            if same_pipeline and o.token_ids != other.token_ids:
+                same_choice_equal = False
+            reqs.append(dict(run=run, request=o.request_id, push=paths.get("push", x.get("compression")),
+                             on_demand=paths.get("on_demand"), metadata=paths.get("metadata"),
+                             reason=x.get("compression_reason"), profile_quality=quality.get(x.get("compression")),
+                             token_agreement_vs_uncompressed=a, same_pipeline_other_mode=same_pipeline,
+                             same_tokens_other_mode=o.token_ids == other.token_ids,
+                             encode_s=x.get("encode_s"), decode_s=x.get("decode_s"), kr=x["kr"], blocks=x["blocks"]))
+    write_csv(os.path.join(RESULTS, f"{tag}_compression_requests.csv"), reqs)
+    bounds = link_bounds(runs, bw, args.workers, max_tokens, ("compression", "full"), ("compression", "smartgen+comp"))
+    figures = dict(ttst_full_over_smartgen_comp=rows[3]["ttst_full_over_run"],
+                   ttst_full_over_full_comp=rows[1]["ttst_full_over_run"],
+                   ttst_full_over_smartgen=rows[2]["ttst_full_over_run"],
+                   tbt_smartgen_comp_over_full_11_64=rows[3][f"tbt_11_{hi}_over_full"],
+                   tbt_full_comp_over_full_11_64=rows[1][f"tbt_11_{hi}_over_full"],
+                   tbt_smartgen_over_full_11_64=rows[2][f"tbt_11_{hi}_over_full"],
+                   token_agreement_full_comp=float(np.mean(token_agreement(r["full+comp"], r["full"]))),
+                   token_agreement_smartgen_comp=float(np.mean(token_agreement(r["smartgen+comp"], r["smartgen"]))),
+                   min_profile_quality=min((q["profile_quality"] for q in reqs if q["profile_quality"] is not None),
+                                           default=float("nan")),
+                   same_pipeline_same_tokens=same_choice_equal, compression=args.compression,
+                   tp_s=tp, bandwidth_mbit=bw / 1e6, load_avg_at_pacing=args.pace_load,
+                   load_avg_1min=os.getloadavg()[0], **bounds)
+    write_csv(os.path.join(RESULTS, f"{tag}_compression_summary.csv"),
+              [dict(figure=k, value=v) for k, v in figures.items()], fields=["figure", "value"])
+    print(f"\ncompression part ({args.compression}): Tp={tp:.2f}s, paced {bw / 1e6:.2f} Mbit/s per prefill worker")
+    print(f"{'run':<14} {'TTFT':>6} {'TTST':>7} {'full/run':>8} {'TBT11-' + str(hi):>9} {'x full':>6} {'Kr':>6} "
+          f"{'proactive MB':>12} {'on-demand MB':>12} {'metadata MB':>11}")
+    for row in rows:
+        print(f"{row['run']:<14} {row['ttft']:6.2f} {row['ttst']:7.2f} {row['ttst_full_over_run']:8.2f} "
+              f"{row[f'tbt_steps_11_{hi}'] * 1e3:7.1f}ms {row[f'tbt_11_{hi}_over_full']:6.2f} {row['kr_mean']:6.0f} "
+              f"{row['bytes_proactive'] / 1e6:12.1f} {row['bytes_on_demand'] / 1e6:12.1f} {row['bytes_metadata'] / 1e6:11.1f}")
+    for q in reqs:
+        print(f"  {q['run']:<14} {q['request']:<12} push {q['push']} (quality {q['profile_quality']}, {q['reason']}), "
+              f"on-demand {q['on_demand']}, metadata {q['metadata']}; tokens vs uncompressed "
+              f"{q['token_agreement_vs_uncompressed']:.3f}; same tokens in the other mode {q['same_tokens_other_mode']}")
+    print(f"smartgen+comp link bound: TTST >= {bounds['ttst_smartgen_link_s']:.1f}s, ratio <= "
+          f"{bounds['ttst_ratio_link_bound']:.2f}x; on demand {bounds['smartgen_on_demand_MB_per_step_11_64']:.2f} MB "
+          f"per step 11-{hi} -> TBT floor {bounds['tbt_ratio_link_floor']:.2f}x full's")
+    print(f"mode invariant (same pipeline -> same tokens in full and smartgen): {same_choice_equal}")
+    return same_choice_equal
 
 
 def write_strategy(runs, tag, fractions):

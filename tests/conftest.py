@@ -100,6 +100,7 @@ LONG_FILES = (
     "tests/smartgen/test_smartgen_api.py",
     "tests/smartgen/test_smartgen_compiles.py",
     "tests/smartgen/test_prefix_split.py",
+    "tests/smartgen/test_harness.py",
     "tests/serve/test_supervision.py",
     "tests/serve/test_server_api.py",
     "tests/serve/test_config_shutdown.py",

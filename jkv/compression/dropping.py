@@ -230,9 +230,9 @@ class DroppingCodec(RequestCodec):
                 for kind, i in (("k", 0), ("v", 1)):
                     rows = kv_layer[i, :, start:stop][heads[:, None], pos]
                     t0 = time.perf_counter()
-                    data = self.pipeline.encode_block(rows.astype(WIRE_DTYPE), layer=layer, kind=kind)
+                    data, decoded = self.pipeline.roundtrip_block(rows.astype(WIRE_DTYPE), layer=layer, kind=kind)
                     self.encode_s += time.perf_counter() - t0
-                    kv_layer[i, heads[:, None], start + pos] = np.asarray(decode_block(data), np.float32)
+                    kv_layer[i, heads[:, None], start + pos] = np.asarray(decoded, np.float32)
                     parts.append(data)
                     self.encoded_bytes += len(data)
                 groups.append(tuple(parts))

@@ -104,10 +104,10 @@ class RequestCodec:
             parts = []
             for kind, i in (("k", 0), ("v", 1)):
                 t0 = time.perf_counter()
-                data = self.pipeline.encode_block(kv_layer[i, :, start:stop].astype(WIRE_DTYPE), layer=layer,
-                                                  kind=kind)
+                data, decoded = self.pipeline.roundtrip_block(kv_layer[i, :, start:stop].astype(WIRE_DTYPE),
+                                                              layer=layer, kind=kind)
                 self.encode_s += time.perf_counter() - t0
-                kv_layer[i, :, start:stop] = np.asarray(decode_block(data), np.float32)
+                kv_layer[i, :, start:stop] = np.asarray(decoded, np.float32)
                 parts.append(data)
                 self.encoded_bytes += len(data)
             self.raw_bytes += 2 * kv_layer[0, :, start:stop].size * WIRE_ITEMSIZE

@@ -107,6 +107,21 @@ class Pipeline:
 
     def encode_block(self, x, *, layer: int, kind: str) -> bytes:
         """x: [H_kv, Nb, D] float16/bfloat16/float32 (K or V of one layer block) -> container bytes."""
+        header, sections = self._encode(x, layer, kind)
+        return pack_container(header, sections, self.spec.codec)
+
+    def roundtrip_block(self, x, *, layer: int, kind: str) -> tuple[bytes, jax.Array]:
+        """(encode_block(x), decode_block of those bytes) without parsing the bytes back: the same
+        compiled decode runs on the sections before the (lossless) codec, so the values are bit for
+        bit what any receiver decodes. The prefill side's decode(encode(KV)) copy (`kv_transfer`)."""
+        header, sections = self._encode(x, layer, kind)
+        data = pack_container(header, sections, self.spec.codec)
+        shape = tuple(header["shape"])
+        plan = quantizers.QuantPlan.from_header(header["plan"])
+        return data, _decode_fn(self.spec.transform, plan, shape, header["dtype"])(dict(sections))
+
+    def _encode(self, x, layer: int, kind: str) -> tuple[dict, list[tuple[str, np.ndarray]]]:
+        """x -> (container header, [(section name, host array)]) in the layout's order."""
         if kind not in quantizers.KINDS:
             raise ValueError(f"{kind=} must be 'k' or 'v'")
         if not isinstance(layer, int) or layer < 0:
@@ -130,7 +145,7 @@ class Pipeline:
                              f"quantizer scales are float16, so values must be finite and <= {FP16_MAX}")
         header = {"spec": self.spec.id, "layer": layer, "kind": kind, "shape": list(shape), "dtype": dtype,
                   "transform": self.spec.transform.id, "plan": plan.to_header()}
-        return pack_container(header, [(name, np.asarray(sections[name])) for name in layout], self.spec.codec)
+        return header, [(name, np.asarray(sections[name])) for name in layout]
 
     def encode_kv(self, k, v, *, layer: int) -> tuple[bytes, bytes]:
         """K, V: [H_kv, Nb, D] of one layer block -> (k_bytes, v_bytes)."""

@@ -188,6 +188,19 @@ class CompressionPolicy:
         paths = choose_paths(d.profile.name, d.bandwidth_Bps, self.config.path_costs)
         return Choice(d.profile.name, d, t_model_s > 0, d.reason.split(":")[0], paths)  # "fallback: why" -> "fallback"
 
+    def wire_bytes(self, choice: Choice | None, kv_bytes: int, metadata_bytes: int) -> tuple[float, float]:
+        """(KV, metadata) bytes the request puts on its link under `choice`, for Eq. 2's Kr: with
+        the push compressed cr times, cr times more blocks fit in the prefill window. The KV's cr is
+        the controller's line for the chosen profile ("auto"; cr_wire against float32); a fixed
+        pipeline has no measured cr here and counts as uncompressed (Kr as without compression,
+        the conservative side). Metadata: `PathCosts.metadata_cr` when its codec is on."""
+        if choice is None:
+            return float(kv_bytes), float(metadata_bytes)
+        d = choice.decision
+        cr = d.profile.cr if d is not None and d.profile.name != BASELINE else 1.0
+        meta_cr = self.config.path_costs.metadata_cr if choice.metadata is not None else 1.0
+        return kv_bytes / cr, metadata_bytes / meta_cr
+
     def observe_link(self, nbytes: int, busy_s: float) -> None:
         """A busy-time goodput sample of the link (bytes the prefill worker sent, seconds busy)."""
         if nbytes >= max(1, self.config.min_sample_bytes) and busy_s > 0:

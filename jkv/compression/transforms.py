@@ -16,6 +16,7 @@ the round trip is within float32 rounding (identity: bitwise).
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import jax.numpy as jnp
@@ -26,15 +27,20 @@ from jkv.compression.spec import TransformSpec
 AFFINE_STORE_DTYPE = np.float16
 
 
+@functools.lru_cache(maxsize=16)
 def hadamard_matrix(d: int) -> np.ndarray:
-    """Orthonormal Sylvester-Hadamard matrix f32[d, d]; `d` must be a power of two."""
+    """Orthonormal Sylvester-Hadamard matrix f32[d, d] (read-only, cached: every block's encode,
+    layout check and decode asks for it, and building it with np.block cost ~15 % of the codec's
+    CPU on the transfer path); `d` must be a power of two."""
     if d < 1 or d & (d - 1):
         raise ValueError(f"Hadamard transform needs a power-of-two head dim; got D={d}. "
                          "Use the identity/affine/delta transform for this model.")
     h = np.ones((1, 1), dtype=np.float64)
     while h.shape[0] < d:
         h = np.block([[h, h], [h, -h]])
-    return (h / np.sqrt(d)).astype(np.float32)
+    h = (h / np.sqrt(d)).astype(np.float32)
+    h.flags.writeable = False
+    return h
 
 
 def side_layout(spec: TransformSpec, shape: tuple[int, int, int], dtype: np.dtype) -> dict[str, tuple[tuple, np.dtype]]:

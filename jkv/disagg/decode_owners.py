@@ -175,8 +175,10 @@ class OwnerSide:
                                 self.transfer.seed)
         request_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * n * cfg.head_dim * 4
         tp = self.profile.prefill_time(n) if self.profile is not None else None
-        kr = self.transfer.kr(geometry, tp, request_bytes, self._metadata_bytes(n))
         choice = self.compression.choose(request_bytes, tp or 0.0) if self.compression is not None else None
+        wire = (self.compression.wire_bytes(choice, request_bytes, self._metadata_bytes(n)) if choice is not None
+                else (request_bytes, self._metadata_bytes(n)))  # Eq. 2 on the bytes that cross (compressed)
+        kr = min(len(order), self.transfer.kr(geometry, tp, *wire))
         # Device pages first (OutOfPages fails this request alone), then the host staging buffers
         # the transport lands in (decode_pages.py: staging -> pages per layer). With prefix caching
         # the cached leading pages are shared and only blocks past them are planned (prefix_split.py).

@@ -5,6 +5,7 @@
     h.build_profile(1024)                       # calibration split, never the eval prompts
     tp, bw = h.pace_link(prompts, ratio=6.5)    # measure Tp, then pace so Tt = ratio * Tp
     outs = h.run("full", prompts, 32); outs = h.run("smartgen", prompts, 32)
+    outs = h.run("smartgen", prompts, 32, compression="auto", compression_options={"profiles": [path]})
 
 DESIGN.md "Emulating the papers' testbed": absolute times only mean something on a GPU, so the
 harness measures the prefill time Tp of the batch on this machine first and then re-paces
@@ -12,7 +13,9 @@ every prefill worker's link so the full transfer of its share takes `ratio` * Tp
 
 Processes: the caller's process is the decode worker; `LocalPrefillWorkers` runs the prefill
 workers. A fresh `DecodeWorker` (one endpoint) is made per run, so modes share the workers and
-their compiled programs; only one run at a time.
+their compiled programs; only one run at a time. `compression` ("off" | "auto" | a pipeline id,
+docs/compression.md) gives each run a fresh decode-side `CompressionPolicy` whose bandwidth
+estimate starts at the paced link (as `Disaggregation.compression_policy` does in serving).
 """
 from __future__ import annotations
 
@@ -155,13 +158,16 @@ class Harness:
         return tp, bw
 
     # ------------------------------------------------------------------ runs
-    def run(self, mode: str, prompts, max_tokens: int, **overrides):
+    def run(self, mode: str, prompts, max_tokens: int, compression: str = "off",
+            compression_options: dict | None = None, **overrides):
         kw = dict(mode=mode, max_blocks=self.max_blocks, bandwidth_bps=self.bandwidth_bps)
         kw.update(overrides)
         if self.profile is None and kw.get("kr_fraction") is None and mode != "full":
             raise ValueError("build_profile() first (or pass kr_fraction)")
+        policy = self.compression_policy(compression, compression_options)
         decode = DecodeWorker(self.model, self.selector, TransferConfig(**kw), secret=self._secret,
-                              profile=self.profile, oracle_profile=getattr(self, "oracle_profile", None))
+                              profile=self.profile, oracle_profile=getattr(self, "oracle_profile", None),
+                              compression=policy)
         decode.phases.probe = self.prefill_cpu_s  # per step: the prefill processes' CPU (probe_cpu_us_n)
         try:
             decode.connect(self.workers.addresses)
@@ -174,6 +180,15 @@ class Harness:
         if bad:
             raise RuntimeError(f"{mode}: {bad[0]}")
         return outs
+
+    def compression_policy(self, compression: str, options: dict | None = None):
+        """A fresh decode-side policy for one run (None for "off"), its estimate starting at the
+        paced link of one prefill worker."""
+        if compression == "off":
+            return None
+        from jkv.compression.policy import CompressionConfig, CompressionPolicy
+        return CompressionPolicy(CompressionConfig.from_options(compression, options or {}),
+                                 bandwidth_bps=self.bandwidth_bps)
 
     def prefill_cpu_s(self) -> float:
         """CPU seconds (user + system) the local prefill worker processes have used so far."""

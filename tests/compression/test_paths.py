@@ -161,6 +161,33 @@ def test_a_fixed_pipeline_compresses_every_path():
     assert choice.metadata == METADATA_CODEC and choice.paths.labels()["on_demand"] == "identity+tok4g32+none"
 
 
+def test_eq2_counts_the_bytes_that_cross_so_a_compressed_push_gets_more_proactive_blocks():
+    """A push compressed cr_wire times fits cr_wire times the blocks in the prefill window (SmartGen
+    Eq. 2 on the wire bytes); "off", an uncompressed choice and a fixed pipeline (no measured cr) plan
+    as uncompressed."""
+    from jkv.compression.profiling import ProfileFile, ProfilePoint
+    from jkv.transfer.plan import BlockGeometry, TransferConfig
+
+    cr_fp16 = 3.85
+    prof = ProfileFile("w", 0.9, 1 << 20, (ProfilePoint("hadamard+kivi4g128+zstdh3", 0.98, cr_fp16, 0.01, 1e8),))
+    kv, meta = 94e6, 7e6  # one 2K-token SmolLM2 request (float32 KV, InfiniGen metadata)
+    auto = CompressionPolicy(CompressionConfig("auto", profiles=("unused",), q_min=0.97), bandwidth_bps=20e6,
+                             profiles=[prof])
+    choice = auto.choose(int(kv), t_model_s=6.0)
+    assert choice.spec_id == "hadamard+kivi4g128+zstdh3" and choice.metadata == METADATA_CODEC
+    kv_wire, meta_wire = auto.wire_bytes(choice, kv, meta)
+    assert kv_wire == pytest.approx(kv / (2 * cr_fp16))  # profile CR is against fp16; the pool is float32
+    assert meta_wire == pytest.approx(meta / PathCosts().metadata_cr)
+    fixed = CompressionPolicy(CompressionConfig("hadamard+kivi4g128+zstdh3"))
+    assert fixed.wire_bytes(fixed.choose(int(kv)), kv, meta)[0] == kv
+    assert auto.wire_bytes(None, kv, meta) == (kv, meta)
+    geometry = BlockGeometry(2048, 30, 64)
+    cfg = TransferConfig(mode="smartgen", bandwidth_bps=20e6)
+    plain, compressed = cfg.kr(geometry, 6.0, kv, meta), cfg.kr(geometry, 6.0, kv_wire, meta_wire)
+    assert plain < compressed <= geometry.num_blocks
+    assert compressed >= 5 * plain  # ~7.7x the KV and 1.15x the metadata through the same window
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=2, max_size=2), st.booleans()), min_size=1,
                 max_size=4),
