@@ -148,6 +148,12 @@ class _Replicated(PagedBatcher):
     """The paged engine plus what every rank of a replica shares: the channel and the state digest."""
 
     def __init__(self, model, config, metrics=None, channel: StepChannel | None = None):
+        if config.schedule != "fifo":
+            # every rank must admit in rank 0's order; the cost-model policies time loads and
+            # prefills on each rank (and EDF reads local arrival times), so their picks would diverge
+            log.warning("multi-host replica: admission is FIFO on every rank (--schedule %s is for a "
+                        "single-process server)", config.schedule)
+            config = dataclasses.replace(config, schedule="fifo", cost_model=None)
         super().__init__(model, config, metrics)
         self.channel = channel or StepChannel()
 
@@ -223,6 +229,7 @@ class FollowerBatcher(_Replicated):
         """Follow rank 0's steps until its stop step (returns 0). Raises ReplicaLostError when rank 0
         or another rank dies, MultiHostError when this rank's engine state diverged from rank 0's."""
         self.kv = self._new_cache()
+        self._start_scheduler()  # FIFO, as on rank 0 (see _Replicated)
         steps = 0
         try:
             while True:
