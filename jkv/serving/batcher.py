@@ -278,6 +278,7 @@ class ContinuousBatcher:
         self._lock = threading.Lock()  # guards the counters read by other threads
         self._n_waiting = 0
         self._n_running = 0
+        self._dead: str | None = None  # why the engine thread died; submit refuses from then on
 
     # ------------------------------------------------------------ any thread
     def check_request(self, prompt_len: int, max_tokens: int):
@@ -296,9 +297,11 @@ class ContinuousBatcher:
         self.check_request(len(req.prompt_token_ids), req.params.max_tokens)
         if self._stop.is_set():
             raise RuntimeError("the engine is shutting down; no new requests are accepted")
-        with self._lock:
+        with self._lock:  # with the crash handler's drain: a request is either failed by it or refused here
+            if self._dead is not None:
+                raise RuntimeError(self._dead)
             self._n_waiting += 1
-        self._inbox.put(("submit", req))  # the engine thread publishes the gauges (one writer, no stale values)
+            self._inbox.put(("submit", req))  # the engine thread publishes the gauges (one writer, no stale values)
 
     def cancel(self, request_id: str):
         """Cancel a waiting or running request (thread-safe); its slot is freed before the next step."""
@@ -361,7 +364,10 @@ class ContinuousBatcher:
                 self._step()
         except Exception as e:  # the engine is dead: fail everything loudly rather than hang clients
             log.exception("engine thread crashed")
-            self._fail_all(self._crash_message(e))
+            message = self._crash_message(e)
+            with self._lock:
+                self._dead = f"{message} (the engine thread has stopped; restart the server)"
+            self._fail_all(message)
             raise
         self._fail_all("the server is shutting down")
 

@@ -106,6 +106,7 @@ class DisaggBatcher:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._n_waiting = 0
+        self._dead: str | None = None  # why the engine thread died; submit refuses from then on
         self._cancelled_waiting: set[str] = set()
         if metrics is not None and metrics.kv is not None:
             metrics.kv.watch_pool(worker.pool)  # host staging
@@ -125,9 +126,11 @@ class DisaggBatcher:
         if self._stop.is_set():
             raise RuntimeError("the engine is shutting down; no new requests are accepted")
         self._check_live_owner()
-        with self._lock:
+        with self._lock:  # with _crash's drain: a request is either failed by it or refused here
+            if self._dead is not None:
+                raise RuntimeError(self._dead)
             self._n_waiting += 1
-        self._inbox.put(req)
+            self._inbox.put(req)
         self._set_gauges()
 
     def cancel(self, request_id: str):
@@ -235,6 +238,27 @@ class DisaggBatcher:
             self.metrics.set_engine_state(waiting=self._n_waiting, running=running, slots=self.config.max_slots)
 
     def _loop(self):
+        try:
+            self._serve()
+        except Exception as e:  # the engine is dead: fail every open request loudly rather than hang clients
+            log.exception("decode engine thread crashed")
+            self._crash(f"engine error: {e}")
+            raise
+
+    def _crash(self, message: str):
+        """Refuse new requests, fail waiting and running ones, and release what the worker holds."""
+        with self._lock:
+            self._dead = f"{message} (the decode engine thread has stopped; restart the server)"
+            running = list(self._running.values())
+        self._fail_waiting(message)
+        for run in running:
+            self._on_done(run, None, error=message)
+            try:  # frees its KV on both roles; the worker may be what broke, so this is best effort
+                self.worker.cancel(run.req.request_id)
+            except Exception:  # noqa: BLE001 - already failing; the first error is the one logged
+                log.exception("releasing request %s after the crash failed", run.req.request_id)
+
+    def _serve(self):
         while not self._stop.is_set():
             busy = bool(self._waiting or self.worker.num_active)
             try:

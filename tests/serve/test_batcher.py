@@ -98,6 +98,33 @@ def test_stop_fails_running_requests_with_an_error_event(model):
     assert b.num_running == 0
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the crash, re-raised
+@pytest.mark.parametrize("layout", ["slots", "paged"])
+def test_after_an_engine_crash_new_requests_are_refused_not_left_waiting(model, layout, monkeypatch):
+    from jkv.serving.batcher import create_batcher
+
+    b = create_batcher(model, BatcherConfig(max_slots=2, max_model_len=256, kv_layout=layout))
+    steps = 0
+
+    def broken_decode(*a, **kw):  # the first decode step of the engine dies (a bug, a device error)
+        nonlocal steps
+        steps += 1
+        raise RuntimeError("boom in decode")
+
+    monkeypatch.setattr(b, "_step", broken_decode)
+    b.start()
+    try:
+        first = _collect(_submit(b, "a", [3, 4], SamplingParams(max_tokens=5)), timeout=30)
+        assert first[-1].finish_reason == "error" and "boom in decode" in first[-1].error
+        b._thread.join(10)
+        assert not b._thread.is_alive() and steps >= 1
+        with pytest.raises(RuntimeError, match="engine thread has stopped; restart the server"):
+            _submit(b, "b", [3, 4], SamplingParams(max_tokens=5))  # before the fix: queued forever, no event
+        assert b.num_waiting == 0 and not b.readiness()[0]
+    finally:
+        b.stop()
+
+
 def test_smollm2_chat_with_stop_string_equals_llm_generate():
     """The real model: text through the batcher (streamed deltas) equals LLM.generate, stop string included."""
     smol = load_model("smollm2-135m-instruct")
@@ -117,3 +144,53 @@ def test_smollm2_chat_with_stop_string_equals_llm_generate():
         b.stop()
     assert "".join(ev.text for ev in events) == events[-1].final_text == want
     assert events[-1].finish_reason == "stop" and len(want) > 5
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the crash, re-raised
+def test_a_disaggregated_decode_engine_crash_fails_its_requests_frees_their_kv_and_refuses_new_ones(model):
+    """DisaggBatcher's engine thread dying in a worker step (before: running requests waited forever,
+    and every later request too): the running request ends with the error, the worker is told to
+    release its KV, and a new submit is refused with the reason (the server's 503)."""
+    from types import SimpleNamespace as NS
+
+    from jkv.kvcache import PageConfig
+    from jkv.serving.disagg_decode import DisaggBatcher
+
+    class CrashingWorker:
+        on_failure, owners = "fail", ["p0"]
+        pages = NS(cache=NS(page_cfg=PageConfig(16, 64), prefix_caching=False))
+        endpoint = NS(peers={})
+
+        def __init__(self):
+            self.active, self.cancelled = set(), []
+
+        def owner_alive(self, owner):
+            return True
+
+        def submit(self, request, *, on_token=None, on_done=None, owner=None):
+            self.active.add(request.request_id)
+
+        @property
+        def num_active(self):
+            return len(self.active)
+
+        def step(self, wait=0.0):
+            raise RuntimeError("boom in the decode step")
+
+        def cancel(self, request_id):
+            self.cancelled.append(request_id)
+            self.active.discard(request_id)
+            return True
+
+    worker = CrashingWorker()
+    b = DisaggBatcher(model, worker, BatcherConfig(2, 256, kv_layout="paged"))
+    b.start()
+    try:
+        events = _collect(_submit(b, "a", [3, 4], SamplingParams(max_tokens=5)), timeout=30)
+        assert events[-1].finish_reason == "error" and "boom in the decode step" in events[-1].error
+        assert worker.cancelled == ["a"] and worker.num_active == 0
+        with pytest.raises(RuntimeError, match="decode engine thread has stopped; restart the server"):
+            _submit(b, "b", [3, 4], SamplingParams(max_tokens=5))
+        assert b.num_waiting == 0 and not b.readiness()[0]
+    finally:
+        b.stop(timeout=5)
