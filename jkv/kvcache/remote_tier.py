@@ -3,7 +3,9 @@
 Pages are stored under the same chained keys as in L1 and L2 (`ChunkKey(namespace, -1, page_key)`;
 the namespace names the model id and weights fingerprint, the KV dtype and the page size), payload
 `[L, 2, H_kv, P, D]` in the cache's dtype. Writes come from the write-back's remote stage
-(`writeback.py`); reads are prefetches the engine starts for the request at the head of its queue:
+(`writeback.py`: evicted pages, and finished requests' pages); reads are prefetches, started by the
+serving engine's loading stage (`read`, on its fetch thread: jkv/serving/prefix_loader.py) or by a
+caller that admits requests itself (`PagedKVCache.prefetch_remote`):
 
     engine thread                                   loader thread (one of two)
     pre = tier.prefetch(keys, start)         -->    pool.get_many(keys)   (one round trip, op timeout)
@@ -187,6 +189,17 @@ class RemoteTier:
             self._failed(f"no answer to a lookup within the op timeout ({self.op_timeout_s:.2f} s)")
             prefetch.outcome = []
         return prefetch.outcome
+
+    def read(self, keys: list[bytes]) -> list[np.ndarray]:
+        """A loading stage's thread (jkv/serving/prefix_loader.py): keys' verified leading run of
+        pages, waiting at most the op timeout: a `prefetch` and its `collect`, so a read past its
+        deadline is abandoned the same way (counted, warned; the request recomputes)."""
+        pre = self.prefetch(keys, 0)
+        if pre is None:
+            return []
+        while (pages := self.collect(pre)) is None:
+            concurrent.futures.wait([pre.future], timeout=max(0.001, pre.deadline - time.monotonic()))
+        return pages
 
     # ---------------------------------------------------------------- writes (write-back's remote stage)
     def put_pages(self, data: np.ndarray, keys: list[bytes]) -> int:
