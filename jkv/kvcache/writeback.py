@@ -1,5 +1,6 @@
 """Asynchronous write-back of the prefix cache: device pages the allocator evicts are copied to the
-host tier (L2) and the remote tier (L3) off the engine thread.
+host tier (L2) and the remote tier (L3) off the engine thread, and so are a finished request's
+cached pages, to L3 only (`submit(host=False)`: they stay in L1; L3 is what other servers share).
 
     engine thread (allocator's eviction hook)      host stage thread          remote stage thread
     snapshot = gather_pages(kv, pages)  -- job -->  np.asarray(snapshot)  -->  pool.put per page

@@ -91,16 +91,26 @@ def _seed(model, reference, url=GATED):
         _finish(a)
 
 
-def test_while_a_prefix_loads_from_l3_another_request_is_admitted_and_streams_all_its_tokens(model, reference, l3):
-    """fifo: before the loading stages the head request's L3 read held the whole queue."""
+def _load_behind_the_gate(model, reference, l3):
+    """A second batcher, and request X on PROMPT (its 4 pages in L3 only) with its L3 read waiting
+    at the closed gate: (batcher, its metrics, X's event queue)."""
     _seed(model, reference)
     metrics = ServerMetrics()
     b = _with_l3(model, metrics)
+    l3.gate.clear()
+    l3.reading.clear()
+    q = submit(b, "X", PROMPT, _greedy(MAX_TOKENS), logprobs=1)
+    if not l3.reading.wait(60):
+        l3.gate.set()
+        _finish(b)
+        raise AssertionError("X's prefix never reached the fetch stage")
+    return b, metrics, q
+
+
+def test_while_a_prefix_loads_from_l3_another_request_is_admitted_and_streams_all_its_tokens(model, reference, l3):
+    """fifo: before the loading stages the head request's L3 read held the whole queue."""
+    b, metrics, loading = _load_behind_the_gate(model, reference, l3)
     try:
-        l3.gate.clear()
-        l3.reading.clear()
-        loading = submit(b, "X", PROMPT, _greedy(MAX_TOKENS), logprobs=1)
-        assert l3.reading.wait(60), "X's prefix never reached the fetch stage"
         short = _prompt(np.random.default_rng(3), PAGE)  # no shareable page: nothing to load
         got = _answer(collect(submit(b, "R", short, _greedy(24), logprobs=1), timeout=45))
         assert not l3.gate.is_set() and loading.empty(), "R ran only after X's load"
@@ -119,14 +129,8 @@ def test_while_a_prefix_loads_from_l3_another_request_is_admitted_and_streams_al
 
 def test_cancelling_a_request_mid_load_frees_its_pages_and_staging_rows_and_a_retry_loads_right(
         model, reference, l3):
-    _seed(model, reference)
-    metrics = ServerMetrics()
-    b = _with_l3(model, metrics)
+    b, metrics, q = _load_behind_the_gate(model, reference, l3)
     try:
-        l3.gate.clear()
-        l3.reading.clear()
-        q = submit(b, "X", PROMPT, _greedy(MAX_TOKENS))
-        assert l3.reading.wait(60)
         b.cancel("X")
         assert collect(q)[-1].finish_reason == "cancelled"
         assert b.pages_in_use == 0 and b.kv.requests == [] and b.loader.loading == 0  # before the read returns
