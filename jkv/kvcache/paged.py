@@ -25,7 +25,6 @@ them; the device arrays are used by one thread at a time (the one that runs the 
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import threading
 from typing import Collection, Hashable, Sequence
@@ -45,7 +44,6 @@ from .remote_tier import RemoteTier
 from .writeback import WriteBack
 
 MIN_TABLE_PAGES = 4
-L3_KNOWN_KEYS = 1 << 16  # keys remembered as written to (or read from) L3: finished requests skip them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +122,6 @@ class PagedKVCache:
         self.prefix_hits_host = 0  # ... and from the host tier
         self.prefix_hits_remote = 0  # ... and from the remote tier
         self.finished_writes = 0  # pages of finished requests handed to the write-back for L3
-        self._in_l3: collections.OrderedDict[bytes, None] = collections.OrderedDict()  # recent, bounded
         self._lock = threading.Lock()
 
     @property
@@ -233,8 +230,6 @@ class PagedKVCache:
                     from_remote = len(use)
             for i in range(loaded + from_remote):
                 self.allocator.cache_page(new[i], keys[len(shared) + i])
-            for i in range(loaded, loaded + from_remote):
-                self._note_in_l3(keys[len(shared) + i])
             hit = len(shared) + loaded + from_remote
             self._committed[request_id] = hit
             self.prefix_hits_host += loaded * P
@@ -288,14 +283,12 @@ class PagedKVCache:
             if pages is None:
                 return 0
             keys, start = self._keys[request_id], self._committed[request_id]
-            remote = [i for i in from_remote if i < loaded]
+            n_remote = sum(i < loaded for i in from_remote)
             for i in range(start, start + loaded):
                 self.allocator.cache_page(pages[i], keys[i])
-            for i in remote:
-                self._note_in_l3(keys[start + i])
             self._committed[request_id] = start + loaded
-            self.prefix_hits_host += (loaded - len(remote)) * P
-            self.prefix_hits_remote += len(remote) * P
+            self.prefix_hits_host += (loaded - n_remote) * P
+            self.prefix_hits_remote += n_remote * P
             return (start + loaded) * P
 
     def commit_pages(self, request_id: Hashable, tokens) -> int:
@@ -344,23 +337,13 @@ class PagedKVCache:
     def _write_back_finished(self, pages: list[int], keys: list[bytes]) -> None:
         """Under the lock: dispatch a snapshot of `pages` that are in the prefix cache under their key
         (a page kept private because another page holds its key is skipped: that one is written)
-        and that L3 is not known to hold, and queue it for L3 only (L1 keeps them: no L2 copy)."""
+        and that L3 is not known to hold (`RemoteTier.holds`), and queue it for L3 only (L1 keeps
+        them: no L2 copy)."""
         todo = [(p, keys[i]) for i, p in enumerate(pages)
-                if keys[i] not in self._in_l3 and self.allocator.key_of(p) == keys[i]]
-        if not todo:
-            return
-        if self.writeback.submit(gather_snapshot(self.kv, [p for p, _ in todo]), [k for _, k in todo], host=False):
+                if self.allocator.key_of(p) == keys[i] and not self.remote.holds(keys[i])]
+        if todo and self.writeback.submit(gather_snapshot(self.kv, [p for p, _ in todo]), [k for _, k in todo],
+                                          host=False):
             self.finished_writes += len(todo)
-            for _, k in todo:
-                self._note_in_l3(k)
-
-    def _note_in_l3(self, key: bytes) -> None:
-        """Remember that L3 holds `key` (read from it, or queued for it): the most recent
-        L3_KNOWN_KEYS only. A pool that lost the key costs a miss; the eviction write-back rewrites it."""
-        self._in_l3[key] = None
-        self._in_l3.move_to_end(key)
-        if len(self._in_l3) > L3_KNOWN_KEYS:
-            self._in_l3.popitem(last=False)
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (evictable pages become free); returns the keys dropped."""

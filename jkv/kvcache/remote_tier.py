@@ -30,6 +30,7 @@ verification; the counters are guarded by `_lock`.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -45,6 +46,7 @@ from jkv.kvpool.hashing import ChunkKey, ChunkNamespace
 log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 30.0
+KNOWN_KEYS = 1 << 16  # keys remembered as stored in / read from the pool (`holds`), most recent first
 SCHEMES = ("redis://", "rediss://", "unix://", "jkvpool://")
 
 
@@ -76,7 +78,6 @@ class Prefetch:
     future: concurrent.futures.Future
     deadline: float  # time.monotonic() after which the engine stops waiting
     outcome: list[np.ndarray] | None = None  # set by the first `collect` that resolves it
-    measured: bool = False  # its load time was recorded (the engine may collect it again)
 
 
 class RemoteTier:
@@ -103,6 +104,7 @@ class RemoteTier:
         self._failures = 0  # timeouts the engine saw and pages failing verification
         self.loaded_pages = 0  # pages read back and verified (the engine counts the ones it used)
         self.lookups = 0  # prefetches started
+        self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def _key(self, digest: bytes) -> ChunkKey:
         return ChunkKey(self.namespace, -1, digest)
@@ -169,7 +171,23 @@ class RemoteTier:
             n += 1
         with self._lock:
             self.loaded_pages += n
+        self._remember(keys[:n])
         return buffers[:n]
+
+    def _remember(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._known[k] = None
+                self._known.move_to_end(k)
+            while len(self._known) > KNOWN_KEYS:
+                self._known.popitem(last=False)
+
+    def holds(self, key: bytes) -> bool:
+        """This tier stored `key` in the pool or read it back, lately (the last KNOWN_KEYS such keys):
+        a finished request need not write it again. A pool that lost it since costs a miss (and the
+        eviction write-back writes it again)."""
+        with self._lock:
+            return key in self._known
 
     def collect(self, prefetch: Prefetch) -> list[np.ndarray] | None:
         """Engine thread: the prefetched pages for keys[start:start + n] (a leading run, maybe
@@ -212,6 +230,7 @@ class RemoteTier:
             errors_before = getattr(self.pool, "errors", 0)
             if self.pool.put(self._key(k), np.ascontiguousarray(data[i])):
                 stored += 1
+                self._remember([k])
             elif getattr(self.pool, "errors", 0) > errors_before:
                 self._failed("write of a page failed (see the KV pool's warning)", counted=True)
                 break

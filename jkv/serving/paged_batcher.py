@@ -284,7 +284,8 @@ class PagedBatcher(ContinuousBatcher):
             total = n if req.prompt_only else n + req.params.max_tokens
             from_cache = req.prompt_logprobs is None and req.prefix_cache  # else computed from position 0
             load = from_cache and self.loader is not None and self._has_load(req)
-            if (self.loader.loading >= self.config.max_slots) if load else None not in self._slots:
+            full = self.loader.loading >= self.config.max_slots if load else None not in self._slots
+            if full:
                 return
             try:
                 plan, cached = None, 0
@@ -303,7 +304,7 @@ class PagedBatcher(ContinuousBatcher):
                              e.needed, e.free, self.kv.pages_in_use)
                 return
             self._next_key += 1
-            info = self.scheduler.info(req, self._estimate)
+            info = self.scheduler.info(req, self._estimate) if plan is not None else None  # before forget
             self._waiting.remove(req)
             self.scheduler.forget(req)
             if self._sched_metrics is not None:
