@@ -329,6 +329,12 @@ class PagedBatcher(ContinuousBatcher):
             self._n_running += 1
         self._set_gauges()
 
+    def _idle(self) -> bool:
+        """Also idle while nothing runs and requests wait only for loads in flight (for the stages'
+        room or the pages they hold): a load's events arrive through the inbox and wake the loop."""
+        loading = self.loader is not None and self.loader.loading > 0
+        return self._n_running == 0 and (not self._waiting or loading)
+
     def _has_load(self, req: EngineRequest) -> bool:
         """Shareable pages of its prompt that L1 lacks sit in L2, or may sit in L3."""
         _, l2, rest = self.kv.tier_run(req.prompt_token_ids)
