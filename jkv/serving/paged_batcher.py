@@ -44,8 +44,9 @@ prefills from its first page not loaded (a page both tiers miss, a failed read o
 op timeout `prefix_cache_l3_timeout` is recomputed; jkv/kvcache/remote_tier.py).
 
 Admission order (`schedule`, jkv/serving/admission.py): the request admitted next (seated, or sent
-to the loading stages, whose queues the same policy orders) is the policy's pick among the waiting ones (fifo: the oldest; sjf / srpt /
-lstf by the cost model of its prefix load and prefill; edf by its slo_ms deadline). The cost model
+to the loading stages, whose queues the same policy orders) is the policy's pick among the waiting
+ones (fifo: the oldest; sjf / srpt / lstf by the cost model of its prefix load and prefill; edf by
+its slo_ms deadline). The cost model
 is loaded from `cost_model` or probed from the engine at start (jkv/serving/cost_probe.py) and
 refitted from the loads and single-chunk prefills the engine measures while serving.
 
@@ -195,7 +196,8 @@ class PagedBatcher(ContinuousBatcher):
                 z = np.zeros(B, np.int32)
                 logits, kv.kv = self.model.paged_decode_step(kv.kv, table, z, z)
         logits, kv.kv = self.model.prefill_chunk(kv.kv, table[:1, :widths[0]], np.zeros((1, T), np.int32), z[:1], one)
-        if self.config.prefix_cache_host_bytes or self.config.prefix_cache_l3:  # the loading stages' page write
+        tiers = self.config.prefix_cache_host_bytes or self.config.prefix_cache_l3
+        if tiers and self.prefix_namespace is not None:  # the loading stages' page write
             from ..kvcache.host_tier import scatter_pages
             from .prefix_loader import CHUNK_PAGES
 
