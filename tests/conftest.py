@@ -97,6 +97,7 @@ LONG_FILES = (
     "tests/selection/test_min_budget.py",
     "tests/serve/test_batcher.py",
     "tests/serve/test_prefix_l3.py",
+    "tests/serve/test_prefix_loading.py",
     "tests/smartgen/test_smartgen_api.py",
     "tests/smartgen/test_smartgen_compiles.py",
     "tests/smartgen/test_prefix_split.py",

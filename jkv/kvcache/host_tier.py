@@ -10,7 +10,8 @@ never wrong bytes.
 Threads: writes are asynchronous (`writeback.py`: the allocator's eviction hook on the engine thread
 only dispatches a `gather_pages` snapshot; a background thread copies it to host and puts it
 here); `load` runs on the thread that admits the request and replaces `PagedKVCache.kv`, which
-only that thread touches.
+only that thread touches; `read` (host memory only) runs on the loading stages' fetch thread
+(jkv/serving/prefix_loader.py).
 """
 from __future__ import annotations
 
@@ -68,10 +69,17 @@ class HostTier:
         """Copy the payloads of `keys` into `pages` (same length) of `cache`; returns (new cache,
         how many leading keys were loaded: fewer if the pool dropped one since `available`)."""
         buffers = [np.empty(page_shape, dtype) for _ in keys]
+        n = self.read(keys, buffers)
+        return load_pages(cache, pages[:n], buffers[:n]), n
+
+    def read(self, keys: list[bytes], buffers) -> int:
+        """Copy the payloads of `keys` into buffers[i] (each one page, [L, 2, H_kv, P, D]); returns
+        how many leading keys were read (fewer if the pool dropped one since `available`). Any
+        thread: the pool locks itself."""
         metas = self.pool.get_many([self._key(k) for k in keys], buffers)
         n = next((i for i, m in enumerate(metas) if m is None or m.nbytes != buffers[i].nbytes), len(keys))
         self.hits += n
-        return load_pages(cache, pages[:n], buffers[:n]), n
+        return n
 
 
 def load_pages(cache, pages: list[int], buffers: list[np.ndarray]):

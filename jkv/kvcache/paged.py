@@ -25,8 +25,9 @@ them; the device arrays are used by one thread at a time (the one that runs the 
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import Hashable, Sequence
+from typing import Collection, Hashable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +44,17 @@ from .remote_tier import RemoteTier
 from .writeback import WriteBack
 
 MIN_TABLE_PAGES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    """What `reserve_for_load` gives the loading stages: the request shares its first `shared`
+    pages from L1; keys[i] (a shareable page L1 lacks) is to be loaded from L2 or L3 into pages[i],
+    a page the request already holds."""
+
+    shared: int
+    keys: list[bytes]
+    pages: list[int]
 
 
 def kv_bytes_per_token(model_cfg: ModelConfig, dtype=None) -> int:
@@ -109,6 +121,7 @@ class PagedKVCache:
         self.prefix_hits = 0  # of those, tokens whose KV came from cached device pages
         self.prefix_hits_host = 0  # ... and from the host tier
         self.prefix_hits_remote = 0  # ... and from the remote tier
+        self.finished_writes = 0  # pages of finished requests handed to the write-back for L3
         self._lock = threading.Lock()
 
     @property
@@ -200,16 +213,9 @@ class PagedKVCache:
             self.reserve(request_id, n_tokens)
             return 0
         P = self.page_size
-        keys = self.prompt_keys(prompt)
         with self._lock:
-            shared = self.allocator.match(keys)
+            keys, shared, new = self._reserve_shared(request_id, prompt, n_tokens)
             in_host = self.host.available(keys[len(shared):]) if self.host is not None else 0
-            need = self.page_cfg.pages_for(max(n_tokens, len(prompt))) - len(shared)
-            try:
-                new = self.allocator.allocate(max(need, 0))  # may write evicted pages back (L2, L3)
-            except OutOfPages as e:
-                self.allocator.decref(shared)
-                raise OutOfPages(e.needed + len(shared), e.free + len(shared), e.capacity) from None
             loaded = 0
             if in_host:  # the next pages come back from L2 instead of being recomputed
                 self.kv, loaded = self.host.load(self.kv, keys[len(shared):len(shared) + in_host], new,
@@ -225,15 +231,65 @@ class PagedKVCache:
             for i in range(loaded + from_remote):
                 self.allocator.cache_page(new[i], keys[len(shared) + i])
             hit = len(shared) + loaded + from_remote
-            self._pages[request_id] = shared + new
-            self._lengths[request_id] = max(int(n_tokens), len(prompt))
-            self._keys[request_id] = keys
             self._committed[request_id] = hit
-            self.prefix_queries += len(keys) * P
-            self.prefix_hits += len(shared) * P
             self.prefix_hits_host += loaded * P
             self.prefix_hits_remote += from_remote * P
             return hit * P
+
+    def _reserve_shared(self, request_id: Hashable, prompt, n_tokens: int):
+        """Under the lock: share the prompt's cached leading pages and allocate the rest of its pages;
+        returns (its shareable keys, the shared pages, the new pages). Raises `OutOfPages` with
+        nothing held."""
+        keys = self.prompt_keys(prompt)
+        shared = self.allocator.match(keys)
+        need = self.page_cfg.pages_for(max(n_tokens, len(prompt))) - len(shared)
+        try:
+            new = self.allocator.allocate(max(need, 0))  # may write evicted pages back (L2, L3)
+        except OutOfPages as e:
+            self.allocator.decref(shared)
+            raise OutOfPages(e.needed + len(shared), e.free + len(shared), e.capacity) from None
+        self._pages[request_id] = shared + new
+        self._lengths[request_id] = max(int(n_tokens), len(prompt))
+        self._keys[request_id] = keys
+        self._committed[request_id] = len(shared)
+        self.prefix_queries += len(keys) * self.page_size
+        self.prefix_hits += len(shared) * self.page_size
+        return keys, shared, new
+
+    def reserve_for_load(self, request_id: Hashable, prompt, n_tokens: int) -> LoadPlan:
+        """Start a new request whose prefix is loaded by the loading stages (jkv/serving/prefix_loader.py):
+        share its prompt's cached leading pages, allocate all its other pages now (CALVO's proactive
+        allocation: the loads land in pages the request already holds, so nothing can take them),
+        and return which shareable pages to load into which of them. Call `finish_load` when the
+        loads have landed, `free` to give everything back (cancel, failure). Raises `OutOfPages`
+        with nothing held; ValueError without prefix caching."""
+        if not self.prefix_caching:
+            raise ValueError("reserve_for_load needs prefix caching (PagedKVCache(prefix_namespace=...))")
+        if request_id in self._pages:
+            raise ValueError(f"request {request_id!r} already holds pages; reserve_for_load starts a new request")
+        with self._lock:
+            keys, shared, new = self._reserve_shared(request_id, prompt, n_tokens)
+            rest = keys[len(shared):]
+            return LoadPlan(len(shared), rest, new[:len(rest)])
+
+    def finish_load(self, request_id: Hashable, loaded: int, from_remote: Collection[int] = ()) -> int:
+        """The first `loaded` pages of the request's `LoadPlan` hold their KV now (their copies were
+        issued); `from_remote`: the plan indices among them read from L3 (the others came from L2).
+        Offers them to the prefix cache and counts the hits. Returns the tokens whose KV is in the
+        request's pages (compute starts there); 0 if the request is gone (cancelled meanwhile)."""
+        P = self.page_size
+        with self._lock:
+            pages = self._pages.get(request_id)
+            if pages is None:
+                return 0
+            keys, start = self._keys[request_id], self._committed[request_id]
+            n_remote = sum(i < loaded for i in from_remote)
+            for i in range(start, start + loaded):
+                self.allocator.cache_page(pages[i], keys[i])
+            self._committed[request_id] = start + loaded
+            self.prefix_hits_host += (loaded - n_remote) * P
+            self.prefix_hits_remote += n_remote * P
+            return (start + loaded) * P
 
     def commit_pages(self, request_id: Hashable, tokens) -> int:
         """Offer the request's full pages to the prefix cache: tokens (i32[N]) are the tokens whose
@@ -258,9 +314,13 @@ class PagedKVCache:
             self._committed[request_id] = max(start, full)
             return cached
 
-    def free(self, request_id: Hashable) -> int:
+    def free(self, request_id: Hashable, write_back: bool = False) -> int:
         """Drop the request's references to its pages; returns how many pages no request holds now
         (free, or evictable cached prefix pages).
+
+        write_back (with an L3 tier; call it on the thread that runs the model): first hand the
+        request's cached full pages that L3 is not known to hold to the write-back (asynchronous,
+        bounded: a full stage drops them, counted), so other servers sharing the pool can hit them.
 
         Safe to call twice (and for an id never reserved): cancel, failure and finish paths may
         each free a request, and only the first call releases anything.
@@ -268,9 +328,22 @@ class PagedKVCache:
         with self._lock:
             pages = self._pages.pop(request_id, None)
             self._lengths.pop(request_id, None)
-            self._keys.pop(request_id, None)
-            self._committed.pop(request_id, None)
+            keys = self._keys.pop(request_id, None)
+            committed = self._committed.pop(request_id, 0)
+            if write_back and pages and keys and self.remote is not None:
+                self._write_back_finished(pages[:min(committed, len(keys))], keys)
             return len(self.allocator.decref(pages)) if pages else 0
+
+    def _write_back_finished(self, pages: list[int], keys: list[bytes]) -> None:
+        """Under the lock: dispatch a snapshot of `pages` that are in the prefix cache under their key
+        (a page kept private because another page holds its key is skipped: that one is written)
+        and that L3 is not known to hold (`RemoteTier.holds`), and queue it for L3 only (L1 keeps
+        them: no L2 copy)."""
+        todo = [(p, keys[i]) for i, p in enumerate(pages)
+                if self.allocator.key_of(p) == keys[i] and not self.remote.holds(keys[i])]
+        if todo and self.writeback.submit(gather_snapshot(self.kv, [p for p, _ in todo]), [k for _, k in todo],
+                                          host=False):
+            self.finished_writes += len(todo)
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (evictable pages become free); returns the keys dropped."""
@@ -367,7 +440,8 @@ class PagedKVCache:
                        prefix_host_evictions=pool.evictions)
         if self.remote is not None:  # own counters only: a scrape never waits on the remote pool
             out.update(prefix_hit_tokens_remote=self.prefix_hits_remote, prefix_remote_writes=self.writeback.remote_writes,
-                       prefix_remote_lookups=self.remote.lookups, prefix_l3_errors=self.remote.errors)
+                       prefix_remote_lookups=self.remote.lookups, prefix_l3_errors=self.remote.errors,
+                       prefix_finished_writes=self.finished_writes)
         if self.writeback is not None:
             out.update(prefix_writeback_pending_pages=self.writeback.pending_pages,
                        prefix_writeback_dropped_host=self.writeback.dropped["host"],

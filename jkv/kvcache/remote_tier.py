@@ -3,7 +3,9 @@
 Pages are stored under the same chained keys as in L1 and L2 (`ChunkKey(namespace, -1, page_key)`;
 the namespace names the model id and weights fingerprint, the KV dtype and the page size), payload
 `[L, 2, H_kv, P, D]` in the cache's dtype. Writes come from the write-back's remote stage
-(`writeback.py`); reads are prefetches the engine starts for the request at the head of its queue:
+(`writeback.py`: evicted pages, and finished requests' pages); reads are prefetches, started by the
+serving engine's loading stage (`read`, on its fetch thread: jkv/serving/prefix_loader.py) or by a
+caller that admits requests itself (`PagedKVCache.prefetch_remote`):
 
     engine thread                                   loader thread (one of two)
     pre = tier.prefetch(keys, start)         -->    pool.get_many(keys)   (one round trip, op timeout)
@@ -28,6 +30,7 @@ verification; the counters are guarded by `_lock`.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -43,6 +46,7 @@ from jkv.kvpool.hashing import ChunkKey, ChunkNamespace
 log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 30.0
+KNOWN_KEYS = 1 << 16  # keys remembered as stored in / read from the pool (`holds`), most recent first
 SCHEMES = ("redis://", "rediss://", "unix://", "jkvpool://")
 
 
@@ -74,7 +78,6 @@ class Prefetch:
     future: concurrent.futures.Future
     deadline: float  # time.monotonic() after which the engine stops waiting
     outcome: list[np.ndarray] | None = None  # set by the first `collect` that resolves it
-    measured: bool = False  # its load time was recorded (the engine may collect it again)
 
 
 class RemoteTier:
@@ -101,6 +104,7 @@ class RemoteTier:
         self._failures = 0  # timeouts the engine saw and pages failing verification
         self.loaded_pages = 0  # pages read back and verified (the engine counts the ones it used)
         self.lookups = 0  # prefetches started
+        self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 
     def _key(self, digest: bytes) -> ChunkKey:
         return ChunkKey(self.namespace, -1, digest)
@@ -167,7 +171,23 @@ class RemoteTier:
             n += 1
         with self._lock:
             self.loaded_pages += n
+        self._remember(keys[:n])
         return buffers[:n]
+
+    def _remember(self, keys: list[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._known[k] = None
+                self._known.move_to_end(k)
+            while len(self._known) > KNOWN_KEYS:
+                self._known.popitem(last=False)
+
+    def holds(self, key: bytes) -> bool:
+        """This tier stored `key` in the pool or read it back, lately (the last KNOWN_KEYS such keys):
+        a finished request need not write it again. A pool that lost it since costs a miss (and the
+        eviction write-back writes it again)."""
+        with self._lock:
+            return key in self._known
 
     def collect(self, prefetch: Prefetch) -> list[np.ndarray] | None:
         """Engine thread: the prefetched pages for keys[start:start + n] (a leading run, maybe
@@ -188,6 +208,17 @@ class RemoteTier:
             prefetch.outcome = []
         return prefetch.outcome
 
+    def read(self, keys: list[bytes]) -> list[np.ndarray]:
+        """A loading stage's thread (jkv/serving/prefix_loader.py): keys' verified leading run of
+        pages, waiting at most the op timeout: a `prefetch` and its `collect`, so a read past its
+        deadline is abandoned the same way (counted, warned; the request recomputes)."""
+        pre = self.prefetch(keys, 0)
+        if pre is None:
+            return []
+        while (pages := self.collect(pre)) is None:
+            concurrent.futures.wait([pre.future], timeout=max(0.001, pre.deadline - time.monotonic()))
+        return pages
+
     # ---------------------------------------------------------------- writes (write-back's remote stage)
     def put_pages(self, data: np.ndarray, keys: list[bytes]) -> int:
         """Write data[i] ([L, 2, H_kv, P, D]) under keys[i]; returns how many were stored. While
@@ -199,6 +230,7 @@ class RemoteTier:
             errors_before = getattr(self.pool, "errors", 0)
             if self.pool.put(self._key(k), np.ascontiguousarray(data[i])):
                 stored += 1
+                self._remember([k])
             elif getattr(self.pool, "errors", 0) > errors_before:
                 self._failed("write of a page failed (see the KV pool's warning)", counted=True)
                 break

@@ -1,5 +1,6 @@
 """Asynchronous write-back of the prefix cache: device pages the allocator evicts are copied to the
-host tier (L2) and the remote tier (L3) off the engine thread.
+host tier (L2) and the remote tier (L3) off the engine thread, and so are a finished request's
+cached pages, to L3 only (`submit(host=False)`: they stay in L1; L3 is what other servers share).
 
     engine thread (allocator's eviction hook)      host stage thread          remote stage thread
     snapshot = gather_pages(kv, pages)  -- job -->  np.asarray(snapshot)  -->  pool.put per page
@@ -56,7 +57,7 @@ class WriteBack:
         self.remote = remote
         self.max_pages = max_pages
         self._cond = threading.Condition()
-        self._host_jobs: collections.deque = collections.deque()  # (snapshot [R, L, 2, H_kv, P, D], keys)
+        self._host_jobs: collections.deque = collections.deque()  # (snapshot [R, L, 2, H_kv, P, D], keys, to_host)
         self._remote_jobs: collections.deque = collections.deque()  # (host array [n, ...], keys)
         self._host_pages = self._remote_pages = 0  # pages queued in each stage
         self._busy = 0  # jobs taken off a queue and not finished
@@ -73,15 +74,19 @@ class WriteBack:
         return ChunkKey(self.namespace, -1, digest)
 
     # ---------------------------------------------------------------- engine thread
-    def submit(self, snapshot, keys: list[bytes]) -> bool:
+    def submit(self, snapshot, keys: list[bytes], host: bool = True) -> bool:
         """Queue a gathered snapshot (its first len(keys) rows are the pages of `keys`); never
-        blocks. False (pages counted as dropped) when the host stage is full or closed."""
+        blocks. host=False: L3 only (a finished request's pages, which stay in L1; the host stage
+        only copies them off the device). False (pages counted as dropped, under the tier they were
+        for) when the host stage is full or closed, or nothing would be written."""
         n = len(keys)
         with self._cond:
-            if self._closed or self._host_pages + n > self.max_pages:
-                self.dropped["host"] += n
+            if not host and self.remote is None:
                 return False
-            self._host_jobs.append((snapshot, keys))
+            if self._closed or self._host_pages + n > self.max_pages:
+                self.dropped["host" if host else "remote"] += n
+                return False
+            self._host_jobs.append((snapshot, keys, host))
             self._host_pages += n
             self._cond.notify_all()
         return True
@@ -95,13 +100,14 @@ class WriteBack:
                     self._cond.wait()
                 if not jobs:
                     return  # closed and drained
-                data, keys = jobs.popleft()
+                job = jobs.popleft()  # host stage: (snapshot, keys, to_host); remote stage: (host array, keys)
                 self._busy += 1
+            keys = job[1]
             try:
                 if stage == "host":
-                    self._write_host(data, keys)
+                    self._write_host(*job)
                 else:
-                    self._write_remote(data, keys)
+                    self._write_remote(*job)
             except Exception:  # a write-back is never worth the engine: log it, count it, go on
                 log.exception("prefix cache write-back (%s stage) failed for %d pages", stage, len(keys))
                 with self._cond:
@@ -115,10 +121,10 @@ class WriteBack:
                         self._remote_pages -= len(keys)
                     self._cond.notify_all()
 
-    def _write_host(self, snapshot, keys: list[bytes]):
+    def _write_host(self, snapshot, keys: list[bytes], to_host: bool):
         data = np.asarray(snapshot)[:len(keys)]  # the device-to-host copy, off the engine thread
         del snapshot
-        if self.host_pool is not None:
+        if to_host and self.host_pool is not None:
             stored = sum(self.host_pool.put(self._key(k), np.ascontiguousarray(data[i])) for i, k in enumerate(keys))
             with self._cond:
                 self.host_writes += stored

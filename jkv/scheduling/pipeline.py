@@ -167,6 +167,14 @@ class LoadingPipeline:
         _cancel_future(future)
         return True
 
+    def set_policy(self, policy: Policy) -> None:
+        """Order requests submitted from now on by `policy` (e.g. a refitted cost model); the dynamic
+        key (`progress_key`) of every request follows it at the next dispatch, static keys stay."""
+        with self._cv:
+            self.policy = policy
+            self._core.progress_key = policy.progress_key
+            self._cv.notify_all()
+
     def slots_in_use(self) -> dict[str, int]:
         with self._cv:
             return self._core.slots_in_use()

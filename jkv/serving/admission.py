@@ -1,12 +1,14 @@
 """Admission order of the paged engine's queue (`jkv serve --schedule`): CALVO's policies in `jkv serve`.
 
-The paged engine admits one waiting request at a time (a seat, its pages and, when its prefix sits
-in L3, a prefetch). Which one comes next is the policy's choice (jkv/scheduling/policies.py, the
-same functions the CALVO pipeline's dispatchers use):
+The paged engine admits one waiting request at a time (its pages, and a seat or, when its prefix
+sits in L2 or may sit in L3, a place in the loading stages, jkv/serving/prefix_loader.py, whose
+queues the same policy orders). Which one comes next is the policy's choice
+(jkv/scheduling/policies.py, the same functions the CALVO pipeline's dispatchers use):
 
     fifo   arrival order (the engine's behaviour before this module)
     sjf    smallest modelled cost T_load + T_comp
-    srpt   smallest *remaining* modelled cost: a request whose L3 pages have arrived has no load left
+    srpt   smallest *remaining* modelled cost (a waiting request has loaded nothing yet; in the
+           loading stages the key falls as its pages reach L1)
     edf    earliest deadline (arrival + its SLO; no SLO: last)
     lstf   least slack (deadline - now - remaining cost); hopeless requests behind the feasible ones
 

@@ -359,8 +359,7 @@ class ContinuousBatcher:
     def _loop(self):
         try:
             while not self._stop.is_set():
-                idle = self._n_running == 0 and not self._waiting
-                self._drain_inbox(block=idle)
+                self._drain_inbox(block=self._idle())
                 self._step()
         except Exception as e:  # the engine is dead: fail everything loudly rather than hang clients
             log.exception("engine thread crashed")
@@ -370,6 +369,10 @@ class ContinuousBatcher:
             self._fail_all(message)
             raise
         self._fail_all("the server is shutting down")
+
+    def _idle(self) -> bool:
+        """Nothing to step until the inbox brings something: the loop may wait on it."""
+        return self._n_running == 0 and not self._waiting
 
     def _crash_message(self, e: Exception) -> str:
         """The error every open request gets when the engine thread dies of `e`."""

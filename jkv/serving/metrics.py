@@ -141,17 +141,23 @@ class _PrefixCacheCollector:
             out += [_family(CounterMetricFamily, "jkv_prefix_cache_l3_errors", "remote tier (L3) operations that "
                             "failed or timed out, and pages read from it that failed verification: each made "
                             "requests recompute instead of load", stats["prefix_l3_errors"]),
-                    _family(CounterMetricFamily, "jkv_prefix_cache_remote_writes", "cached prefix pages evicted from "
-                            "the device and written to the remote tier", stats["prefix_remote_writes"]),
+                    _family(CounterMetricFamily, "jkv_prefix_cache_remote_writes", "cached prefix pages written to "
+                            "the remote tier (evicted from the device, or of finished requests)",
+                            stats["prefix_remote_writes"]),
+                    _family(CounterMetricFamily, "jkv_prefix_cache_finished_writes", "pages of finished requests "
+                            "queued for the remote tier (cached, and not known to be there): the write-back that "
+                            "lets other servers sharing the pool hit them", stats["prefix_finished_writes"]),
                     _family(CounterMetricFamily, "jkv_prefix_cache_remote_lookups", "L3 reads started (one per "
-                            "admitted request whose prompt has pages L1 and L2 lack)", stats["prefix_remote_lookups"])]
+                            "loading chunk whose pages L1 and L2 lack)", stats["prefix_remote_lookups"])]
         if "prefix_writeback_pending_pages" in stats:
             dropped = {"host": stats["prefix_writeback_dropped_host"],
                        "remote": stats["prefix_writeback_dropped_remote"]}
-            out += [_family(GaugeMetricFamily, "jkv_prefix_cache_writeback_pending_pages", "evicted pages queued for "
-                            "or being written to the host and remote tiers", stats["prefix_writeback_pending_pages"]),
-                    _family(CounterMetricFamily, "jkv_prefix_cache_writeback_dropped", "evicted pages not written "
-                            "back, by tier: its queue was full, or the remote tier unreachable", dropped)]
+            out += [_family(GaugeMetricFamily, "jkv_prefix_cache_writeback_pending_pages", "evicted and finished "
+                            "requests' pages queued for or being written to the host and remote tiers",
+                            stats["prefix_writeback_pending_pages"]),
+                    _family(CounterMetricFamily, "jkv_prefix_cache_writeback_dropped", "evicted or finished "
+                            "requests' pages not written back, by tier: its queue was full, or the remote tier "
+                            "unreachable", dropped)]
         return out
 
 

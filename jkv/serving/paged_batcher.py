@@ -34,16 +34,19 @@ server sets it for requests that ask for log-probs, so their numbers never depen
 state) and a prompt-scoring request (`prompt_logprobs`, written whole) compute their whole prompt
 and only offer their pages. With `prefix_cache_host_bytes` (L2) and/or `prefix_cache_l3` (a remote
 pool, L3) an evicted page is written there in the background (jkv/kvcache/writeback.py: the engine
-thread only dispatches a snapshot of the pages), and a later prompt that misses in device pages but
-hits there gets it copied back instead of recomputed. L3 reads never block the engine: for the
-request at the head of the queue a prefetch of the pages L1 and L2 lack is started, the request
-stays queued (the running requests keep stepping) until it answers or its op timeout
-(`prefix_cache_l3_timeout`) passes, and then it is admitted with what arrived (nothing, on a
-failure or timeout: it recomputes; jkv/kvcache/remote_tier.py).
+thread only dispatches a snapshot of the pages), and with L3 so are a finished request's cached
+pages L3 is not known to hold (so another server sharing the pool hits them). A later prompt that
+misses in device pages but may hit there is loaded by CALVO's loading stages
+(jkv/serving/prefix_loader.py): at admission it takes all its pages (proactive allocation) but no
+seat, and its pages move L3 -> L2 -> L1 on the stages' threads while the engine keeps stepping the
+running requests and admitting others; when its prefix is in its pages it takes a seat and
+prefills from its first page not loaded (a page both tiers miss, a failed read or one past the L3
+op timeout `prefix_cache_l3_timeout` is recomputed; jkv/kvcache/remote_tier.py).
 
-Admission order (`schedule`, jkv/serving/admission.py): the request admitted next (and whose L3
-prefetch is started) is the policy's pick among the waiting ones (fifo: the oldest; sjf / srpt /
-lstf by the cost model of its prefix load and prefill; edf by its slo_ms deadline). The cost model
+Admission order (`schedule`, jkv/serving/admission.py): the request admitted next (seated, or sent
+to the loading stages, whose queues the same policy orders) is the policy's pick among the waiting
+ones (fifo: the oldest; sjf / srpt / lstf by the cost model of its prefix load and prefill; edf by
+its slo_ms deadline). The cost model
 is loaded from `cost_model` or probed from the engine at start (jkv/serving/cost_probe.py) and
 refitted from the loads and single-chunk prefills the engine measures while serving.
 
@@ -61,7 +64,6 @@ the logits at the chunk's last token.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import logging
 import threading
 import time
@@ -128,7 +130,9 @@ class PagedBatcher(ContinuousBatcher):
         self._prefilling: collections.deque[int] = collections.deque()  # seats still prefilling, oldest first
         self._next_key = 0
         self._blocked: str | None = None  # request id last logged as waiting for pages
-        self._prefetch = None  # (request, remote_tier.Prefetch or None): the L3 read for the request admitted next
+        self.loader = None  # prefix_loader.PrefixLoader, made by start() when the prefix cache has a tier
+        self._loading: dict[str, EngineRequest] = {}  # by cache key: in the loading stages (pages, no seat)
+        self._ready: collections.deque = collections.deque()  # (request, key, cached tokens): loaded, wait for a seat
         self.scheduler: AdmissionScheduler | None = None  # made by start(): its cost model may need the live cache
         self._refit: Refit | None = None
         self._sched_metrics: SchedulingMetrics | None = None
@@ -163,6 +167,10 @@ class PagedBatcher(ContinuousBatcher):
             raise RuntimeError("the engine is already started")
         self.kv = self._new_cache(tiers=True)
         self._start_scheduler()
+        if self.kv.host is not None or self.kv.remote is not None:
+            from .prefix_loader import PrefixLoader
+
+            self.loader = PrefixLoader(self.kv, self.scheduler.policy, self._inbox.put)
         if self.metrics is not None:
             self._sched_metrics = SchedulingMetrics(self.metrics.registry, self.config.schedule,
                                                     self.prefix_namespace is not None)
@@ -188,6 +196,13 @@ class PagedBatcher(ContinuousBatcher):
                 z = np.zeros(B, np.int32)
                 logits, kv.kv = self.model.paged_decode_step(kv.kv, table, z, z)
         logits, kv.kv = self.model.prefill_chunk(kv.kv, table[:1, :widths[0]], np.zeros((1, T), np.int32), z[:1], one)
+        tiers = self.config.prefix_cache_host_bytes or self.config.prefix_cache_l3
+        if tiers and self.prefix_namespace is not None:  # the loading stages' page write
+            from ..kvcache.host_tier import scatter_pages
+            from .prefix_loader import CHUNK_PAGES
+
+            kv.kv = scatter_pages(kv.kv, np.zeros(CHUNK_PAGES, np.int32),
+                                  np.zeros((CHUNK_PAGES, *kv.page_shape), kv.dtype))
         for B in sorted({1, self.config.max_slots}):
             z = np.zeros(B, np.int32)
             sample_tokens(np.zeros((B, self.model.cfg.vocab_size), np.float32), np.ones(B, np.float32), z,
@@ -219,6 +234,8 @@ class PagedBatcher(ContinuousBatcher):
             model = (self._refit.add_load if kind == "load" else self._refit.add_compute)(tokens, seconds)
             if model is not None:
                 self.scheduler.set_cost_model(model)
+                if self.loader is not None:
+                    self.loader.set_policy(self.scheduler.policy)
 
     def _new_cache(self, tiers: bool = False) -> PagedKVCache:
         """The paged cache; with tiers, its host (L2) and remote (L3) tiers as configured (warm-up's
@@ -240,7 +257,8 @@ class PagedBatcher(ContinuousBatcher):
 
     def stop(self, timeout: float = 30.0):
         super().stop(timeout)
-        self._prefetch = None
+        if self.loader is not None:
+            self.loader.close()
         if self.kv is not None:
             self.kv.close()
 
@@ -256,23 +274,30 @@ class PagedBatcher(ContinuousBatcher):
             self._decode_one_step()
 
     def _admit(self):
-        while self._waiting and None in self._slots:
-            req = self.scheduler.pick(self._waiting, self._estimate, self._loaded, time.perf_counter())
+        """Seat loaded requests, then admit waiting ones in the policy's order: a request with a prefix
+        to load from L2 / L3 takes its pages and enters the loading stages (at most max_slots at
+        once), any other takes its pages and a seat. Stops at the first that cannot proceed."""
+        while self._ready and None in self._slots:
+            self._seat(*self._ready.popleft())
+        while self._waiting:
+            req = self.scheduler.pick(self._waiting, self._estimate, _not_loaded, time.perf_counter())
             n = len(req.prompt_token_ids)
             key = f"{req.request_id}#{self._next_key}"  # unique even if a client reuses request ids
             total = n if req.prompt_only else n + req.params.max_tokens
             from_cache = req.prompt_logprobs is None and req.prefix_cache  # else computed from position 0
-            remote = None
-            if from_cache and self.kv.remote is not None:
-                remote = self._remote_pages(req)
-                if remote is False:
-                    return  # its L3 read is in flight: admit it (and the others, after it) later
+            load = from_cache and self.loader is not None and self._has_load(req)
+            full = self.loader.loading >= self.config.max_slots if load else None not in self._slots
+            if full:
+                return
             try:
-                if not from_cache:
-                    self.kv.reserve(key, total)
-                    cached = 0
+                plan, cached = None, 0
+                if load:
+                    plan = self.kv.reserve_for_load(key, req.prompt_token_ids, total)
+                    cached = plan.shared * self.page_cfg.page_size
+                elif from_cache:
+                    cached = self.kv.reserve_prefix(key, req.prompt_token_ids, total)
                 else:
-                    cached = self._reserve_prefix(key, req, total, remote)
+                    self.kv.reserve(key, total)
             except OutOfPages as e:
                 self.kv.free(key)  # drop the empty entry the failed reserve left
                 if self._blocked != req.request_id:  # once per request, not once per step
@@ -281,31 +306,41 @@ class PagedBatcher(ContinuousBatcher):
                              e.needed, e.free, self.kv.pages_in_use)
                 return
             self._next_key += 1
-            self._prefetch = None
+            info = self.scheduler.info(req, self._estimate) if plan is not None else None  # before forget
             self._waiting.remove(req)
             self.scheduler.forget(req)
             if self._sched_metrics is not None:
                 self._sched_metrics.admitted(time.perf_counter() - req.arrival, len(self._waiting))
-            p = req.params
-            seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**31))
-            slot = self._slots.index(None)
-            run = self._slots[slot] = _PagedRun(req, TextStream(self.model.tokenizer, p, self.eos_ids), seed, key)
-            run.prefilled = run.first_chunk = cached
-            self._steps[slot] = 0
-            self._prefilling.append(slot)
-            with self._lock:
-                self._n_waiting -= 1
-                self._n_running += 1
-            self._set_gauges()
+            if plan is not None and plan.keys:
+                self._loading[key] = req
+                self.loader.start(key, info, plan)
+            else:
+                self._seat(req, key, cached)
 
-    def _reserve_prefix(self, key: str, req: EngineRequest, total: int, remote) -> int:
-        """kv.reserve_prefix, timing the pages it copied from L2 (the host read and the copy's dispatch)."""
-        host_before = self.kv.prefix_hits_host
-        t0 = time.perf_counter()
-        cached = self.kv.reserve_prefix(key, req.prompt_token_ids, total, remote=remote)
-        if self.kv.prefix_hits_host > host_before:
-            self._measured("load", self.kv.prefix_hits_host - host_before, time.perf_counter() - t0, "l2")
-        return cached
+    def _seat(self, req: EngineRequest, key: str, cached: int):
+        """Give an admitted request (its pages reserved, the first `cached` prompt tokens in them) a seat."""
+        p = req.params
+        seed = p.seed if p.seed is not None else int(np.random.randint(0, 2**31))
+        slot = self._slots.index(None)
+        run = self._slots[slot] = _PagedRun(req, TextStream(self.model.tokenizer, p, self.eos_ids), seed, key)
+        run.prefilled = run.first_chunk = cached
+        self._steps[slot] = 0
+        self._prefilling.append(slot)
+        with self._lock:
+            self._n_waiting -= 1
+            self._n_running += 1
+        self._set_gauges()
+
+    def _idle(self) -> bool:
+        """Also idle while nothing runs and requests wait only for loads in flight (for the stages'
+        room or the pages they hold): a load's events arrive through the inbox and wake the loop."""
+        loading = self.loader is not None and self.loader.loading > 0
+        return self._n_running == 0 and (not self._waiting or loading)
+
+    def _has_load(self, req: EngineRequest) -> bool:
+        """Shareable pages of its prompt that L1 lacks sit in L2, or may sit in L3."""
+        _, l2, rest = self.kv.tier_run(req.prompt_token_ids)
+        return l2 > 0 or (rest > 0 and self.kv.remote is not None)
 
     def _estimate(self, req: EngineRequest) -> tuple[int, int]:
         """(prompt tokens to load, to compute) for the admission policy: tokens of its shareable prefix
@@ -317,32 +352,20 @@ class PagedBatcher(ContinuousBatcher):
         loaded = l2 + (rest if self.kv.remote is not None else 0)
         return loaded, n - l1 - loaded
 
-    def _loaded(self, req: EngineRequest) -> bool:
-        """Its L3 read has answered (srpt / lstf: no load left)."""
-        pre = self._prefetch
-        return pre is not None and pre[0] is req and pre[1] is not None and pre[1].outcome is not None
-
-    def _remote_pages(self, req: EngineRequest):
-        """The head request's pages from L3 as reserve_prefix's `remote` argument ((start, payloads)
-        or None), or False while its read is in flight. The first call starts the read; with
-        nothing else running the engine waits on it in short slices (so it still sees new
-        requests and cancels), never past the read's deadline (the L3 op timeout)."""
-        if self._prefetch is None or self._prefetch[0] is not req:
-            self._prefetch = (req, self.kv.prefetch_remote(req.prompt_token_ids))
-        pre = self._prefetch[1]
-        if pre is None:
-            return None
-        payloads = self.kv.remote.collect(pre)
-        if payloads is None and self._n_running == 0:
-            concurrent.futures.wait([pre.future], timeout=max(0.0, min(0.02, pre.deadline - time.monotonic())))
-            payloads = self.kv.remote.collect(pre)
-        if payloads is None:
-            return False
-        if payloads and not pre.measured:
-            pre.measured = True  # once: a request waiting for pages collects the same answer again
-            started = pre.deadline - self.kv.remote.op_timeout_s
-            self._measured("load", len(payloads) * self.page_cfg.page_size, time.monotonic() - started, "l3")
-        return pre.start, payloads
+    def _apply_inbox(self, items: list[tuple[str, object]]):
+        """The loading stages' events (in order: a request's pages land before it is loaded), then the
+        submissions and cancels."""
+        rest = []
+        for item in items:
+            if item[0] in ("landed", "loaded"):
+                done = self.loader.apply(item)
+                if done is not None:
+                    if done.pages:
+                        self._measured("load", done.pages * self.page_cfg.page_size, done.seconds, done.tier)
+                    self._ready.append((self._loading.pop(done.key), done.key, done.cached_tokens))
+            else:
+                rest.append(item)
+        super()._apply_inbox(rest)
 
     def _prefill_some(self, budget: int):
         """Prefill chunks, oldest admitted request first, while `budget` prompt tokens last.
@@ -468,7 +491,8 @@ class PagedBatcher(ContinuousBatcher):
         run = self._slots[slot]
         if slot in self._prefilling:
             self._prefilling.remove(slot)
-        self.kv.free(run.key)  # before the last event: a client that sees the end sees the pages back
+        # before the last event: a client that sees the end sees the pages back; its cached pages go to L3
+        self.kv.free(run.key, write_back=True)
         super()._free(slot, reason, delta, error)
 
     def _release(self, slot: int):
@@ -479,15 +503,37 @@ class PagedBatcher(ContinuousBatcher):
             self._n_running -= 1
 
     def _cancel(self, request_id: str):
-        if self._prefetch is not None and self._prefetch[0].request_id == request_id:
-            self._prefetch = None  # a queued request's L3 read: its buffers go with it (the read ends on its own)
+        """A loading or loaded request gives its pages back and ends at once (a load in flight ends on
+        its own; what lands for it later is dropped); a waiting or seated one as ContinuousBatcher's."""
+        for req, key in self._admitted_unseated():
+            if req.request_id == request_id:
+                self._drop_unseated(req, key)
+                with self._lock:
+                    self._n_waiting -= 1
+                self._finish_event(req, None, "cancelled")
+                self._set_gauges()
+                return
         for req in self._waiting:
             if req.request_id == request_id:
                 self.scheduler.forget(req)
         super()._cancel(request_id)
 
+    def _admitted_unseated(self) -> list[tuple[EngineRequest, str]]:
+        """(request, key) of the requests holding pages but no seat: loading, or loaded."""
+        return [(req, key) for key, req in self._loading.items()] + [(req, key) for req, key, _ in self._ready]
+
+    def _drop_unseated(self, req: EngineRequest, key: str):
+        if key in self._loading:
+            del self._loading[key]
+            self.loader.cancel(key)
+        else:
+            self._ready = collections.deque(r for r in self._ready if r[1] != key)
+        self.kv.free(key)
+
     def _fail_all(self, message: str):
-        self._prefetch = None
+        for req, key in self._admitted_unseated():  # back to the queue, where they fail with it
+            self._drop_unseated(req, key)
+            self._waiting.appendleft(req)
         for req in self._waiting:
             self.scheduler.forget(req)
         for slot, run in enumerate(self._slots):
@@ -495,6 +541,11 @@ class PagedBatcher(ContinuousBatcher):
                 self.kv.free(run.key)
         self._prefilling.clear()
         super()._fail_all(message)
+
+
+def _not_loaded(req: EngineRequest) -> bool:
+    """A waiting request has loaded nothing yet (loads run in the loading stages, after admission)."""
+    return False
 
 
 __all__ = ["PagedBatcher", "KVCapacityError", "page_config", "StreamEvent"]

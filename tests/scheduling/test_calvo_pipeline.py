@@ -92,6 +92,24 @@ def test_compute_order_follows_policy_priority():
     assert computed == ["gate", "short", "mid", "long"]
 
 
+def test_set_policy_orders_the_requests_submitted_after_it():
+    """The serving engine swaps in a refitted cost model's policy (jkv/serving/prefix_loader.py)."""
+    stages = FakeStages(8, 16)
+    stages.gates["gate"] = threading.Event()
+    with LoadingPipeline(stages.functions(), PipelineConfig(8, 16), make_policy("fifo")) as pipeline:
+        gate = pipeline.submit(make_request("gate", ctx=0, num_chunks=0, query=0))
+        while "gate" not in stages.compute_started:
+            time.sleep(0.005)
+        pipeline.set_policy(make_policy("sjf-pt"))
+        later = [pipeline.submit(make_request(name, ctx=1, num_chunks=0, query=q))
+                 for name, q in [("long", 50), ("short", 5), ("mid", 20)]]
+        stages.gates["gate"].set()
+        for f in [gate, *later]:
+            f.result(10)
+    computed = [rid for stage, rid, *_ in sorted(stages.events, key=lambda e: e[3]) if stage == "compute"]
+    assert computed == ["gate", "short", "mid", "long"]
+
+
 def test_degrades_to_reactive_allocation_when_device_is_short():
     stages = FakeStages(4, 4, fetch_s=0.02, upload_s=0.002)
     a = make_request("A", ctx=1, num_chunks=3, query=1, compute_slots=1, compute_s=0.3)

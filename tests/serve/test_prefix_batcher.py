@@ -200,13 +200,16 @@ def test_prefix_caching_off_has_no_prefix_metrics_and_shares_nothing(model):
 
 
 # ---------------------------------------------------------------------------- property test
-@pytest.fixture(scope="module")
-def shared(model):
-    """One engine with a 24-page pool for every example (so cached pages carry over between them)."""
-    b = _start(model, max_slots=3, num_pages=25)
+@pytest.fixture(scope="module", params=["device", "host"])
+def shared(model, request):
+    """One engine with a 24-page pool for every example (so cached pages carry over between them);
+    "host": with an L2 tier, so evicted prefixes come back through the loading stages
+    (jkv/serving/prefix_loader.py) and a cancel may land mid-load."""
+    b = _start(model, max_slots=3, num_pages=25, prefix_cache_host_bytes=(64 << 20) * (request.param == "host"))
     yield b
     b.stop()
     _idle_and_leak_free(b)
+    assert b.loader is None or b.loader.pipeline.slots_in_use() == {"host": 0, "device": 0}
     b.clear_prefix_cache()
     assert b.kv.pages_free == b.kv.allocator.capacity and b.kv.pages_cached == 0
 
