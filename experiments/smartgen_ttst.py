@@ -45,7 +45,7 @@ STRATEGIES = ("profile", "sequential", "random", "streaming", "oracle")
 # the compression part: (run name, transfer mode, compressed)
 COMPRESSION_RUNS = (("full", "full", False), ("full+comp", "full", True), ("smartgen", "smartgen", False),
                     ("smartgen+comp", "smartgen", True))
-TABLE1_PROFILE = os.path.join(RESULTS, "kvserve_profile_table1_min.json")  # experiments/table1_profile.py
+TABLE1_PROFILE = os.path.join(RESULTS, "kvserve_profile_table1_split.json")  # experiments/table1_profile.py: disjoint split
 
 
 def tbt_window(outs, first: int, last: int) -> float:
