@@ -92,11 +92,11 @@ def main(argv=None):
     ap.add_argument("--calib-samples", type=int, default=2, help="calibration samples per workload (the search's)")
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--gen-tokens", type=int, default=24, help="greedy tokens of the generated-token agreement")
+    ap.add_argument("--skip", default="DuoAttention-like,Duo25 + KIVI-4,EC-40 g128 (hadamard)",
+                    help="comma list of methods not scored (the default: the ones no controller would pick)")
     ap.add_argument("--threshold", type=float, default=0.9, help="the search's top-1 floor (as Table 1's)")
     ap.add_argument("--limit", type=int, default=6, help="evaluations per search")
     ap.add_argument("--unified-samples", type=int, default=1, help="calibration samples per workload of the unified search")
-    ap.add_argument("--skip", default="DuoAttention-like,Duo25 + KIVI-4,EC-40 g128 (hadamard)",
-                    help="comma list of methods not scored (the default: the ones no controller would pick)")
     ap.add_argument("--out", default=str(RESULTS / "kvserve_table1_split.csv"))
     args = ap.parse_args(argv)
     from models import load_model

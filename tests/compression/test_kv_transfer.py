@@ -255,9 +255,9 @@ def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, select
         slow.close()
 
 
-@pytest.mark.parametrize("spec", ["hadamard+kivi4g128+zstdh3", "hadamard+kivi2g128+zstdh3", "identity+kivi2g32+none",
-                                  "hadamard+ec40g128+zstdh3"])
-@pytest.mark.parametrize("n, blocks", [(512, 64), (2048, 64), (300, 64)])
+@pytest.mark.parametrize("spec, n, blocks", [("hadamard+kivi4g128+zstdh3", 512, 64), ("hadamard+kivi4g128+zstdh3", 2048, 64),
+                                             ("hadamard+kivi4g128+zstdh3", 300, 64), ("identity+kivi2g32+none", 512, 64),
+                                             ("hadamard+ec40g128+zstdh3", 512, 64)])
 def test_served_kv_is_the_profile_evaluations_round_trip(spec, n, blocks):
     """What the decode side's pool holds after a compressed transfer (prefill `absorb` -> `frame` ->
     receiver `apply_frame`) is bit-identical to what the profile evaluation scores
