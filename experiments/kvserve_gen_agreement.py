@@ -73,7 +73,8 @@ def main(argv=None):
             host.keys, host.values = [k.copy() for k in keys], [v.copy() for v in values]
             free = decode(model, host, selector, args.tokens)
             host.keys, host.values = [k.copy() for k in keys], [v.copy() for v in values]
-            forced = decode(model, host, selector, args.tokens, forced_tokens=ref.tokens[:, 1:], keep_logits=True)
+            # step i feeds the float32 run's token i, so logits[:, i + 1] score its token i + 1
+            forced = decode(model, host, selector, args.tokens, forced_tokens=ref.tokens, keep_logits=True)
             for b in range(len(prompts)):
                 agree = generation_agreement(ref.tokens[b].tolist(), free.tokens[b].tolist())
                 m = fidelity_metrics(ref.logits[b, 1:], forced.logits[b, 1:], ref.tokens[b, 1:])

@@ -97,6 +97,9 @@ def main(argv=None):
     ap.add_argument("--threshold", type=float, default=0.9, help="the search's top-1 floor (as Table 1's)")
     ap.add_argument("--limit", type=int, default=6, help="evaluations per search")
     ap.add_argument("--unified-samples", type=int, default=1, help="calibration samples per workload of the unified search")
+    ap.add_argument("--methods", default=None, help="comma list: score only these fixed methods (default: all)")
+    ap.add_argument("--no-search", action="store_true",
+                    help="no calibration search (fixed methods only: a run beside one that searches)")
     ap.add_argument("--out", default=str(RESULTS / "kvserve_table1_split.csv"))
     args = ap.parse_args(argv)
     from models import load_model
@@ -111,21 +114,24 @@ def main(argv=None):
     calib, evals = {}, {}
     for w in WORKLOADS:
         c, e = split_pair(tok, w, args.calib_samples, args.samples, args.tokens)
-        calib[w] = ModelObjective(model, c)
+        if not args.no_search:
+            calib[w] = ModelObjective(model, c)
         evals[w] = ModelObjective(model, e, gen_tokens=args.gen_tokens)
     evals[HELDOUT] = ModelObjective(model, split_samples(tok, HELDOUT, "eval", args.samples, args.tokens),
                                     gen_tokens=args.gen_tokens)
     say(f"prefilled {args.calib_samples} calibration + {args.samples} evaluation samples per workload and "
         f"{args.samples} held-out windows, {args.tokens} tokens")
-    c0 = calib["continuation"]
-    scores = head_scores(c0.kv16[0], model, c0.samples[0].prompt)  # MixHQ head scores: calibration text only
-    space = {s.id: s for s in strategy_space(scores, False, tier_space(None, model.cfg.num_kv_heads, quick=True))}
-    found = {w: search(calib[w], list(space.values()), args.threshold, args.limit, say, w).best for w in WORKLOADS}
-    unified = search(combined([subset(o, args.unified_samples) for o in calib.values()]), list(space.values()),
-                     args.threshold, args.limit, say, "unified").best
+    found, unified, space = {w: None for w in WORKLOADS}, None, {}
+    if not args.no_search:
+        c0 = calib["continuation"]
+        scores = head_scores(c0.kv16[0], model, c0.samples[0].prompt)  # MixHQ head scores: calibration text only
+        space = {s.id: s for s in strategy_space(scores, False, tier_space(None, model.cfg.num_kv_heads, quick=True))}
+        found = {w: search(calib[w], list(space.values()), args.threshold, args.limit, say, w).best for w in WORKLOADS}
+        unified = search(combined([subset(o, args.unified_samples) for o in calib.values()]), list(space.values()),
+                         args.threshold, args.limit, say, "unified").best
     methods = {name: (spec, streaming, None) for name, (spec, streaming) in fixed_methods().items()}
     methods.update({name: (PipelineSpec.parse(sid), None, None) for name, sid in PLAIN.items()})
-    for name in args.skip.split(","):
+    for name in set(methods) - set(args.methods.split(",") if args.methods else methods) | set(args.skip.split(",")):
         methods.pop(name, None)
     if unified:
         methods["jkv-unified"] = (space[unified.spec_id], None, unified)
