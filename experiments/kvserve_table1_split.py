@@ -119,7 +119,7 @@ def main(argv=None):
         evals[w] = ModelObjective(model, e, gen_tokens=args.gen_tokens)
     evals[HELDOUT] = ModelObjective(model, split_samples(tok, HELDOUT, "eval", args.samples, args.tokens),
                                     gen_tokens=args.gen_tokens)
-    say(f"prefilled {args.calib_samples} calibration + {args.samples} evaluation samples per workload and "
+    say(f"prefilled {0 if args.no_search else args.calib_samples} calibration + {args.samples} evaluation samples per workload and "
         f"{args.samples} held-out windows, {args.tokens} tokens")
     found, unified, space = {w: None for w in WORKLOADS}, None, {}
     if not args.no_search:
