@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import csv as csv_module
-import glob
 import logging
 import math
 import os
@@ -52,7 +51,7 @@ def read_csv(path: str) -> list[dict]:
     with open(path, newline="") as f:
         return list(csv_module.DictReader(f))
 
-from jkv.corpus import code_text
+from jkv.corpus import code_text, licence_text
 from jkv.eval.fidelity import fidelity_metrics
 from jkv.selection import get_selector
 from jkv.selection.calibration import (calibration_tokens, calibration_windows, collect_calibration, joint_windows,
@@ -65,13 +64,6 @@ from models import load_model
 
 log = logging.getLogger("heldout")
 CONTINUATION = 32
-
-
-def licence_text() -> str:
-    paths = sorted(p for p in glob.glob("/usr/share/common-licenses/*") if os.path.isfile(p))
-    if not paths:
-        raise FileNotFoundError("no /usr/share/common-licenses texts on this machine (the held-out prose)")
-    return "\n\n".join(open(p, encoding="utf-8", errors="replace").read() for p in paths)
 
 
 def windows(ids: list[int], length: int, count: int, split: str = "eval") -> list[tuple[list[int], np.ndarray]]:

@@ -75,7 +75,8 @@ def combined(objectives) -> ModelObjective:
     obj = ModelObjective.__new__(ModelObjective)
     first = objectives[0]
     obj.model, obj.chunk_tokens, obj.calibration = first.model, first.chunk_tokens, first.calibration
-    for name in ("samples", "kv16", "first_logits", "reference"):
+    obj.gen_tokens = first.gen_tokens
+    for name in ("samples", "kv16", "first_logits", "reference", "greedy_reference"):
         setattr(obj, name, [x for o in objectives for x in getattr(o, name)])
     obj.probe_bytes = sum(o.probe_bytes for o in objectives)
     obj._scores = {}
@@ -86,7 +87,8 @@ def subset(objective, n: int) -> ModelObjective:
     """The first n samples of an objective (the profile search runs on a sampled subset)."""
     obj = ModelObjective.__new__(ModelObjective)
     obj.model, obj.chunk_tokens, obj.calibration = objective.model, objective.chunk_tokens, objective.calibration
-    for name in ("samples", "kv16", "first_logits", "reference"):
+    obj.gen_tokens = objective.gen_tokens
+    for name in ("samples", "kv16", "first_logits", "reference", "greedy_reference"):
         setattr(obj, name, getattr(objective, name)[:n])
     obj.probe_bytes = sum(k.nbytes + v.nbytes for kv in obj.kv16 for k, v in kv)
     obj._scores = {}
@@ -115,6 +117,21 @@ def search(objective, space, threshold, limit, say, label):
     return result
 
 
+def fixed_methods() -> dict:
+    """Table 1's fixed rows: {name: (PipelineSpec or TierConfig, StreamingConfig or None)}."""
+    h4 = "hadamard+kivi4g128+zstdh3"
+    return {"CacheGen-like": (PipelineSpec(TransformSpec("delta", 16), QuantizerSpec("tok", 4, 32), CodecSpec("zstd", 3)), None),
+            "KIVI-2bit": (PipelineSpec.parse("identity+kivi2g32+none"), None),
+            "DuoAttention-like": (PipelineSpec.parse("identity+none+none"), StreamingConfig(0.5, 16, 64)),
+            "Duo25 + KIVI-4": (PipelineSpec.parse("hadamard+kivi4g32+none"), StreamingConfig(0.25, 16, 64)),
+            "Duo50 + KIVI-4": (PipelineSpec.parse(h4), StreamingConfig(0.5, 16, 64)),
+            "Duo50 + KIVI-3 (8x probe)": (PipelineSpec.parse("hadamard+kivi3g128+zstdh3"), StreamingConfig(0.5, 16, 64)),
+            "hadamard+kivi2g128 (8x probe)": (PipelineSpec.parse("hadamard+kivi2g128+zstdh3"), None),
+            # SnapKV-like: per head the 40 % most-attended middle tokens (+ sinks + recent) at 4 bits
+            "SnapKV-40 + KIVI-4": (TierConfig(h4, None, 0.4, 0.0), None),
+            "SnapKV-35 + KIVI-4 (8x probe)": (TierConfig(h4, None, 0.35, 0.0), None)}
+
+
 def table1(model, args, say):
     count = {w: args.code_samples if w == "code" else args.samples for w in WORKLOADS}
     length = {w: args.code_tokens if w == "code" else args.tokens for w in WORKLOADS}
@@ -123,17 +140,7 @@ def table1(model, args, say):
     say("prefilled " + ", ".join(f"{w}: {count[w]} x ~{length[w]} tokens" for w in WORKLOADS))
     calib = objectives["continuation"]
     scores = head_scores(calib.kv16[0], model, calib.samples[0].prompt)  # real observation-window queries
-    h4 = "hadamard+kivi4g128+zstdh3"
-    fixed = {"CacheGen-like": (PipelineSpec(TransformSpec("delta", 16), QuantizerSpec("tok", 4, 32), CodecSpec("zstd", 3)), None),
-             "KIVI-2bit": (PipelineSpec.parse("identity+kivi2g32+none"), None),
-             "DuoAttention-like": (PipelineSpec.parse("identity+none+none"), StreamingConfig(0.5, 16, 64)),
-             "Duo25 + KIVI-4": (PipelineSpec.parse("hadamard+kivi4g32+none"), StreamingConfig(0.25, 16, 64)),
-             "Duo50 + KIVI-4": (PipelineSpec.parse(h4), StreamingConfig(0.5, 16, 64)),
-             "Duo50 + KIVI-3 (8x probe)": (PipelineSpec.parse("hadamard+kivi3g128+zstdh3"), StreamingConfig(0.5, 16, 64)),
-             "hadamard+kivi2g128 (8x probe)": (PipelineSpec.parse("hadamard+kivi2g128+zstdh3"), None),
-             # SnapKV-like: per head the 40 % most-attended middle tokens (+ sinks + recent) at 4 bits
-             "SnapKV-40 + KIVI-4": (TierConfig(h4, None, 0.4, 0.0), None),
-             "SnapKV-35 + KIVI-4 (8x probe)": (TierConfig(h4, None, 0.35, 0.0), None)}
+    fixed = fixed_methods()
     per_workload, spaces = {}, {}
     n_kv_heads = model.cfg.num_kv_heads
     sens_all = []

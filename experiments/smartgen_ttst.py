@@ -45,7 +45,7 @@ STRATEGIES = ("profile", "sequential", "random", "streaming", "oracle")
 # the compression part: (run name, transfer mode, compressed)
 COMPRESSION_RUNS = (("full", "full", False), ("full+comp", "full", True), ("smartgen", "smartgen", False),
                     ("smartgen+comp", "smartgen", True))
-TABLE1_PROFILE = os.path.join(RESULTS, "kvserve_profile_table1_min.json")  # experiments/table1_profile.py
+TABLE1_PROFILE = os.path.join(RESULTS, "kvserve_profile_table1_split.json")  # experiments/table1_profile.py: disjoint split
 
 
 def tbt_window(outs, first: int, last: int) -> float:
@@ -257,10 +257,12 @@ def compression_options(args) -> dict:
     return dict(profiles=[TABLE1_PROFILE], q_min=0.97) if args.compression == "auto" else {}
 
 
-def token_agreement(a, b) -> list[float]:
-    """Per request: the fraction of generated positions where runs a and b produced the same token."""
-    return [float(np.mean([x == y for x, y in zip(oa.token_ids, ob.token_ids)])) if oa.token_ids else float("nan")
-            for oa, ob in zip(a, b)]
+def token_agreement(a, b) -> list[dict]:
+    """Per request: `jkv.eval.fidelity.generation_agreement` of run a's generated tokens with run b's
+    (prefix = leading equal tokens, fraction = equal positions over the longer generation)."""
+    from jkv.eval.fidelity import generation_agreement
+
+    return [generation_agreement(ob.token_ids, oa.token_ids) for oa, ob in zip(a, b)]
 
 
 def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
@@ -294,7 +296,8 @@ def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
             reqs.append(dict(run=run, request=o.request_id, push=paths.get("push", x.get("compression")),
                              on_demand=paths.get("on_demand"), metadata=paths.get("metadata"),
                              reason=x.get("compression_reason"), profile_quality=quality.get(x.get("compression")),
-                             token_agreement_vs_uncompressed=a, same_pipeline_other_mode=same_pipeline,
+                             token_agreement_vs_uncompressed=a["fraction"], token_prefix_vs_uncompressed=a["prefix"],
+                             same_pipeline_other_mode=same_pipeline,
                              same_tokens_other_mode=o.token_ids == other.token_ids,
                              encode_s=x.get("encode_s"), decode_s=x.get("decode_s"), kr=x["kr"], blocks=x["blocks"]))
     write_csv(os.path.join(RESULTS, f"{tag}_compression_requests.csv"), reqs)
@@ -305,8 +308,8 @@ def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
                    tbt_smartgen_comp_over_full_11_64=rows[3][f"tbt_11_{hi}_over_full"],
                    tbt_full_comp_over_full_11_64=rows[1][f"tbt_11_{hi}_over_full"],
                    tbt_smartgen_over_full_11_64=rows[2][f"tbt_11_{hi}_over_full"],
-                   token_agreement_full_comp=float(np.mean(token_agreement(r["full+comp"], r["full"]))),
-                   token_agreement_smartgen_comp=float(np.mean(token_agreement(r["smartgen+comp"], r["smartgen"]))),
+                   token_agreement_full_comp=float(np.mean([a["fraction"] for a in token_agreement(r["full+comp"], r["full"])])),
+                   token_agreement_smartgen_comp=float(np.mean([a["fraction"] for a in token_agreement(r["smartgen+comp"], r["smartgen"])])),
                    min_profile_quality=min((q["profile_quality"] for q in reqs if q["profile_quality"] is not None),
                                            default=float("nan")),
                    same_pipeline_same_tokens=same_choice_equal, compression=args.compression,

@@ -81,6 +81,7 @@ LONG_FILES = (
     "tests/models/test_smollm2.py",
     "tests/serve/test_min_budget_http.py",
     "tests/compression/test_dropping.py",
+    "tests/compression/test_splits.py",
     "tests/smartgen/test_smartgen_tensor_parallel.py",
     "tests/models/test_multihost.py",
     "tests/models/test_tensor_parallel.py",

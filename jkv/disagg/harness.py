@@ -44,6 +44,25 @@ log = logging.getLogger(__name__)
 QUESTION = "\n\nSummarize the text above in two sentences."
 
 
+def text_prompts(tok, split: str, count: int, prompt_len: int) -> list[list[int]]:
+    """`count` chat prompts of `prompt_len` tokens: windows spread over the corpus split
+    (`jkv.corpus.long_text`) followed by `QUESTION` (the SmartGen benchmarks' prompts)."""
+    from jkv.corpus import long_text
+
+    ids = tok.encode(long_text(split))
+    suffix = len(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
+    body = prompt_len - suffix
+    if body < 16 or (count * body) > len(ids):
+        raise ValueError(f"cannot cut {count} prompts of {prompt_len} tokens from the {split} corpus")
+    out = []
+    for i in range(count):
+        start = i * (len(ids) // count)
+        text = tok.decode(ids[start:start + body])
+        p = tok.apply_chat_template([{"role": "user", "content": text + QUESTION}])
+        out.append(p[:prompt_len] if len(p) > prompt_len else p)
+    return out
+
+
 class Harness:
     def __init__(self, model_name: str, selector: str = "infinigen", prefill_workers: int = 2,
                  transport: str = "tcp", max_blocks: int = 64, say=print):
@@ -73,21 +92,7 @@ class Harness:
 
     # ------------------------------------------------------------------ data
     def _text_prompts(self, split: str, count: int, prompt_len: int) -> list[list[int]]:
-        from jkv.corpus import long_text
-
-        tok = self.model.tokenizer
-        ids = tok.encode(long_text(split))
-        suffix = len(tok.apply_chat_template([{"role": "user", "content": QUESTION}]))
-        body = prompt_len - suffix
-        if body < 16 or (count * body) > len(ids):
-            raise ValueError(f"cannot cut {count} prompts of {prompt_len} tokens from the {split} corpus")
-        out = []
-        for i in range(count):
-            start = i * (len(ids) // count)
-            text = tok.decode(ids[start:start + body])
-            p = tok.apply_chat_template([{"role": "user", "content": text + QUESTION}])
-            out.append(p[:prompt_len] if len(p) > prompt_len else p)
-        return out
+        return text_prompts(self.model.tokenizer, split, count, prompt_len)
 
     def eval_prompts(self, count: int, prompt_len: int) -> list[list[int]]:
         return self._text_prompts("eval", count, prompt_len)

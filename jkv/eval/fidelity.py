@@ -9,6 +9,7 @@ over the true continuation tokens (1.0 = no loss).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -63,3 +64,16 @@ def fidelity_metrics(dense_logits: np.ndarray, sparse_logits: np.ndarray,
     nll_dense, nll_sparse = -log_p[rows, targets].mean(), -log_q[rows, targets].mean()
     return {"kl": max(kl, 0.0), "top1": top1, "ppl_ratio": float(np.exp(nll_sparse - nll_dense)),
             "ppl_dense": float(np.exp(nll_dense)), "agree": "".join("1" if a else "0" for a in same)}
+
+
+def generation_agreement(reference: Sequence[int], tokens: Sequence[int]) -> dict[str, float]:
+    """Agreement of two greedy generations from the same prompt: prefix = how many leading tokens
+    are equal (greedy decoding diverges at the first changed token and rarely re-joins), fraction =
+    equal positions / the longer length (a generation that stopped early disagrees where the other
+    went on; 1.0 for two empty ones)."""
+    longest = max(len(reference), len(tokens))
+    if longest == 0:
+        return {"prefix": 0, "fraction": 1.0}
+    same = [a == b for a, b in zip(reference, tokens)]
+    prefix = next((i for i, s in enumerate(same) if not s), len(same))
+    return {"prefix": prefix, "fraction": sum(same) / longest}

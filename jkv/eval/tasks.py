@@ -158,9 +158,11 @@ def variable_tracking(tokenizer, length: int, index: int, seed: int = 0, hops: i
     return Sample("variable_tracking", _fit(tokenizer, build, length), " ".join(names), 30, score)
 
 
-def code_completion(tokenizer, length: int, index: int, seed: int = 0) -> Sample:
-    """Raw (no chat template) source prefix of ~length tokens; the target is the next line."""
-    sources = list(stdlib_sources())
+def code_completion(tokenizer, length: int, index: int, seed: int = 0, sources: list[str] | None = None) -> Sample:
+    """Raw (no chat template) source prefix of ~length tokens; the target is the next line.
+    sources: the .py files to draw from (default every `stdlib_sources()` file; a split's half:
+    `jkv.corpus.code_files`)."""
+    sources = list(sources if sources is not None else stdlib_sources())
     random.Random(f"code-{seed}").shuffle(sources)  # sample i reads file i (then i+1, ... if too short)
     rng = random.Random(f"code-{seed}-{length}-{index}")
     for attempt in range(50):

@@ -253,3 +253,39 @@ def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, select
         assert slow.worker.link_sample_waits >= 2  # compressed batches wait for their pushes' acks
     finally:
         slow.close()
+
+
+@pytest.mark.parametrize("spec, n, blocks", [("hadamard+kivi4g128+zstdh3", 512, 64), ("hadamard+kivi4g128+zstdh3", 2048, 64),
+                                             ("hadamard+kivi4g128+zstdh3", 300, 64), ("identity+kivi2g32+none", 512, 64),
+                                             ("hadamard+ec40g128+zstdh3", 512, 64)])
+def test_served_kv_is_the_profile_evaluations_round_trip(spec, n, blocks):
+    """What the decode side's pool holds after a compressed transfer (prefill `absorb` -> `frame` ->
+    receiver `apply_frame`) is bit-identical to what the profile evaluation scores
+    (`workloads.chunked_roundtrip` of the fp16 KV at the same chunk size): Table 1's figures
+    describe the served KV. The smartgen geometries (512 and 2048 tokens, 64 blocks a layer) chunk at
+    128 tokens, the profiles' chunk; a geometry whose blocks do not divide 128 chunks at a whole
+    number of blocks (300 tokens: 5-token blocks, 130-token chunks)."""
+    from jkv.compression.workloads import chunked_roundtrip
+
+    rng = np.random.default_rng(n)
+    L, H, D = 2, 3, 64
+    scale = np.linspace(0.2, 5.0, D)[rng.permutation(D)]  # channel outliers, as real keys have
+    prefill_kv = (rng.standard_normal((2, L, H, n, D)) * scale).astype(np.float32)
+    kv16 = [(prefill_kv[0, layer].astype(np.float16), prefill_kv[1, layer].astype(np.float16)) for layer in range(L)]
+    g = BlockGeometry(n, L, blocks)
+    codec = KVCodec(min_chunk_tokens=128)
+    state = codec.start(spec, g)
+    pool = np.zeros((2, L, H, n, D), np.float32)
+    mask = np.full((L, n), REMOTE, np.int8)
+    for layer in range(L):
+        state.absorb(layer, prefill_kv[:, layer])  # in place: the prefill copy becomes decode(encode(.))
+        header, payload = proto.unpack(state.frame("r", layer, range(state.chunks.num_chunks)))
+        apply_frame(header, payload, pool, mask)
+    assert (mask == LOCAL).all()
+    np.testing.assert_array_equal(pool, prefill_kv)  # the prefill side keeps exactly what it sent
+    chunk = state.chunks.chunk_blocks * state.chunks.block_tokens
+    assert chunk == (128 if n in (512, 2048) else 130)
+    profiled, _, _, _ = chunked_roundtrip(Pipeline(PipelineSpec.parse(spec)), kv16, chunk)
+    for layer, (k, v) in enumerate(profiled):
+        np.testing.assert_array_equal(pool[0, layer], k)
+        np.testing.assert_array_equal(pool[1, layer], v)
