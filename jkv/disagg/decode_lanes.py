@@ -2,23 +2,26 @@
 
 Per layer of a decode step (engine thread; SmartGen §4.2, Algorithm 1):
 
-    land      what arrived in staging since the last layer goes into the device pages, mask 1
-              (jkv/disagg/decode_pages.py)
-    split     the device mask of each row (request x KV head: a row fetched earlier is in the pages,
-              so it is 1) and `split_reorder` of the selection against it, on the device:
-              i32[B*H_kv, k] reordered remote-first plus each row's remote count (to the host)
-    remote    one asynchronous "fetch" RPC per owner with each row's remote-first prefix
-              (`jkv.kvbuffers.fetch.FetchCall`); in the serial modes (`partial`, `+profile`) the
-              replies are awaited before the local lane starts
-    wait      the replies, in owner order; their rows go into staging (marked fetched) and are
-              landed into their pages (KV reuse, DESIGN.md): the only rows that cross host->device
-    local     a gather of every selected row from the pages, attention in selection order (so
-              the output never depends on which lane supplied a row) and the MLP: one program
-              (`decode_program.attend`)
+    land      what arrived in staging since the last layer (pushes, "ckv", the lookahead's
+              replies) goes into the device pages, mask 1, inside the layer's program
+              (`DecodePages.landing`, jkv/disagg/decode_program.py `landed`)
+    split     in the same program, after the selection: the device mask of each row (request x
+              KV head: a row fetched earlier is in the pages, so it is 1) and `split_reorder` of
+              the selection against it: reordered remote-first plus each row's remote count
+    local     with layer lookahead the same program gathers every selected row from the pages,
+              attends in selection order (so the output never depends on which lane supplied a
+              row) and runs the MLP; when no selected row is remote the layer is done
+    remote    a true miss: one asynchronous "fetch" RPC per owner with each row's remote-first
+              prefix (`jkv.kvbuffers.fetch.FetchCall`); in the serial modes (`partial`,
+              `+profile`) the replies are awaited before anything else is issued
+    wait      the replies, in owner order; their rows go into staging (marked fetched), then
+              `attend_landed` scatters them into their pages (KV reuse, DESIGN.md: the only rows
+              that cross host->device besides the landed ones) and runs the local lane again
 
 Failure policy (`_gather`): a transport error of one owner is an `OwnerDown`; when the owner
 only refused the RPC because a request in it was cancelled or freed meanwhile, the layer is
-fetched again without it, otherwise the owner's requests fail (or are recomputed).
+fetched again without it, otherwise the owner's requests fail (or are recomputed); either way the
+selection is split again (`split`) against what is on the device then.
 
 `FetchLanes` is a mixin of `DecodeWorker`: it reads the worker's `model`, `transfer`,
 `endpoint`, `pages`, `programs`, `phases`, `_lookahead` and `_pending`, and calls `_owner_failed`.

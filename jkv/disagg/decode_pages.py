@@ -5,6 +5,7 @@
     hit = pages.plan(rid, n, tokens, prompt)   # with prefix caching: cached leading pages shared
     table = pages.table(rids, capacity)        # i32[B, ceil(N_cap / P)] (host), idle rows null
     pages.land(lives, layer, table, clock)     # staging -> device pages, then mask 1 (per layer)
+    landing = pages.landing(lives, layer, table, clock)  # the same rows, for the layer's program
     pages.free(rid)
 
 Two tiers (DESIGN.md "Where KV lives"): L1 is `cache` (per layer K, V `[num_pages, H_kv, P, D]`
@@ -14,16 +15,18 @@ registered regions "kv/<rid>", "mask/<rid>"), where every byte from the network 
 writes and their mask bytes (proactive and speculative pushes), decoded "ckv" frames, on-demand
 and lookahead replies (`fetch.keep_rows`: rows plus `fetched`), recomputed prompts.
 
-Landing (`land`, engine thread, once per layer before its split and once after its on-demand
-replies): read the staging mask first, then copy the rows it shows LOCAL (or `fetched`) and not
-yet on the device into the pages in one batch per layer, in the same program that flips their
-device mask entries to 1. A transport writes a row before its mask byte, so a row read after its
+Landing (engine thread, once per layer before its split and once after its on-demand replies):
+read the staging mask first, then copy the rows it shows LOCAL (or `fetched`) and not yet on the
+device into the pages in one batch per layer, in the same program that flips their device mask
+entries to 1: `landing` hands them to the layer's own decode program as its inputs (pieces of
+1, 2, .., 512 rows; jkv/disagg/decode_program.py `landed`), `land` runs programs of its own
+(a bulk past 1,023 rows, a failed fetch's retry, prefix caching). A transport writes a row before its mask byte, so a row read after its
 mask byte is complete; a device 1 is written with its row, so a 1 is always safe to read.
 GPUDirect RDMA: a NIC that writes straight into device memory does the same protocol without this
 step: its WRITE puts the rows into the pages (the page table of the request is the region) and its
 ordered second WRITE flips the device mask byte; `land` then finds nothing to copy.
 
-Only these copies move KV host->device, and `land` counts them by cause into the step clock and
+Only these copies move KV host->device, and `land` / `landing` count them by cause into the step clock and
 `h2d_bytes` (totals): "arrived" (block writes and "ckv" frames), "fetched" (on-demand and
 lookahead replies), "other" (a prompt recomputed here after its owner failed). The step's own
 new K, V are computed on the device and written there (`write_new`): no host->device bytes.

@@ -2,6 +2,9 @@
 
 One layer of a decode step, after `Model.qkv` and the new token's K, V write (`DecodePages.write_new`):
 
+    land     rows that wait in host staging (pushed, speculated, prefetched, fetched) come in as the
+             program's inputs, rows plus their page slots (`DecodePages.landing`), and are scattered
+             into their pages with their mask flipping to 1 (`sparse.land_pieces`)
     select   append the new key to the selector metadata, select (`Selector.select_traced`; every
              cached token in a dense layer), minus the rows a token-dropping profile dropped
              (`sparse.drop_dropped`, only when a request of the batch has one)
@@ -11,13 +14,27 @@ One layer of a decode step, after `Model.qkv` and the new token's K, V write (`D
     attend   gather every selected row from the pages (`sparse.gather_selected`), attention over
              them in selection order, then the MLP                   -> x [B, hidden]
 
-`fused` is the whole layer in one jitted program: select → split → gather → attention → MLP.
-The worker runs it when no request of the batch has rows left to fetch (everything local: `full`,
-and `smartgen` once speculation has moved the rest); nothing crosses host<->device in it. While a
-request still has remote rows the on-demand fetch (an RPC) must sit between the split and the
-attention, so the same pieces run as three programs: `select`, `split` (again after a fetch that
-failed), then `attend` once the fetched rows have landed in their pages. All four are built
-from the same functions, so a token's output does not depend on which path ran.
+Programs (a layer runs one of the first two, plus `attend_landed` after a true miss):
+
+    fused          select → split → attend; everything local and nothing waiting in staging
+    landed         land → select → split → attend (`attend_now`; without it the program ends after
+                   split); a request still has rows to fetch, or rows wait in staging
+    attend_landed  land → attend: a true miss's second program, after the synchronous fetch
+    split          again after a fetch that failed (an owner died or refused a cancelled request)
+
+Only the landed rows cross host→device in a step, each once, as program inputs: the landing
+rows come as LANDING_BITS pieces (1, 2, .. 512 rows; a size the count lacks is a device-resident
+null piece aimed at the null page), so no padding crosses and one compiled program serves every
+count; a bulk past 1,023 rows a layer lands first by `DecodePages.land`'s own programs. With the
+layer lookahead (smartgen) the prefetch has put the selected remote rows into staging before the
+layer starts, `landed` lands them and its split finds nothing remote: one program per layer. A
+selected row still remote after that (the hint missed it, or layer 0, which nothing looks ahead
+to) is a true miss: its fetch sits between the split and the
+attention, so the first program's attention is discarded and `attend_landed` runs once the rows
+arrived. Without lookahead a miss is the rule, so `landed` stops before attention. All programs
+are built from the same functions, so a token's output does not depend on which path ran.
+`landed` and `attend_landed` donate the layer's pages and the mask and return them, pinned to
+the decode model's mesh (`_pinner`, as decode_pages pins its own programs).
 
 Attention goes through `pallas_kernels.dispatch`: on a GPU backend the sparse decode attention
 kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CPU) the model's
@@ -25,15 +42,14 @@ kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CP
 (`jkv.selection.sparse_decode`), so the two agree bit for bit. The backend is read at trace time
 (see dispatch's docstring): choose it before the first step.
 
-Programs are jitted once per (model, selector) and shared by every layer (the layer's params,
-selector state and pages are arguments); `capacity` and `dense` are static.
+Programs are jitted once per (model, selector, KV sharding) and shared by every layer (the layer's
+params, selector state and pages are arguments); `capacity`, `dense`, `drops` and `attend_now` are static.
 
 Warm-up (`LayerPrograms.warm_up`): a step compiles nothing. Each program's shapes follow the
 batch's shape class (B, N_cap) and the layer kind (dense or selected), so the worker compiles
 every program a step of that class can run when the class first appears (requests handed in,
-a membership change), not on first use: smartgen's first step is the first to run `select`,
-`split` and `attend` (every other mode has everything local by then and runs `fused`), so
-compiling them there went straight into its time to second token.
+a membership change), not on first use: smartgen's first step is the first to run `landed`,
+`attend_landed` and `split`, and compiling them there went straight into its time to second token.
 """
 from __future__ import annotations
 
@@ -148,9 +164,10 @@ class LayerPrograms:
                 lookahead: bool = False, hint=None, drops: bool = False) -> bool:
         """Compile every program a decode step of `batch` requests at N_cap = `capacity` runs, for
         each layer kind present (dense below `dense_below`, selected from it): the model's embed,
-        qkv and logits, the new token's page write, `fused` and the selected-row count; with
-        `remote` (a member may still fetch) also select, split and attend; with `lookahead` the
-        next layer's hint (`hint`, or the selector's own select). The layer programs are compiled
+        qkv and logits, the new token's page write, `fused`, `landed` and the selected-row count;
+        with `remote` (a member may still fetch) also attend_landed, split and (without `lookahead`)
+        `landed` stopping before attention; with `lookahead` the next layer's hint (`hint`, or the
+        selector's own select). The layer programs are compiled
         ahead of time from shapes; the rest runs once on zeros (reads only: pages and mask are
         not written). False when this class was warm already. Dispatch backend: the one in force
         now (see the module docstring). `drops`: a member has a token-dropping profile (the

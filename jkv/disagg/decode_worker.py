@@ -19,13 +19,14 @@ Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
      bytes to LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
   3. at the next step boundary it joins the running set; every decode step, per layer (with
      lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py): q, k, v →
-     the new k, v go into the device pages (mask 1) → select → landing (staging rows not yet on the
-     device are copied into their pages, then their device mask flips to 1) → `split_reorder`
-     against the device mask → the remote lane (one "fetch" RPC per owner with the remote-first
-     prefix of each row; serial in `partial`/`+profile`) → the replies' rows are landed into their
-     pages → every selected row is gathered from the pages on the device → attention over the
-     selected entries in selection order, so the output never depends on which lane supplied a
-     row (the mode invariant). With speculation a "spec" trigger goes to every owner at the start
+     the new k, v go into the device pages (mask 1) → one program: landing (staging rows not yet
+     on the device are scattered into their pages, their device mask flips to 1) → select →
+     `split_reorder` against the device mask → every selected row gathered from the pages →
+     attention over the selected entries in selection order → MLP; only a true miss (a selected
+     row still remote: the lookahead missed it, or there is none) runs the remote lane (one
+     "fetch" RPC per owner with the remote-first prefix of each row; serial in
+     `partial`/`+profile`) and a second program that lands the replies' rows and attends, so the
+     output never depends on which lane supplied a row (the mode invariant). With speculation a "spec" trigger goes to every owner at the start
      of each layer, for requests past their first step.
   4. when its staging mask is all LOCAL, decode calls "free" on its owner; when it finishes (or
      fails, or is cancelled) it leaves the running set at the step boundary, its regions are
