@@ -5,7 +5,8 @@
 Each (round, tree) runs in a fresh child process with PYTHONPATH=<tree>, so the same script
 measures two versions of jkv (e.g. main before a change and a branch after it) alternately in one
 invocation on the same load. A child starts one prefill worker process (jkv/disagg/harness.py),
-runs a short warm-up batch (its compiles stay out of the measurement), then one smartgen batch of
+runs a short warm-up batch (its compiles stay out of the measurement), then one smartgen batch
+(`--kr-fraction` proactive, sequential order: a random model has no importance profile) of
 `--requests` random prompts, and reports per decode step the CPU seconds of the decode process
 (`cpu_us_n`: every thread of it), of its engine thread and of the prefill process, averaged over
 the steps after the first (the first step's on-demand rows are the stage-transition stall).
@@ -24,15 +25,18 @@ import numpy as np
 
 
 def child(args) -> dict:
-    from jkv.disagg.harness import Harness
+    from jkv.disagg import harness
+    from models.loader import load_model_spec
 
-    h = Harness(args.model, prefill_workers=1, max_blocks=16, say=lambda *a: None)
+    harness.load_model = load_model_spec  # "tiny:<family>:<seed>" too (the prefill workers' --model takes it)
+    h = harness.Harness(args.model, prefill_workers=1, max_blocks=16, say=lambda *a: None)
     try:
         h.set_bandwidth(args.bandwidth_mbit * 1e6)
         rng = np.random.default_rng(0)
         prompts = [rng.integers(3, h.model.cfg.vocab_size, args.prompt_len).tolist() for _ in range(args.requests)]
-        h.run("smartgen", prompts, 3, kr_fraction=args.kr_fraction)  # warm-up: compiles, first connections
-        outs = h.run("smartgen", prompts, args.max_tokens, kr_fraction=args.kr_fraction)
+        kw = dict(kr_fraction=args.kr_fraction, strategy="sequential")
+        h.run("smartgen", prompts, 3, **kw)  # warm-up: compiles, first connections
+        outs = h.run("smartgen", prompts, args.max_tokens, **kw)
     finally:
         h.close()
     steps = outs[0].metrics.extra["step_phases"][1:]
@@ -48,9 +52,9 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="tiny:qwen2:0")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=1024)
-    p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kr-fraction", type=float, default=0.3)
-    p.add_argument("--bandwidth-mbit", type=float, default=20.0,
+    p.add_argument("--bandwidth-mbit", type=float, default=10.0,
                    help="paced link of the prefill worker (slow: remote rows stay for many steps)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
