@@ -20,14 +20,14 @@ read the staging mask first, then copy the rows it shows LOCAL (or `fetched`) an
 device into the pages in one batch per layer, in the same program that flips their device mask
 entries to 1: `landing` hands them to the layer's own decode program as its inputs (pieces of
 1, 2, .., 512 rows; jkv/disagg/decode_program.py `landed`), `land` runs programs of its own
-(a bulk past 1,023 rows, a failed fetch's retry, prefix caching). A transport writes a row before its mask byte, so a row read after its
-mask byte is complete; a device 1 is written with its row, so a 1 is always safe to read.
+(a bulk past 1,023 rows, a failed fetch's retry, prefix caching). A transport writes a row before
+its mask byte, so a row read after its mask byte is complete; a device 1 is written with its row, so a 1 is always safe to read.
 GPUDirect RDMA: a NIC that writes straight into device memory does the same protocol without this
 step: its WRITE puts the rows into the pages (the page table of the request is the region) and its
 ordered second WRITE flips the device mask byte; `land` then finds nothing to copy.
 
-Only these copies move KV host->device, and `land` / `landing` count them by cause into the step clock and
-`h2d_bytes` (totals): "arrived" (block writes and "ckv" frames), "fetched" (on-demand and
+Only these copies move KV host->device, and `land` / `landing` count them by cause into the step
+clock and `h2d_bytes` (totals): "arrived" (block writes and "ckv" frames), "fetched" (on-demand and
 lookahead replies), "other" (a prompt recomputed here after its owner failed). The step's own
 new K, V are computed on the device and written there (`write_new`): no host->device bytes.
 Uploads go in power-of-two pieces of at most MAX_PIECE rows, so every byte counted is a row (no

@@ -209,7 +209,8 @@ class LayerPrograms:
         meta = None if dense else decode_metadata.empty(sel, self.cfg, layer, batch, capacity)
         query = q if dense else sel.decode_query(layer, q, lambda: q)
         args = dict(capacity=capacity, dense=dense, state=None if dense else sel.layer_state(layer),
-                    meta=meta, query=query, k_new=k, pos=pos, now_cached=pos, drops=drops, params=model.layer_params(layer),
+                    meta=meta, query=query, k_new=k, pos=pos, now_cached=pos, drops=drops,
+                    params=model.layer_params(layer),
                     x=x, q=q, K=K, V=V, mask=pages.mask, layer=np.int32(layer), table=table,
                     fetchable=jax.ShapeDtypeStruct((batch,), jnp.bool_))
         fused = self.fused.lower(**args)

@@ -26,8 +26,9 @@ Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
      row still remote: the lookahead missed it, or there is none) runs the remote lane (one
      "fetch" RPC per owner with the remote-first prefix of each row; serial in
      `partial`/`+profile`) and a second program that lands the replies' rows and attends, so the
-     output never depends on which lane supplied a row (the mode invariant). With speculation a "spec" trigger goes to every owner at the start
-     of each layer, for requests past their first step.
+     output never depends on which lane supplied a row (the mode invariant). With speculation a
+     "spec" trigger goes to every owner at the start of each layer, for requests past their first
+     step.
   4. when its staging mask is all LOCAL, decode calls "free" on its owner; when it finishes (or
      fails, or is cancelled) it leaves the running set at the step boundary, its regions are
      unregistered, its staging freed and (on the engine thread) its device pages.
