@@ -15,14 +15,14 @@ registered regions "kv/<rid>", "mask/<rid>"), where every byte from the network 
 writes and their mask bytes (proactive and speculative pushes), decoded "ckv" frames, on-demand
 and lookahead replies (`fetch.keep_rows`: rows plus `fetched`), recomputed prompts.
 
-Landing (engine thread, once per layer before its split and once after its on-demand replies):
-read the staging mask first, then copy the rows it shows LOCAL (or `fetched`) and not yet on the
-device into the pages in one batch per layer, in the same program that flips their device mask
-entries to 1: `landing` hands them to the layer's own decode program as its inputs (pieces of
-1, 2, .., 512 rows; jkv/disagg/decode_program.py `landed`), `land` runs programs of its own
-(a bulk past 1,023 rows, a failed fetch's retry, prefix caching). A transport writes a row before
-its mask byte, so a row read after its mask byte is complete; a device 1 is written with its row,
-so a 1 is always safe to read.
+Landing (engine thread, once per layer before its split and once after its on-demand replies): read
+the staging mask first, then copy the rows it shows LOCAL (or `fetched`) and not yet on the device
+into the pages in one batch per layer, in the same program that flips their device mask entries to
+1: `landing` hands them to the layer's own decode program as its inputs (pieces of 1, 2, .., 512
+rows; jkv/disagg/decode_program.py `landed`), `land` runs programs of its own (a bulk past 1,023
+rows, a failed fetch's retry, prefix caching). A transport writes a row before its mask byte, so a
+row read after its mask byte is complete; a device 1 is written with its row, so a 1 is always safe
+to read.
 GPUDirect RDMA: a NIC that writes straight into device memory does the same protocol without this
 step: its WRITE puts the rows into the pages (the page table of the request is the region) and its
 ordered second WRITE flips the device mask byte; `land` then finds nothing to copy.

@@ -8,13 +8,14 @@ The decode worker's KV lives in the paged cache (`PagedKVCache`: per layer K, V
 
 Token t of a request with page table row `table[b]` has mask `mask[l, table[b, t // P], h, t % P]`.
 The mask is per KV head because a row fetched on demand is kept per head (KV reuse): it is in the
-device pages for that head only. Rows that arrive as blocks flip every head of a token at once.
-A 1 is written in the same program that writes the row (`land_rows`, or `land_pieces` inside a
-decode layer's program), so a 1 is always safe to read. The null page 0 (idle table entries)
-keeps mask PAD: padding rows of `land_rows` and null landing pieces write PAD there. DROPPED
-entries are written once, when a request with a token-dropping profile joins (`set_entries`), and `drop_dropped` removes them from every selection, so each KV head attends to
-its own kept prompt tokens plus the generated ones (the mask is already per head, so per-head
-token counts need no other structure).
+device pages for that head only. Rows that arrive as blocks flip every head of a token at once. A 1
+is written in the same program that writes the row (`land_rows`, or `land_pieces` inside a decode
+layer's program), so a 1 is always safe to read. The null page 0 (idle table entries) keeps mask
+PAD: padding rows of `land_rows` and null landing pieces write PAD there. DROPPED entries are
+written once, when a request with a token-dropping profile joins (`set_entries`), and
+`drop_dropped` removes them from every selection, so each KV head attends to its own kept prompt
+tokens plus the generated ones (the mask is already per head, so per-head token counts need no
+other structure).
 
 Pure functions plus module-level jits (shared by every worker in a process, so a benchmark's
 fresh workers reuse the compiled programs). No threads, no host bookkeeping.
