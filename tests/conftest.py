@@ -101,6 +101,7 @@ LONG_FILES = (
     "tests/serve/test_prefix_loading.py",
     "tests/smartgen/test_smartgen_api.py",
     "tests/smartgen/test_smartgen_compiles.py",
+    "tests/smartgen/test_smartgen_layer_programs.py",
     "tests/smartgen/test_prefix_split.py",
     "tests/smartgen/test_harness.py",
     "tests/serve/test_supervision.py",

@@ -2,23 +2,26 @@
 
 Per layer of a decode step (engine thread; SmartGen §4.2, Algorithm 1):
 
-    land      what arrived in staging since the last layer goes into the device pages, mask 1
-              (jkv/disagg/decode_pages.py)
-    split     the device mask of each row (request x KV head: a row fetched earlier is in the pages,
-              so it is 1) and `split_reorder` of the selection against it, on the device:
-              i32[B*H_kv, k] reordered remote-first plus each row's remote count (to the host)
-    remote    one asynchronous "fetch" RPC per owner with each row's remote-first prefix
-              (`jkv.kvbuffers.fetch.FetchCall`); in the serial modes (`partial`, `+profile`) the
-              replies are awaited before the local lane starts
-    wait      the replies, in owner order; their rows go into staging (marked fetched) and are
-              landed into their pages (KV reuse, DESIGN.md): the only rows that cross host->device
-    local     a gather of every selected row from the pages, attention in selection order (so
-              the output never depends on which lane supplied a row) and the MLP: one program
-              (`decode_program.attend`)
+    land      what arrived in staging since the last layer (pushes, "ckv", the lookahead's
+              replies) goes into the device pages, mask 1, inside the layer's program
+              (`DecodePages.landing`, jkv/disagg/decode_program.py `landed`)
+    split     in the same program, after the selection: the device mask of each row (request x
+              KV head: a row fetched earlier is in the pages, so it is 1) and `split_reorder` of
+              the selection against it: reordered remote-first plus each row's remote count
+    local     with layer lookahead the same program gathers every selected row from the pages,
+              attends in selection order (so the output never depends on which lane supplied a
+              row) and runs the MLP; when no selected row is remote the layer is done
+    remote    a true miss: one asynchronous "fetch" RPC per owner with each row's remote-first
+              prefix (`jkv.kvbuffers.fetch.FetchCall`); in the serial modes (`partial`,
+              `+profile`) the replies are awaited before anything else is issued
+    wait      the replies, in owner order; their rows go into staging (marked fetched), then
+              `attend_landed` scatters them into their pages (KV reuse, DESIGN.md: the only rows
+              that cross host->device besides the landed ones) and runs the local lane again
 
 Failure policy (`_gather`): a transport error of one owner is an `OwnerDown`; when the owner
 only refused the RPC because a request in it was cancelled or freed meanwhile, the layer is
-fetched again without it, otherwise the owner's requests fail (or are recomputed).
+fetched again without it, otherwise the owner's requests fail (or are recomputed); either way the
+selection is split again (`split`) against what is on the device then.
 
 `FetchLanes` is a mixin of `DecodeWorker`: it reads the worker's `model`, `transfer`,
 `endpoint`, `pages`, `programs`, `phases`, `_lookahead` and `_pending`, and calls `_owner_failed`.
@@ -34,33 +37,69 @@ from transport import RemoteError, TransportError
 
 
 class FetchLanes:
-    def _gather(self, st, layer, kv_index, q):
-        """kv_index: i32[B*H, k] (device), q: [B, H_q, D] -> (x [B, hidden]: the layer's output,
-        attention over every selected row in selection order and the MLP; remote: i32[B*H] entries
-        fetched on demand this layer)."""
+    def _layer_programs(self, st, layer, q, args):
+        """One layer of the running set after its new K, V is in the pages -> (meta, kv_index i32[B*H, k]
+        (device), x [B, hidden], remote i64[B*H]: entries fetched on demand). Everything local: `fused`,
+        or `landed` when rows wait in staging; otherwise `_gather`. args: the select arguments."""
+        B, H = len(st.lives), self.model.cfg.num_kv_heads
+        if any(lv.fetchable for lv in st.lives):
+            return self._gather(st, layer, q, args)
+        landing = self.pages.landing(st.lives, layer, st.table_np, self.phases)  # staging rows not yet in pages
+        if landing is not None:
+            meta, kv_index, _, _, x = self._landed(st, layer, q, args, np.zeros(B, bool), landing, True)
+        else:
+            K, V = self.pages.cache.kv[layer]
+            meta, kv_index, _, x = self.programs.fused(
+                **args, params=self.model.layer_params(layer), x=st.x, q=q, K=K, V=V, mask=self.pages.mask,
+                layer=np.int32(layer), table=st.table, fetchable=np.zeros(B, bool))
+        return meta, kv_index, x, np.zeros(B * H, np.int64)
+
+    def _landed(self, st, layer, q, args, fetchable, landing, attend_now):
+        """`programs.landed` on this layer's pages (replaced by the program's) -> (meta, kv_index,
+        reordered, remote_count, x), all on the device."""
+        K, V = self.pages.cache.kv[layer]
+        meta, kv_index, reordered, remote, x, K, V, mask = self.programs.landed(
+            **args, params=self.model.layer_params(layer), x=st.x, q=q, K=K, V=V, mask=self.pages.mask,
+            layer=np.int32(layer), table=st.table, fetchable=fetchable, landing=landing, attend_now=attend_now)
+        self.pages.replace(layer, K, V, mask)
+        return meta, kv_index, reordered, remote, x
+
+    def _gather(self, st, layer, q, args):
+        """`_layer_programs` while a request has rows to fetch: one program lands what arrived or was
+        prefetched, selects, splits and (with lookahead, where the prefetch supplied the remote rows)
+        attends; a true miss (a selected row still remote) is fetched, then `attend_landed`."""
         lives = st.lives
+        landing = self.pages.landing(lives, layer, st.table_np, self.phases) or self.pages.null_landing()
+        self.phases.lap("land")
+        expect_hits = st.lookahead is not None
+        meta, kv_index, reordered, remote_count, x = self._landed(
+            st, layer, q, args, np.asarray([lv.fetchable for lv in lives]), landing, expect_hits)
+        remote_count = np.asarray(remote_count)
+        self.phases.lap("landed")
+        if expect_hits and not remote_count.any():
+            self._lookahead.release(layer + 1)  # no synchronous fetch: the next prefetch may go
+            return meta, kv_index, x, remote_count
+        reordered = np.asarray(reordered)
         while True:
             fetchable = {id(lv) for lv in lives if lv.fetchable}
             try:
-                return self._gather_once(st, layer, kv_index, q)
+                return (meta, kv_index, *self._fetch_and_attend(st, layer, kv_index, q, reordered, remote_count))
             except OwnerDown as e:
                 # A request cancelled (or freed) while its rows were being fetched makes the owner
                 # refuse the whole RPC; the owner is alive: fetch again without that request.
                 gone = [lv for lv in lives if lv.owner == e.owner and id(lv) in fetchable and not lv.fetchable]
-                if isinstance(e.error, RemoteError) and gone:
-                    continue
-                self._owner_failed(e.owner, e.error, lives + self._pending)
+                if not (isinstance(e.error, RemoteError) and gone):
+                    self._owner_failed(e.owner, e.error, lives + self._pending)
+            # split again against what is on the device now (a recomputed prompt lands here)
+            self.pages.land(lives, layer, st.table_np, self.phases)
+            reordered, remote_count = (np.asarray(a) for a in self.programs.split(
+                self.pages.mask, np.int32(layer), st.table, np.asarray([lv.fetchable for lv in lives]), kv_index))
+            self.phases.lap("split")
 
-    def _gather_once(self, st, layer, kv_index, q):
+    def _fetch_and_attend(self, st, layer, kv_index, q, reordered, remote_count):
+        """The remote lane for each row's remote-first prefix, then the replies' rows into their pages
+        (KV reuse) and attention in one program -> (x, remote_count)."""
         lives = st.lives
-        # What landed in staging since the last layer (pushes, "ckv", the lookahead's replies, a
-        # recomputed prompt) goes to the device pages first, so the split sees it as local.
-        self.pages.land(lives, layer, st.table_np, self.phases)
-        self.phases.lap("land")
-        fetchable = np.asarray([lv.fetchable for lv in lives])
-        reordered, remote_count = self.programs.split(self.pages.mask, np.int32(layer), st.table, fetchable, kv_index)
-        reordered, remote_count = np.asarray(reordered), np.asarray(remote_count)
-        self.phases.lap("split")
         pending = [(owner, call, self._call(owner, call.payload()))
                    for owner, call in self._fetch_calls(lives, layer, reordered, remote_count)]
         if not self.transfer.parallel_lanes:  # serial lanes: remote first, then local
@@ -70,13 +109,14 @@ class FetchLanes:
         self._lookahead.release(layer + 1)  # the next layer's prefetch queues behind this fetch
         for owner, call, t in pending:
             self._scatter(lives, layer, owner, call, self._wait(t))
-        if pending:  # the replies' rows into their pages (KV reuse), before attention reads them
-            self.pages.land(lives, layer, st.table_np, self.phases)
-            self.phases.lap("land")
+        landing = self.pages.landing(lives, layer, st.table_np, self.phases) or self.pages.null_landing()
+        self.phases.lap("land")
         # Local lane: every selected row from the pages (on the device), in selection order, then
         # attention and the MLP in the same program.
         K, V = self.pages.cache.kv[layer]
-        x = self.programs.attend(self.model.layer_params(layer), st.x, q, K, V, st.table, kv_index)
+        x, K, V, mask = self.programs.attend_landed(self.model.layer_params(layer), st.x, q, K, V, self.pages.mask,
+                                                    np.int32(layer), st.table, kv_index, landing)
+        self.pages.replace(layer, K, V, mask)
         self.phases.lap("local")
         return x, remote_count
 

@@ -5,6 +5,7 @@
     hit = pages.plan(rid, n, tokens, prompt)   # with prefix caching: cached leading pages shared
     table = pages.table(rids, capacity)        # i32[B, ceil(N_cap / P)] (host), idle rows null
     pages.land(lives, layer, table, clock)     # staging -> device pages, then mask 1 (per layer)
+    landing = pages.landing(lives, layer, table, clock)  # the same rows, for the layer's program
     pages.free(rid)
 
 Two tiers (DESIGN.md "Where KV lives"): L1 is `cache` (per layer K, V `[num_pages, H_kv, P, D]`
@@ -14,17 +15,20 @@ registered regions "kv/<rid>", "mask/<rid>"), where every byte from the network 
 writes and their mask bytes (proactive and speculative pushes), decoded "ckv" frames, on-demand
 and lookahead replies (`fetch.keep_rows`: rows plus `fetched`), recomputed prompts.
 
-Landing (`land`, engine thread, once per layer before its split and once after its on-demand
-replies): read the staging mask first, then copy the rows it shows LOCAL (or `fetched`) and not
-yet on the device into the pages in one batch per layer, in the same program that flips their
-device mask entries to 1. A transport writes a row before its mask byte, so a row read after its
-mask byte is complete; a device 1 is written with its row, so a 1 is always safe to read.
+Landing (engine thread, once per layer before its split and once after its on-demand replies): read
+the staging mask first, then copy the rows it shows LOCAL (or `fetched`) and not yet on the device
+into the pages in one batch per layer, in the same program that flips their device mask entries to
+1: `landing` hands them to the layer's own decode program as its inputs (pieces of 1, 2, .., 512
+rows; jkv/disagg/decode_program.py `landed`), `land` runs programs of its own (a bulk past 1,023
+rows, a failed fetch's retry, prefix caching). A transport writes a row before its mask byte, so a
+row read after its mask byte is complete; a device 1 is written with its row, so a 1 is always safe
+to read.
 GPUDirect RDMA: a NIC that writes straight into device memory does the same protocol without this
 step: its WRITE puts the rows into the pages (the page table of the request is the region) and its
 ordered second WRITE flips the device mask byte; `land` then finds nothing to copy.
 
-Only these copies move KV host->device, and `land` counts them by cause into the step clock and
-`h2d_bytes` (totals): "arrived" (block writes and "ckv" frames), "fetched" (on-demand and
+Only these copies move KV host->device, and `land` / `landing` count them by cause into the step
+clock and `h2d_bytes` (totals): "arrived" (block writes and "ckv" frames), "fetched" (on-demand and
 lookahead replies), "other" (a prompt recomputed here after its owner failed). The step's own
 new K, V are computed on the device and written there (`write_new`): no host->device bytes.
 Uploads go in power-of-two pieces of at most MAX_PIECE rows, so every byte counted is a row (no
@@ -60,6 +64,9 @@ DEFAULT_DECODE_TOKENS = 16384  # device KV tokens of the default pool (--num-pag
 
 
 MAX_PIECE = 4096  # rows per upload piece: a 4 x 512-token batch of 3 KV heads lands in 2 pieces
+# A decode layer program lands up to 2**LANDING_BITS - 1 rows itself, as pieces of 1, 2, .., 512 rows
+# (`landing`): an unused piece is the null one, whose scatter costs ~1K rows of device work a layer.
+LANDING_BITS = 10
 
 
 def upload_pieces(n: int) -> list[int]:
@@ -103,6 +110,7 @@ class DecodePages:
             self.mask = jax.device_put(self.mask, mask_sharding)
         self.row_bytes = 2 * model_cfg.head_dim * self.cache.dtype.itemsize  # one K row and one V row
         self.h2d_bytes = dict.fromkeys(CAUSES, 0)
+        self._null_pieces = None  # null_landing's, made on first use
 
     @property
     def page_size(self) -> int:
@@ -162,7 +170,55 @@ class DecodePages:
     # ------------------------------------------------------------ landing
     def land(self, lives, layer: int, table: np.ndarray, clock) -> int:
         """Copy the rows of `layer` that are in staging (LOCAL or fetched) and not on the device
-        into the pages, then flip their device mask to 1. Returns the bytes copied."""
+        into the pages, then flip their device mask to 1 (land programs of their own). Returns the
+        bytes copied."""
+        rows = self._collect(lives, layer, table, clock)
+        if rows is None:
+            return 0
+        self._upload(layer, *rows)
+        return len(rows[0]) * self.row_bytes
+
+    def landing(self, lives, layer: int, table: np.ndarray, clock):
+        """`land` for a decode layer program that lands the rows itself (`sparse.land_pieces`):
+        the same rows, counted the same, returned as the program's LANDING_BITS pieces (piece b:
+        2**b rows or, where the count has no such bit, the device-resident null piece, so no
+        padding crosses). Rows past the pieces' 2**LANDING_BITS - 1 (a bulk arrival) land here
+        first, by `land`'s programs. None: nothing to land."""
+        rows = self._collect(lives, layer, table, clock)
+        if rows is None:
+            return None
+        inside = len(rows[0]) % (1 << LANDING_BITS)
+        if len(rows[0]) > inside:
+            self._upload(layer, *(r[inside:] for r in rows))
+        pieces, at = [], 0
+        for b in range(LANDING_BITS):
+            if inside >> b & 1:
+                s = slice(at, at + (1 << b))
+                at += 1 << b
+                pieces.append(tuple(np.asarray(r[s], np.int32) for r in rows[:3])
+                              + tuple(np.asarray(r[s], self.cache.dtype) for r in rows[3:]))
+            else:
+                pieces.append(self.null_landing()[b])
+        return tuple(pieces)
+
+    def null_landing(self) -> tuple:
+        """The landing pieces of nothing: per size 2**b, rows aimed at the null page (PAD), made on
+        the device once (no host bytes)."""
+        if self._null_pieces is None:
+            self._null_pieces = tuple(
+                (*(jnp.zeros(1 << b, jnp.int32) for _ in range(3)),
+                 *(jnp.zeros((1 << b, self.head_dim), self.cache.dtype) for _ in range(2)))
+                for b in range(LANDING_BITS))
+        return self._null_pieces
+
+    def replace(self, layer: int, K, V, mask) -> None:
+        """A decode layer program's updated pages and mask (it donated the old ones)."""
+        self._set_layer(layer, K, V)
+        self.mask = mask
+
+    def _collect(self, lives, layer: int, table: np.ndarray, clock):
+        """The rows `land` copies: (pages, heads, slots, k [R, D], v [R, D]) or None; marks them
+        on the device and counts their bytes by cause."""
         P, parts = self.page_size, []
         for b, lv in enumerate(lives):
             if lv.landed[layer]:
@@ -179,14 +235,13 @@ class DecodePages:
                 lv.on_device[layer, heads, tokens] = True
             lv.landed[layer] = bool(arrived.all() and lv.on_device[layer, :, :n].all())
         if not parts:
-            return 0
+            return None
         pages, heads, slots, k, v, cause = (np.concatenate(x) for x in zip(*parts))
-        self._upload(layer, pages, heads, slots, k, v)
         for c, name in enumerate(CAUSES):
             nbytes = int((cause == c).sum()) * self.row_bytes
             self.h2d_bytes[name] += nbytes
             clock.count(f"h2d_{name}_bytes_n", nbytes)
-        return len(cause) * self.row_bytes
+        return pages, heads, slots, k, v
 
     def _upload(self, layer, pages, heads, slots, k, v) -> None:
         dtype = self.cache.dtype

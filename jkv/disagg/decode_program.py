@@ -2,6 +2,9 @@
 
 One layer of a decode step, after `Model.qkv` and the new token's K, V write (`DecodePages.write_new`):
 
+    land     rows that wait in host staging (pushed, speculated, prefetched, fetched) come in as the
+             program's inputs, rows plus their page slots (`DecodePages.landing`), and are scattered
+             into their pages with their mask flipping to 1 (`sparse.land_pieces`)
     select   append the new key to the selector metadata, select (`Selector.select_traced`; every
              cached token in a dense layer), minus the rows a token-dropping profile dropped
              (`sparse.drop_dropped`, only when a request of the batch has one)
@@ -11,13 +14,27 @@ One layer of a decode step, after `Model.qkv` and the new token's K, V write (`D
     attend   gather every selected row from the pages (`sparse.gather_selected`), attention over
              them in selection order, then the MLP                   -> x [B, hidden]
 
-`fused` is the whole layer in one jitted program: select → split → gather → attention → MLP.
-The worker runs it when no request of the batch has rows left to fetch (everything local: `full`,
-and `smartgen` once speculation has moved the rest); nothing crosses host<->device in it. While a
-request still has remote rows the on-demand fetch (an RPC) must sit between the split and the
-attention, so the same pieces run as three programs: `select`, `split` (again after a fetch that
-failed), then `attend` once the fetched rows have landed in their pages. All four are built
-from the same functions, so a token's output does not depend on which path ran.
+Programs (a layer runs one of the first two, plus `attend_landed` after a true miss):
+
+    fused          select → split → attend; everything local and nothing waiting in staging
+    landed         land → select → split → attend (`attend_now`; without it the program ends after
+                   split); a request still has rows to fetch, or rows wait in staging
+    attend_landed  land → attend: a true miss's second program, after the synchronous fetch
+    split          again after a fetch that failed (an owner died or refused a cancelled request)
+
+Only the landed rows cross host→device in a step, each once, as program inputs: the landing
+rows come as LANDING_BITS pieces (1, 2, .. 512 rows; a size the count lacks is a device-resident
+null piece aimed at the null page), so no padding crosses and one compiled program serves every
+count; a bulk past 1,023 rows a layer lands first by `DecodePages.land`'s own programs. With the
+layer lookahead (smartgen) the prefetch has put the selected remote rows into staging before the
+layer starts, `landed` lands them and its split finds nothing remote: one program per layer. A
+selected row still remote after that (the hint missed it, or layer 0, which nothing looks ahead
+to) is a true miss: its fetch sits between the split and the
+attention, so the first program's attention is discarded and `attend_landed` runs once the rows
+arrived. Without lookahead a miss is the rule, so `landed` stops before attention. All programs
+are built from the same functions, so a token's output does not depend on which path ran.
+`landed` and `attend_landed` donate the layer's pages and the mask and return them, pinned to
+the decode model's mesh (`_pinner`, as decode_pages pins its own programs).
 
 Attention goes through `pallas_kernels.dispatch`: on a GPU backend the sparse decode attention
 kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CPU) the model's
@@ -25,15 +42,14 @@ kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CP
 (`jkv.selection.sparse_decode`), so the two agree bit for bit. The backend is read at trace time
 (see dispatch's docstring): choose it before the first step.
 
-Programs are jitted once per (model, selector) and shared by every layer (the layer's params,
-selector state and pages are arguments); `capacity` and `dense` are static.
+Programs are jitted once per (model, selector, KV sharding) and shared by every layer (the layer's
+params, selector state and pages are arguments); `capacity`, `dense`, `drops` and `attend_now` are static.
 
 Warm-up (`LayerPrograms.warm_up`): a step compiles nothing. Each program's shapes follow the
 batch's shape class (B, N_cap) and the layer kind (dense or selected), so the worker compiles
 every program a step of that class can run when the class first appears (requests handed in,
-a membership change), not on first use: smartgen's first step is the first to run `select`,
-`split` and `attend` (every other mode has everything local by then and runs `fused`), so
-compiling them there went straight into its time to second token.
+a membership change), not on first use: smartgen's first step is the first to run `landed`,
+`attend_landed` and `split`, and compiling them there went straight into its time to second token.
 """
 from __future__ import annotations
 
@@ -98,25 +114,60 @@ def fused(cfg, selector, capacity: int, dense: bool, params, state, meta, x, q, 
     return meta, kv_index, remote, attend(cfg, params, x, q, K, V, table, kv_index)
 
 
-class LayerPrograms:
-    """The jitted programs of one (model, selector) pair; see the module docstring."""
+def landed(cfg, selector, pin, capacity: int, dense: bool, params, state, meta, x, q, query, k_new, pos, now_cached,
+           K, V, mask, layer, table, fetchable, landing, drops: bool = False, attend_now: bool = True):
+    """The whole layer after landing rows: `sparse.land_pieces` of `landing` (pieces of rows with
+    their page slots: `DecodePages.landing`) into this layer's pages, their mask to 1, then select,
+    split against the updated mask, and with `attend_now` gather, attention and the MLP.
+    -> (meta, kv_index, reordered i32[B*H_kv, k], remote_count i32[B*H_kv], x, K, V, mask); without
+    `attend_now` x is the input (attention follows a fetch in `attend_landed`). K, V, mask are
+    donated; `pin` keeps their layouts (the decode model's mesh)."""
+    K, V, mask = pin(*sparse.land_pieces(K, V, mask, layer, landing))
+    meta, kv_index = select(selector, cfg.num_kv_heads, capacity, dense, state, meta, query, k_new, pos, now_cached,
+                            mask, layer, table, drops)
+    reordered, remote = split(mask, layer, table, fetchable, kv_index)
+    if attend_now:
+        x = attend(cfg, params, x, q, K, V, table, kv_index)
+    return meta, kv_index, reordered, remote, x, K, V, mask
 
-    def __init__(self, cfg, selector):
+
+def attend_landed(cfg, pin, params, x, q, K, V, mask, layer, table, kv_index, landing):
+    """A true miss's second program: land the fetched rows (`landing`), then `attend` -> (x, K, V, mask)."""
+    K, V, mask = pin(*sparse.land_pieces(K, V, mask, layer, landing))
+    return attend(cfg, params, x, q, K, V, table, kv_index), K, V, mask
+
+
+def _pinner(sharding):
+    """(K, V, mask) -> the same with K, V split like `sharding` (by KV head) and the mask replicated
+    on its mesh, as decode_pages pins its own programs' outputs; None: one device, as they are."""
+    if sharding is None:
+        return lambda K, V, mask: (K, V, mask)
+    replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    pin = jax.lax.with_sharding_constraint
+    return lambda K, V, mask: (pin(K, sharding), pin(V, sharding), pin(mask, replicated))
+
+
+class LayerPrograms:
+    """The jitted programs of one (model, selector, KV sharding); see the module docstring."""
+
+    def __init__(self, cfg, selector, sharding=None):
         self.cfg, self.selector = cfg, selector
-        self.select = jax.jit(functools.partial(select, selector, cfg.num_kv_heads),
-                              static_argnames=("capacity", "dense", "drops"))
-        self.split = _split
-        self.attend = jax.jit(functools.partial(attend, cfg))
+        pin, pages = _pinner(sharding), ("K", "V", "mask")
         self.fused = jax.jit(functools.partial(fused, cfg, selector), static_argnames=("capacity", "dense", "drops"))
+        self.landed = jax.jit(functools.partial(landed, cfg, selector, pin), donate_argnames=pages,
+                              static_argnames=("capacity", "dense", "drops", "attend_now"))
+        self.attend_landed = jax.jit(functools.partial(attend_landed, cfg, pin), donate_argnames=pages)
+        self.split = _split
         self._warm: set = set()  # shape classes warm_up has compiled
 
     def warm_up(self, model, pages, batch: int, capacity: int, dense_below: int, *, remote: bool = True,
                 lookahead: bool = False, hint=None, drops: bool = False) -> bool:
         """Compile every program a decode step of `batch` requests at N_cap = `capacity` runs, for
         each layer kind present (dense below `dense_below`, selected from it): the model's embed,
-        qkv and logits, the new token's page write, `fused` and the selected-row count; with
-        `remote` (a member may still fetch) also select, split and attend; with `lookahead` the
-        next layer's hint (`hint`, or the selector's own select). The layer programs are compiled
+        qkv and logits, the new token's page write, `fused`, `landed` and the selected-row count;
+        with `remote` (a member may still fetch) also attend_landed, split and (without `lookahead`)
+        `landed` stopping before attention; with `lookahead` the next layer's hint (`hint`, or the
+        selector's own select). The layer programs are compiled
         ahead of time from shapes; the rest runs once on zeros (reads only: pages and mask are
         not written). False when this class was warm already. Dispatch backend: the one in force
         now (see the module docstring). `drops`: a member has a token-dropping profile (the
@@ -135,9 +186,9 @@ class LayerPrograms:
         sparse.write_new_token.lower(K, V, pages.mask, np.int32(0), table, pos, k, v).compile()
         step = dict(model=model, pages=pages, capacity=capacity, x=x, q=q, k=k, table=table, pos=pos, drops=drops)
         if dense_below > 0:  # one layer of each kind: the programs are shared by every layer
-            self._warm_kind(0, True, remote, **step)
+            self._warm_kind(0, True, remote, lookahead, **step)
         if dense_below < cfg.num_layers:
-            self._warm_kind(dense_below, False, remote, **step)
+            self._warm_kind(dense_below, False, remote, lookahead, **step)
             if lookahead:  # the lookahead thread's selection of the next layer
                 meta, lengths = decode_metadata.empty(self.selector, cfg, dense_below, batch, capacity), i32 + 1
                 np.asarray(hint(dense_below, q, meta, lengths) if hint is not None
@@ -149,34 +200,41 @@ class LayerPrograms:
         self._warm.add(key)
         return True
 
-    def _warm_kind(self, layer: int, dense: bool, remote: bool, model, pages, capacity, x, q, k, table,
-                   pos, drops) -> None:
-        """`warm_up`'s layer programs for the kind of `layer`, called as `_decode_layer` calls them."""
+    def _warm_kind(self, layer: int, dense: bool, remote: bool, lookahead: bool, model, pages, capacity, x, q, k,
+                   table, pos, drops) -> None:
+        """`warm_up`'s layer programs for the kind of `layer`, called as the decode worker calls them
+        (jkv/disagg/decode_lanes.py)."""
         sel, batch = self.selector, x.shape[0]
         K, V = pages.cache.kv[layer]
         meta = None if dense else decode_metadata.empty(sel, self.cfg, layer, batch, capacity)
         query = q if dense else sel.decode_query(layer, q, lambda: q)
         args = dict(capacity=capacity, dense=dense, state=None if dense else sel.layer_state(layer),
-                    meta=meta, query=query, k_new=k, pos=pos, now_cached=pos, drops=drops)
-        fetchable, params = jax.ShapeDtypeStruct((batch,), jnp.bool_), model.layer_params(layer)
-        fused = self.fused.lower(**args, params=params, x=x, q=q, K=K, V=V, mask=pages.mask, layer=np.int32(layer),
-                                 table=table, fetchable=fetchable)
+                    meta=meta, query=query, k_new=k, pos=pos, now_cached=pos, drops=drops,
+                    params=model.layer_params(layer),
+                    x=x, q=q, K=K, V=V, mask=pages.mask, layer=np.int32(layer), table=table,
+                    fetchable=jax.ShapeDtypeStruct((batch,), jnp.bool_))
+        fused = self.fused.lower(**args)
         fused.compile()
         kv_index = fused.out_info[1]
         selected_rows.lower(kv_index).compile()
-        if remote:
-            self.select.lower(**args, mask=pages.mask, layer=np.int32(layer), table=table).compile()
-            self.split.lower(pages.mask, np.int32(layer), table, fetchable, kv_index).compile()
-            self.attend.lower(params, x, q, K, V, table, kv_index).compile()
+        landing = pages.null_landing()
+        self.landed.lower(**args, landing=landing, attend_now=True).compile()  # everything local, rows to land
+        if remote:  # on-demand fetches: a true miss's second program, a failed fetch's split, and
+            # without lookahead (a miss is the rule) the first program stops before attention
+            self.attend_landed.lower(args["params"], x, q, K, V, pages.mask, np.int32(layer), table, kv_index,
+                                     landing).compile()
+            self.split.lower(pages.mask, np.int32(layer), table, args["fetchable"], kv_index).compile()
+            if not lookahead:
+                self.landed.lower(**args, landing=landing, attend_now=False).compile()
 
 _split = jax.jit(split)
 
 
 @functools.lru_cache(maxsize=8)
-def programs_for(cfg, selector) -> LayerPrograms:
-    """The programs of (cfg, selector), cached: a benchmark makes a worker per run and must not
-    recompile each run's first step."""
-    return LayerPrograms(cfg, selector)
+def programs_for(cfg, selector, sharding=None) -> LayerPrograms:
+    """The programs of (cfg, selector) over pages split like `sharding` (Model.kv_sharding; None: one
+    device), cached: a benchmark makes a worker per run and must not recompile each run's first step."""
+    return LayerPrograms(cfg, selector, sharding)
 
 
 def valid_rows(kv_index) -> jax.Array:

@@ -19,14 +19,16 @@ Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
      bytes to LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
   3. at the next step boundary it joins the running set; every decode step, per layer (with
      lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py): q, k, v →
-     the new k, v go into the device pages (mask 1) → select → landing (staging rows not yet on the
-     device are copied into their pages, then their device mask flips to 1) → `split_reorder`
-     against the device mask → the remote lane (one "fetch" RPC per owner with the remote-first
-     prefix of each row; serial in `partial`/`+profile`) → the replies' rows are landed into their
-     pages → every selected row is gathered from the pages on the device → attention over the
-     selected entries in selection order, so the output never depends on which lane supplied a
-     row (the mode invariant). With speculation a "spec" trigger goes to every owner at the start
-     of each layer, for requests past their first step.
+     the new k, v go into the device pages (mask 1) → one program: landing (staging rows not yet
+     on the device are scattered into their pages, their device mask flips to 1) → select →
+     `split_reorder` against the device mask → every selected row gathered from the pages →
+     attention over the selected entries in selection order → MLP; only a true miss (a selected
+     row still remote: the lookahead missed it, or there is none) runs the remote lane (one
+     "fetch" RPC per owner with the remote-first prefix of each row; serial in
+     `partial`/`+profile`) and a second program that lands the replies' rows and attends, so the
+     output never depends on which lane supplied a row (the mode invariant). With speculation a
+     "spec" trigger goes to every owner at the start of each layer, for requests past their first
+     step.
   4. when its staging mask is all LOCAL, decode calls "free" on its owner; when it finishes (or
      fails, or is cancelled) it leaves the running set at the step boundary, its regions are
      unregistered, its staging freed and (on the engine thread) its device pages.
@@ -149,7 +151,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
         page_config = page_config or PageConfig.for_tokens(DEFAULT_DECODE_TOKENS)
         self.pages = DecodePages(cfg, page_config, sharding=model.kv_sharding, prefix_namespace=prefix_namespace(
             model, cfg.dtype, page_config.page_size) if prefix_caching else None)
-        self.programs = decode_program.programs_for(cfg, selector)
+        self.programs = decode_program.programs_for(cfg, selector, model.kv_sharding)
         # agreed with every prefill worker in the handshake, before any KV crosses (handshake.py)
         self.config = role_config(model, "decode", selector, max_blocks=transfer.max_blocks)
         self.endpoint = Endpoint(name, backend, secret=secret, timeout=timeout, op_timeout=None,
@@ -462,8 +464,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
 
     def _decode_layer(self, st: _Step, layer: int) -> None:
         """One layer for the running set: triggers and prefetch, q k v, the new KV into its page,
-        landing, then one fused program (nothing left to fetch) or select, the lanes and attend
-        (jkv/disagg/decode_program.py)."""
+        then one program that lands, selects, splits and attends, unless a selected row is still
+        remote (a true miss: fetched, then a second program; jkv/disagg/decode_lanes.py)."""
         model, clock, H = self.model, self.phases, self.model.cfg.num_kv_heads
         B = len(st.lives)
         if st.speculating and (layer == 0 or self.transfer.spec_every_layer):
@@ -478,20 +480,9 @@ class DecodeWorker(OwnerSide, FetchLanes):
         delivered = self._lookahead.complete(st.lives, layer, st.capacity, clock)
         if delivered is not None:
             clock.lap("prefetch_wait")
-        args = self._layer_args(st, layer, q, k)
-        remote_rows = np.zeros(B * H, np.int64)
+        args = self._layer_args(st, layer, q, k)  # reads st.x_prev: the previous layer's input
         st.x_prev = st.x
-        if not any(lv.fetchable for lv in st.lives):  # everything is local: the whole layer on the device
-            self.pages.land(st.lives, layer, st.table_np, clock)  # staging rows not yet in their pages
-            K, V = self.pages.cache.kv[layer]
-            st.metadata[layer], kv_index, _, st.x = self.programs.fused(
-                **args, params=model.layer_params(layer), x=st.x, q=q, K=K, V=V, mask=self.pages.mask, layer=np.int32(layer), table=st.table,
-                fetchable=np.zeros(B, bool))
-        else:
-            st.metadata[layer], kv_index = self.programs.select(**args, mask=self.pages.mask, layer=np.int32(layer),
-                                                                table=st.table)
-            clock.lap("select")
-            st.x, remote_rows = self._gather(st, layer, kv_index, q)
+        st.metadata[layer], kv_index, st.x, remote_rows = self._layer_programs(st, layer, q, args)
         if delivered is not None:  # selected rows the prefetch supplied are on-demand rows too
             hit = LayerLookahead.hits(delivered, np.asarray(kv_index))
             remote_rows = remote_rows + hit

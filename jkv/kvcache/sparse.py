@@ -8,13 +8,14 @@ The decode worker's KV lives in the paged cache (`PagedKVCache`: per layer K, V
 
 Token t of a request with page table row `table[b]` has mask `mask[l, table[b, t // P], h, t % P]`.
 The mask is per KV head because a row fetched on demand is kept per head (KV reuse): it is in the
-device pages for that head only. Rows that arrive as blocks flip every head of a token at once.
-A 1 is written in the same program that writes the row (`land_rows`), so a 1 is always safe to
-read. The null page 0 (idle table entries) keeps mask PAD: padding rows of `land_rows` write
-PAD there. DROPPED entries are written once, when a request with a token-dropping profile joins
-(`set_entries`), and `drop_dropped` removes them from every selection, so each KV head attends to
-its own kept prompt tokens plus the generated ones (the mask is already per head, so per-head
-token counts need no other structure).
+device pages for that head only. Rows that arrive as blocks flip every head of a token at once. A 1
+is written in the same program that writes the row (`land_rows`, or `land_pieces` inside a decode
+layer's program), so a 1 is always safe to read. The null page 0 (idle table entries) keeps mask
+PAD: padding rows of `land_rows` and null landing pieces write PAD there. DROPPED entries are
+written once, when a request with a token-dropping profile joins (`set_entries`), and
+`drop_dropped` removes them from every selection, so each KV head attends to its own kept prompt
+tokens plus the generated ones (the mask is already per head, so per-head token counts need no
+other structure).
 
 Pure functions plus module-level jits (shared by every worker in a process, so a benchmark's
 fresh workers reuse the compiled programs). No threads, no host bookkeeping.
@@ -56,6 +57,17 @@ def _land_rows(K, V, mask, layer, pages, heads, slots, k_rows, v_rows, values):
 
 
 land_rows = jax.jit(_land_rows, donate_argnums=(0, 1, 2))
+
+
+def land_pieces(K, V, mask, layer, pieces):
+    """`_land_rows` of rows that come as pieces, inside a decode program (jkv/disagg/decode_program.py).
+
+    pieces: a tuple of (pages, heads, slots i32[R_i], k_rows, v_rows [R_i, D]); a piece aimed at the
+    null page (an unused slot of the program's fixed piece sizes) writes PAD there, every other
+    row LOCAL. One scatter of all pieces. Returns (K, V, mask)."""
+    pages, heads, slots, k_rows, v_rows = (jnp.concatenate(part) for part in zip(*pieces))
+    values = jnp.where(pages == NULL_PAGE, PAD, LOCAL).astype(jnp.int8)
+    return _land_rows(K, V, mask, layer, pages, heads, slots, k_rows, v_rows, values)
 
 
 def _set_entries(mask, layers, pages, heads, slots, values):

@@ -1,7 +1,9 @@
 """The SmartGen decode worker's fused per-layer program (jkv/disagg/decode_program.py: select on
 the device → split_reorder against the paged KV mask → gather of the selected rows from the pages
 → attention → MLP) lowers for CUDA on this CPU-only machine (`jax.export`, platforms=["cuda"]),
-with the selector inside it, not only the kernels.
+with the selector inside it, not only the kernels; so do the programs of a layer with remote rows
+(`landed`: the arrived and prefetched rows scattered into their pages first; `attend_landed`:
+a true miss's second program).
 
 Under dispatch backend "mosaic" (what "auto" picks on Hopper) a bf16 model with head dim 64 takes
 the Mosaic GPU sparse attention kernel and the Triton top-k, split and paged-gather kernels: the
@@ -14,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jkv.disagg import decode_program
+from jkv.disagg import decode_pages, decode_program
 from jkv.kvcache import sparse
 from jkv.selection import get_selector
 from models import paged, tiny_config
@@ -77,3 +79,52 @@ def test_fused_sparse_paged_layer_exports_for_cuda(dtype, backend):
         assert module.count(GATHER_KERNEL) == 1  # the rows come from the pages by the gather kernel
     else:
         assert MOSAIC_CALL not in module and TRITON_CALL not in module
+
+
+def _landing(cfg):
+    """Abstract landing pieces of the decode worker's layer programs (DecodePages.landing)."""
+    i32 = lambda n: _aval((n,), "int32")
+    rows = lambda n: _aval((n, cfg.head_dim), cfg.dtype)
+    return tuple((i32(1 << b), i32(1 << b), i32(1 << b), rows(1 << b), rows(1 << b))
+                 for b in range(decode_pages.LANDING_BITS))
+
+
+@pytest.mark.parametrize("dtype,backend", [("bfloat16", "mosaic"), ("float32", "xla")])
+def test_landing_layer_programs_export_for_cuda(dtype, backend):
+    """`landed` (land the arrived and prefetched rows into the pages, select, split, gather,
+    attention, MLP: the one program of a layer with remote rows) and `attend_landed` (a true miss's
+    second program) lower for CUDA with the same kernels as `fused`, and hand back the pages and
+    mask they wrote."""
+    if backend == "mosaic" and not mosaic_attention.MOSAIC_AVAILABLE:
+        pytest.skip(f"jax {jax.__version__} has no Mosaic GPU Pallas")
+    cfg = tiny_config("llama", head_dim=64, dtype=dtype)
+    selector = get_selector("oracle")
+    args = _layer_args(cfg, selector)
+    K, mask, table = args[8], args[10], args[12]
+    pin = lambda *kv: kv
+
+    def layer(params, meta, x, q, query, k_new, pos, now_cached, K, V, mask, layer_i, table, fetchable, landing):
+        return decode_program.landed(cfg, selector, pin, CAPACITY, False, params, None, meta, x, q, query, k_new,
+                                     pos, now_cached, K, V, mask, layer_i, table, fetchable, landing)
+
+    def miss(params, x, q, K, V, mask, layer_i, table, kv_index, landing):
+        return decode_program.attend_landed(cfg, pin, params, x, q, K, V, mask, layer_i, table, kv_index, landing)
+
+    with dispatch.backend(backend):
+        exported = _export(layer, *args, _landing(cfg))
+        kv_index = exported.out_avals[-7]
+        second = _export(miss, args[0], args[2], args[3], K, K, mask, args[11], table, kv_index, _landing(cfg))
+    reordered, remote, x, K_out, V_out, mask_out = exported.out_avals[-6:]
+    assert kv_index.shape == reordered.shape and kv_index.shape[0] == B * cfg.num_kv_heads
+    assert remote.shape == (B * cfg.num_kv_heads,) and x.shape == (B, cfg.hidden_size)
+    assert (K_out.shape, V_out.shape, mask_out.shape) == (K.shape, K.shape, mask.shape)
+    x2, K2, _, mask2 = second.out_avals
+    assert x2.shape == x.shape and K2.shape == K.shape and mask2.shape == mask.shape
+    for program, launches in ((exported, 3), (second, 0)):
+        module = program.mlir_module()
+        assert program.platforms == ("cuda",)
+        if backend == "mosaic":  # the sparse attention; the selection's top-k and split_reorder only in `landed`
+            assert module.count(MOSAIC_CALL) == 1 and module.count(GATHER_KERNEL) == 1
+            assert module.count(TRITON_CALL) >= launches + 1
+        else:
+            assert MOSAIC_CALL not in module and TRITON_CALL not in module
