@@ -15,7 +15,7 @@ What crosses to an owner, in a request's order (jkv/disagg/protocol.py has the m
 
 `OwnerSide` is a mixin of `DecodeWorker`: it reads the worker's `model`, `selector`,
 `transfer`, `profile`, `oracle_profile`, `compression`, `on_failure`, `endpoint`, `pool`,
-`pages`, `owners` and `_live` (under `_lock`).
+`pages`, `owners`, `_running`, `_warm_up` and `_live` (under `_lock`).
 """
 from __future__ import annotations
 
@@ -188,8 +188,11 @@ class OwnerSide:
         # Device pages first (OutOfPages fails this request alone), then the host staging buffers
         # the transport lands in (decode_pages.py: staging -> pages per layer). With prefix caching
         # the cached leading pages are shared and only blocks past them are planned (prefix_split.py).
+        size = self.pages.num_pages
         hit = self.pages.plan(rid, n, n + req.params.max_tokens,
                               req.prompt_token_ids if prefix_eligible(choice) else None)
+        if self.pages.num_pages != size and self._running:  # an auto-sized pool grew (decode_pages.py):
+            self._warm_up(self._running)  # the running set's next steps are of a new class; compile here
         order = uncached_blocks(order, geometry, hit)
         kr = uncached_kr(self.transfer, kr, len(order)) if hit else min(len(order), kr)
         try:
