@@ -109,9 +109,10 @@ class DecodePages:
                                      page_cfg.page_size)
         self._set_masks, self._land_rows, self._write_new = (sparse.set_page_masks, sparse.land_rows,
                                                              sparse.write_new_token)
+        self._mask_sharding = None
         if sharding is not None:
-            mask_sharding, self._set_masks, self._land_rows, self._write_new = _pinned_programs(sharding)
-            self.mask = jax.device_put(self.mask, mask_sharding)
+            self._mask_sharding, self._set_masks, self._land_rows, self._write_new = _pinned_programs(sharding)
+            self.mask = jax.device_put(self.mask, self._mask_sharding)
         self.row_bytes = 2 * model_cfg.head_dim * self.cache.dtype.itemsize  # one K row and one V row
         self.h2d_bytes = self.cache.h2d_bytes  # the cache's counters (its stats and /metrics read them)
 
@@ -163,8 +164,11 @@ class DecodePages:
                  self.page_size, pages, self.cache.pages_free)
         self.cache.grow(size)
         L, _, H, P = self.mask.shape
-        self.mask = jax.device_put(_append_pad_pages(self.mask, jnp.full((L, extra, H, P), PAD, jnp.int8)),
-                                   self.mask.sharding)  # replicated on the model's mesh under TP, as before
+        self.mask = _append_pad_pages(self.mask, jnp.full((L, extra, H, P), PAD, jnp.int8))
+        if self._mask_sharding is not None:  # replicated on the model's mesh under TP, as before. Not on
+            # one device: a committed mask would commit the pages it meets, and the programs compiled at
+            # hand-in for uncommitted pages would compile again inside the next steps
+            self.mask = jax.device_put(self.mask, self._mask_sharding)
 
     def mark_dropped(self, rid, dropped: np.ndarray) -> int:
         """A token-dropping profile's dropped prompt rows dropped bool[L, H_kv, N] become DROPPED in
