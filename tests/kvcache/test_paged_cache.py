@@ -75,7 +75,8 @@ def test_pool_dtype_is_the_model_dtype_and_stats_count_bytes(dtype):
     per_token = kv_bytes_per_token(cfg)
     assert per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     assert cache.stats() == {"kv_pages_in_use": 2, "kv_pages_free": 3, "kv_bytes_in_use": 2 * 4 * per_token,
-                             "kv_bytes_total": 6 * 4 * per_token, "kv_requests": 1}
+                             "kv_bytes_total": 6 * 4 * per_token, "kv_requests": 1,
+                             "kv_h2d_arrived_bytes": 0, "kv_h2d_fetched_bytes": 0, "kv_h2d_other_bytes": 0}
 
 
 # ------------------------------------------------------------------ page writes
