@@ -54,6 +54,7 @@ __all__ = [
     "BACKENDS",
     "backend",
     "get_backend",
+    "kernels_in_use",
     "merge_partials",
     "paged_decode_attention_partials",
     "paged_gather",
@@ -136,6 +137,14 @@ def _auto_backend() -> str:
 def resolved_backend() -> str:
     """The backend ops use now: "mosaic", "pallas", "xla" or "interpret" ("auto" resolved)."""
     return _auto_backend() if _backend == "auto" else _backend
+
+
+def kernels_in_use() -> bool:
+    """Whether the ops run Pallas kernels now (any backend but "xla"). A caller with two equivalent
+    formulations picks by it: the selectors' fused top-k (`topk_select_fused`) replaces their jnp
+    scores + `topk_select` only on a kernel backend, where it saves a pass (see docs/kernels.md);
+    under "xla" the fused reference is the same einsum + sort as their own path, so they keep it."""
+    return resolved_backend() != "xla"
 
 
 def _kernel_mode() -> bool | None:

@@ -109,6 +109,8 @@ LONG_FILES = (
     "tests/serve/test_config_shutdown.py",
     "tests/serve/test_multihost_serve.py",
     "tests/serve/test_schedule.py",
+    "tests/smartgen/test_smartgen_staging.py",
+    "tests/selection/test_fused_topk.py",
 )
 
 

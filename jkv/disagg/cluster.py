@@ -127,7 +127,7 @@ class DisaggregatedEngine:
                  prefix_caching: bool = False):
         """name: the decode worker's transport name, unique among the decode servers that share a
         prefill worker (a second connection under one name replaces the first). page_config: the
-        decode worker's device page pool (jkv.kvcache.PageConfig; None: DecodePages' default).
+        decode worker's device page pool (jkv.kvcache.PageConfig; None: sized to need, doubling at hand-in).
         prefix_caching: the decode worker keeps finished prompts' pages and later requests move
         only their new KV (jkv/disagg/prefix_split.py)."""
         self.config = config

@@ -83,11 +83,14 @@ def _stack_layer(selector, layer: int, lives, lengths, shape):
 def unstack(selector, running, batch_meta, keep) -> None:
     """Each member of `running` that stays (its id in `keep`) takes its rows of `batch_meta`
     back into its `meta` (nothing for selectors that ship no metadata)."""
-    if batch_meta is None or not needs_metadata(selector):
+    if batch_meta is None or not needs_metadata(selector) or not any(id(lv) in keep for lv in running):
         return
+    # One host copy per layer, sliced on the host: a device slice per member compiled a program
+    # for each (batch, shape) inside the step a request left at (tests/smartgen/test_smartgen_compiles.py).
+    host = [None if meta is None else [np.asarray(x) for x in jax.tree_util.tree_leaves(meta)] for meta in batch_meta]
     for b, lv in enumerate(running):
         if id(lv) not in keep:
             continue
-        for layer, meta in enumerate(batch_meta):
-            if meta is not None:
-                lv.meta[layer] = [np.asarray(x[b:b + 1]) for x in jax.tree_util.tree_leaves(meta)]
+        for layer, leaves in enumerate(host):
+            if leaves is not None:
+                lv.meta[layer] = [x[b:b + 1].copy() for x in leaves]  # not a view holding the batch

@@ -9,12 +9,13 @@ What crosses to an owner, in a request's order (jkv/disagg/protocol.py has the m
     arrivals     notify handlers (transport notify thread): "meta", "handoff", "ckv", "failed"
     speculation  `_trigger_speculation`: "spec" to every owner at the start of a layer
     release      `_release_remote`: "free" once a request is all LOCAL, finished or cancelled,
-                 then its regions are unregistered and its pool freed (`_finish_request`)
+                 then its regions are unregistered and its pool freed (`_finish_request`), or
+                 earlier, once every row is in the device pages too (`_free_staging`)
     failure      `_owner_failed`: fail an owner's requests, or `_recompute` their prompt KV here
 
 `OwnerSide` is a mixin of `DecodeWorker`: it reads the worker's `model`, `selector`,
 `transfer`, `profile`, `oracle_profile`, `compression`, `on_failure`, `endpoint`, `pool`,
-`pages`, `owners` and `_live` (under `_lock`).
+`pages`, `owners`, `_running`, `_warm_up` and `_live` (under `_lock`).
 """
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ from jkv.compression.paths import unpack_metadata
 from jkv.disagg import protocol as proto
 from jkv.disagg.decode_state import LiveRequest
 from jkv.disagg.prefix_split import handin_prefix, mark_cached, prefix_eligible, uncached_blocks, uncached_kr
+from jkv.disagg.selectors import needs_metadata
 from jkv.engine import Request
 from jkv.kvbuffers.geometry import LOCAL, BlockGeometry
+from jkv.selection.base import dense_layer_count
 from jkv.transfer.plan import proactive_order
 from transport import TransportError
 
@@ -146,7 +149,10 @@ class OwnerSide:
             return
         try:
             t0 = time.perf_counter()
-            (apply_dropping_frame if header.get("drop") else apply_frame)(header, payload, lv.kv.kv, lv.kv.mask)
+            with lv.staging_lock:  # the staging is not freed (nor its arrays dropped) while a frame lands
+                if not lv.kv.take_write():  # freed: a late frame is dropped and counted, never written
+                    return
+                (apply_dropping_frame if header.get("drop") else apply_frame)(header, payload, lv.kv.kv, lv.kv.mask)
             lv.codec_s["decode"] = lv.codec_s.get("decode", 0.0) + time.perf_counter() - t0
         except ValueError as e:
             lv.error = f"request {lv.req.request_id}: bad compressed KV from {note.peer!r}: {e}"
@@ -182,8 +188,11 @@ class OwnerSide:
         # Device pages first (OutOfPages fails this request alone), then the host staging buffers
         # the transport lands in (decode_pages.py: staging -> pages per layer). With prefix caching
         # the cached leading pages are shared and only blocks past them are planned (prefix_split.py).
+        size = self.pages.num_pages
         hit = self.pages.plan(rid, n, n + req.params.max_tokens,
                               req.prompt_token_ids if prefix_eligible(choice) else None)
+        if self.pages.num_pages != size and self._running:  # an auto-sized pool grew (decode_pages.py):
+            self._warm_up(self._running)  # the running set's next steps are of a new class; compile here
         order = uncached_blocks(order, geometry, hit)
         kr = uncached_kr(self.transfer, kr, len(order)) if hit else min(len(order), kr)
         try:
@@ -265,8 +274,26 @@ class OwnerSide:
 
     # ---------------------------------------------------------------- release
     def _maybe_release(self, lv):
+        """Step boundary (engine thread): once every prompt row is in staging the owner drops the
+        request ("free"); once they are all in the device pages too, the staging goes."""
         if lv.fetchable and lv.kv.all_local():
             self._release_remote(lv)
+        if lv.released and lv.active and lv.landed.all():
+            self._free_staging(lv)
+
+    def _free_staging(self, lv):
+        """Free a request's host staging before it finishes: every row of every layer is on the
+        device (mask 1) and nothing more can arrive (its owner returned from "free", or it was
+        recomputed here). Its regions are unregistered and the arrays dropped at once (engine
+        thread: no step reads them now; a "ckv" frame lands under lv.staging_lock). A late write (a
+        frame still queued) is dropped and counted by the pool (RequestKV.take_write). A
+        recomputed request keeps it until its selector metadata was built from it."""
+        if lv.recomputed and needs_metadata(self.selector) and any(
+                layer not in lv.meta for layer in range(dense_layer_count(self.selector, len(lv.landed)),
+                                                        len(lv.landed))):
+            return
+        with lv.free_lock, lv.staging_lock:
+            self._unregister(lv, drop_buffers=True)
 
     def _release_remote(self, lv):
         """Tell the owner to drop the request's KV; idempotent. Holds lv.free_lock for the RPC, so a
@@ -297,14 +324,14 @@ class OwnerSide:
             if unregister:
                 self._unregister(lv)
 
-    def _unregister(self, lv):
+    def _unregister(self, lv, drop_buffers: bool = False):
         if self.pool.get(lv.rid) is not None:
             for name in (proto.kv_region(lv.rid), proto.mask_region(lv.rid)):
                 try:
                     self.endpoint.unregister(name)
                 except KeyError:
                     pass
-            self.pool.free(lv.rid)
+            self.pool.free(lv.rid, drop_buffers=drop_buffers)
 
     # ---------------------------------------------------------------- failure
     def _owner_failed(self, owner, error, lives):

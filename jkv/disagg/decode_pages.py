@@ -50,18 +50,22 @@ the host shadows it reads (`LiveRequest.on_device`, `landed`) belong to that thr
 from __future__ import annotations
 
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jkv.kvbuffers.geometry import DROPPED, LOCAL, PAD, REMOTE
-from jkv.kvcache import NULL_PAGE, PageConfig, PagedKVCache
+from jkv.kvcache import H2D_CAUSES as CAUSES, NULL_PAGE, PageConfig, PagedKVCache
 from jkv.kvcache import sparse
 
-CAUSES = ("arrived", "fetched", "other")
-DEFAULT_DECODE_TOKENS = 16384  # device KV tokens of the default pool (--num-pages overrides)
+# An auto-sized pool (no PageConfig given) starts with room for this many tokens and doubles when a
+# request handed in does not fit (`DecodePages.plan`); a PageConfig (--num-pages) fixes the size.
+FIRST_DECODE_TOKENS = 1024
 
+
+log = logging.getLogger(__name__)
 
 MAX_PIECE = 4096  # rows per upload piece: a 4 x 512-token batch of 3 KV heads lands in 2 pieces
 # A decode layer program lands up to 2**LANDING_BITS - 1 rows itself, as pieces of 1, 2, .., 512 rows
@@ -74,6 +78,12 @@ def upload_pieces(n: int) -> list[int]:
     (upload piece sizes: each one of the log2(MAX_PIECE) + 1 sizes `warm_up` compiles)."""
     rest = n % MAX_PIECE
     return [MAX_PIECE] * (n // MAX_PIECE) + [1 << b for b in range(rest.bit_length() - 1, -1, -1) if rest >> b & 1]
+
+
+@jax.jit
+def _append_pad_pages(mask, pad):
+    """mask i8[L, num_pages, H_kv, P] with pad i8[L, extra, H_kv, P] (PAD) appended, on mask's devices."""
+    return jnp.concatenate([mask, pad.astype(mask.dtype)], axis=1)
 
 
 _warm_landing: set = set()  # (K, V, mask) avals whose landing programs are compiled (this process)
@@ -97,19 +107,21 @@ class DecodePages:
         """sharding: the decode model's `kv_sharding` (None: one device, no tensor parallelism).
         prefix_namespace: keeps finished requests' complete prompt pages in a prefix cache
         (jkv/disagg/prefix_split.py; `jkv.kvcache.prefix_namespace(model, dtype, page_size)`)."""
+        self.growable = page_cfg is None  # sized to need: see FIRST_DECODE_TOKENS
         if page_cfg is None:
-            page_cfg = PageConfig.for_tokens(DEFAULT_DECODE_TOKENS)
+            page_cfg = PageConfig.for_tokens(FIRST_DECODE_TOKENS)
         self.cache = PagedKVCache(model_cfg, page_cfg, dtype, sharding=sharding, prefix_namespace=prefix_namespace)
         self.num_kv_heads, self.head_dim = model_cfg.num_kv_heads, model_cfg.head_dim
         self.mask = sparse.init_mask(model_cfg.num_layers, page_cfg.num_pages, model_cfg.num_kv_heads,
                                      page_cfg.page_size)
         self._set_masks, self._land_rows, self._write_new = (sparse.set_page_masks, sparse.land_rows,
                                                              sparse.write_new_token)
+        self._mask_sharding = None
         if sharding is not None:
-            mask_sharding, self._set_masks, self._land_rows, self._write_new = _pinned_programs(sharding)
-            self.mask = jax.device_put(self.mask, mask_sharding)
+            self._mask_sharding, self._set_masks, self._land_rows, self._write_new = _pinned_programs(sharding)
+            self.mask = jax.device_put(self.mask, self._mask_sharding)
         self.row_bytes = 2 * model_cfg.head_dim * self.cache.dtype.itemsize  # one K row and one V row
-        self.h2d_bytes = dict.fromkeys(CAUSES, 0)
+        self.h2d_bytes = self.cache.h2d_bytes  # the cache's counters (its stats and /metrics read them)
         self._null_pieces = None  # null_landing's, made on first use
 
     @property
@@ -124,6 +136,8 @@ class DecodePages:
         cached). Returns the prompt tokens already on the device (a page multiple, < prompt_len).
         Raises OutOfPages (nothing reserved) when the pool is short."""
         P = self.page_size
+        if self.growable:
+            self._fit(self.cache.page_cfg.pages_for(tokens))
         if prompt is not None and self.cache.prefix_caching:
             hit = self.cache.reserve_prefix(rid, prompt, tokens)
             new = self.cache.pages_of(rid)[hit // P:]
@@ -139,6 +153,30 @@ class DecodePages:
         padded[:len(new)] = values
         self.mask = self._set_masks(self.mask, jnp.asarray(pages), jnp.asarray(padded))
         return hit
+
+    @property
+    def num_pages(self) -> int:
+        return self.cache.page_cfg.num_pages
+
+    def _fit(self, pages: int) -> None:
+        """Auto-sized pool: double it until `pages` more pages are free (a new request handed in).
+        It never shrinks, so live requests keep their pages (ids, bytes, mask); programs over the
+        pool compile for the new size class at hand-in (the decode worker's `_plan`)."""
+        size = self.num_pages
+        while self.cache.pages_free + size - self.num_pages < pages:
+            size *= 2
+        if size == self.num_pages:
+            return
+        extra = size - self.num_pages
+        log.info("decode KV pool: %d -> %d pages of %d tokens (a request needs %d, %d free)", self.num_pages, size,
+                 self.page_size, pages, self.cache.pages_free)
+        self.cache.grow(size)
+        L, _, H, P = self.mask.shape
+        self.mask = _append_pad_pages(self.mask, jnp.full((L, extra, H, P), PAD, jnp.int8))
+        if self._mask_sharding is not None:  # replicated on the model's mesh under TP, as before. Not on
+            # one device: a committed mask would commit the pages it meets, and the programs compiled at
+            # hand-in for uncommitted pages would compile again inside the next steps
+            self.mask = jax.device_put(self.mask, self._mask_sharding)
 
     def mark_dropped(self, rid, dropped: np.ndarray) -> int:
         """A token-dropping profile's dropped prompt rows dropped bool[L, H_kv, N] become DROPPED in
@@ -286,5 +324,5 @@ class DecodePages:
         self._set_layer(layer, K, V)
 
     def stats(self) -> dict[str, int]:
-        """The cache's page counters plus the host->device KV bytes by cause (totals)."""
-        return {**self.cache.stats(), **{f"kv_h2d_{c}_bytes": n for c, n in self.h2d_bytes.items()}}
+        """The cache's page counters and its host->device KV bytes by cause (totals)."""
+        return self.cache.stats()

@@ -58,8 +58,9 @@ class StepPhases:
     Counters (ints, keys ending in "_n"): od_bytes_n (on-demand reply bytes), selected_n,
     remote_n (selected entries, all requests), fetches_n (fetch RPCs), cpu_us_n (process CPU)."""
 
-    def __init__(self, probe=None):
+    def __init__(self, probe=None, on_end=None):
         self.probe = probe  # optional: () -> CPU seconds of other processes (a benchmark's prefill workers)
+        self.on_end = on_end  # optional: (the step's dict) -> None at each end_step (a server's /metrics)
         self.steps: list[dict] = []
         self._t = time.perf_counter()
         self._cpu = time.process_time()
@@ -83,6 +84,8 @@ class StepPhases:
         self.count("engine_cpu_us_n", (time.thread_time() - self._engine_cpu) * 1e6)
         if self.probe is not None and self._probed is not None:
             self.count("probe_cpu_us_n", (self.probe() - self._probed) * 1e6)
+        if self.on_end is not None and self.steps:
+            self.on_end(self.steps[-1])
 
     def count(self, key: str, n: int) -> None:
         if self.steps:
@@ -152,6 +155,7 @@ class LiveRequest:
     step_phases: list = dataclasses.field(default_factory=list)  # the StepPhases dicts of its steps
     completed: bool = False  # its output went to on_done; its KV is freed
     free_lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)  # release, then unregister
+    staging_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # a "ckv" frame vs its free
 
     @property
     def active(self) -> bool:

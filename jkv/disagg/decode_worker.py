@@ -89,7 +89,7 @@ from jkv.disagg.handshake import role_config
 from jkv.disagg.hint import make_hint as make_set_hint
 from jkv.disagg.lookahead import LayerLookahead
 from jkv.engine import Request, StopChecker, check_context
-from jkv.disagg.decode_pages import DEFAULT_DECODE_TOKENS, DecodePages
+from jkv.disagg.decode_pages import DecodePages
 from jkv.disagg.prefix_split import keep_finished
 from jkv.kvbuffers.pool import KVBufferPool
 from jkv.kvcache import PageConfig, prefix_namespace
@@ -137,7 +137,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
                  name: str = "decode-0", compression=None, page_config: PageConfig | None = None,
                  prefix_caching: bool = False):
         """prefix_caching: keep finished requests' complete prompt pages and skip them in later
-        requests' transfers (jkv/disagg/prefix_split.py)."""
+        requests' transfers (jkv/disagg/prefix_split.py). page_config: a fixed device pool; None sizes it to need."""
         if on_failure not in ("fail", "recompute"):
             raise ValueError(f"{on_failure=} must be 'fail' or 'recompute'")
         self.model, self.selector, self.transfer = model, selector, transfer
@@ -148,9 +148,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
         cfg = model.cfg
         self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)  # host staging (L2)
         # device pages + KV mask (L1), in the model's dtype, split by KV head over the model's mesh
-        page_config = page_config or PageConfig.for_tokens(DEFAULT_DECODE_TOKENS)
         self.pages = DecodePages(cfg, page_config, sharding=model.kv_sharding, prefix_namespace=prefix_namespace(
-            model, cfg.dtype, page_config.page_size) if prefix_caching else None)
+            model, cfg.dtype, (page_config or PageConfig()).page_size) if prefix_caching else None)  # None: grows
         self.programs = decode_program.programs_for(cfg, selector, model.kv_sharding)
         # agreed with every prefill worker in the handshake, before any KV crosses (handshake.py)
         self.config = role_config(model, "decode", selector, max_blocks=transfer.max_blocks)
@@ -348,7 +347,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
         if not joined:
             return
         if not self._running:
-            self.phases = StepPhases(self.phases.probe)
+            self.phases = StepPhases(self.phases.probe, self.phases.on_end)
         self._restack(self._running + joined)
         for lv in joined:
             self._maybe_release(lv)

@@ -173,8 +173,8 @@ class LayerLookahead:
                 if item in failed:  # a corrupted part is never used: its request fails
                     lives[b].error = lives[b].error or f"request {lives[b].req.request_id}: {failed[item]}"
                     continue
-                keep_rows(lives[b], layer, h, pos, k, v)
-                delivered[b * H + h, pos] = True
+                if keep_rows(lives[b], layer, h, pos, k, v):  # else its staging was freed: dropped
+                    delivered[b * H + h, pos] = True
             clock.count("od_bytes_n", reply.nbytes)
             clock.count("prefetch_bytes_n", reply.nbytes)
         return delivered

@@ -162,11 +162,15 @@ def iter_reply(reply: np.ndarray, segments):
         at += c
 
 
-def keep_rows(request, layer: int, head: int, positions, k, v) -> None:
+def keep_rows(request, layer: int, head: int, positions, k, v) -> bool:
     """Store fetched rows in a decode-side request's pool and mark them fetched (KV reuse:
-    identical bytes to what a later block write brings). request: has `kv.kv`
-    f32[2, L, H_kv, N_cap, D], `fetched` bool[L, H_kv, N_cap] and a `fetch_bytes` counter."""
+    identical bytes to what a later block write brings). request: has `kv` (a RequestKV: `kv`
+    f32[2, L, H_kv, N_cap, D]), `fetched` bool[L, H_kv, N_cap] and a `fetch_bytes` counter.
+    False (nothing written; counted by the pool) when the request's buffers were freed meanwhile."""
+    if not request.kv.take_write():
+        return False
     request.kv.kv[0, layer, head, positions] = k
     request.kv.kv[1, layer, head, positions] = v
     request.fetched[layer, head, positions] = True
     request.fetch_bytes += 2 * int(len(positions)) * k.shape[-1] * 4
+    return True

@@ -14,6 +14,15 @@ The pool is pure bookkeeping plus numpy buffers: `allocate` reserves bytes again
 capacity and `free` returns them; `live()` and `bytes_in_use` are what leak checks assert
 on (after every test each allocation is back). Thread-safe: the prefill worker frees from
 transport handler threads while its main thread allocates.
+
+A freed buffer takes no more writes: a writer that is not the transport (an on-demand or
+lookahead reply, a decoded "ckv" frame: whatever was in flight when it was freed) asks
+`RequestKV.take_write()` first, and a late write is dropped and counted (`late_writes_dropped`),
+never written. The transport itself cannot write late: its region is unregistered with the free
+(a WRITE to it would be rejected). `free(rid, drop_buffers=True)` also lets the arrays go at once
+(the decode worker's engine thread, when every row is in the device pages: staging freed early,
+jkv/disagg/decode_owners.py); without it they live until the last reference goes, so a reader on
+another thread (a step in flight when a request is cancelled) never finds them missing.
 """
 from __future__ import annotations
 
@@ -44,6 +53,17 @@ class RequestKV:
         if with_mask:
             self.mask = np.full((num_layers, capacity), PAD, np.int8)
             self.mask[:, :prompt_len] = REMOTE
+        self.freed = False  # set by KVBufferPool.free: writes are refused from then on
+        self._on_late = None  # the pool's counter of refused writes
+
+    def take_write(self) -> bool:
+        """Whether a write may go into these buffers now; False once freed (the write is dropped
+        and counted as late by the pool). Writers check right before writing, on the thread that
+        writes (the buffers are dropped only on the decode worker's engine thread)."""
+        if not self.freed:
+            return True
+        self._on_late()
+        return False
 
     @property
     def K(self) -> np.ndarray:
@@ -87,6 +107,7 @@ class KVBufferPool:
         self._lock = threading.Lock()
         self._live: dict[str, RequestKV] = {}
         self.bytes_in_use = 0
+        self.late_writes_dropped = 0  # writes refused because their request's buffers were freed
 
     def allocate(self, request_id: str, prompt_len: int, capacity: int) -> RequestKV:
         if not 1 <= prompt_len <= capacity:
@@ -111,15 +132,24 @@ class KVBufferPool:
         with self._lock:
             return self._live.get(request_id)
 
-    def free(self, request_id: str) -> bool:
-        """Release a request's buffers; False if it held none (idempotent)."""
+    def free(self, request_id: str, drop_buffers: bool = False) -> bool:
+        """Release a request's buffers; False if it held none (idempotent). From now on its
+        `take_write()` refuses (and counts) writes. drop_buffers: also drop the arrays now (the
+        caller knows no other thread reads them); `kv` and `mask` become None."""
         with self._lock:
             kv = self._live.pop(request_id, None)
             if kv is None:
                 return False
             self.bytes_in_use -= kv.nbytes
             assert self.bytes_in_use >= 0
-            return True
+            kv.freed, kv._on_late = True, self._count_late
+        if drop_buffers:
+            kv.kv = kv.mask = None
+        return True
+
+    def _count_late(self) -> None:
+        with self._lock:
+            self.late_writes_dropped += 1
 
     def live(self) -> list[str]:
         with self._lock:

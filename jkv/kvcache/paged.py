@@ -29,6 +29,7 @@ import dataclasses
 import threading
 from typing import Collection, Hashable, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -42,6 +43,12 @@ from .pages import NULL_PAGE, OutOfPages, PageAllocator, PageConfig
 from .prefix import extend_page_keys, shareable_pages
 from .remote_tier import RemoteTier
 from .writeback import WriteBack
+
+# Causes of host->device KV copies (`PagedKVCache.h2d_bytes`, /metrics jkv_kv_host_to_device_bytes):
+# "arrived" rows pushed by a prefill worker (disaggregated decode), "fetched" rows or pages pulled on
+# demand (a fetch reply; a prefix page loaded back from the host or remote tier), "other" (a prompt
+# recomputed on the host after its owner failed).
+H2D_CAUSES = ("arrived", "fetched", "other")
 
 MIN_TABLE_PAGES = 4
 
@@ -74,6 +81,13 @@ def bucket_pages(n: int) -> int:
     return -(-n // 256) * 256
 
 
+def _append_zero_pages(pages, extra: int, sharding=None):
+    """pages [num_pages, ...] -> [num_pages + extra, ...], the new pages zero (on `sharding`)."""
+    def grow(x):
+        return jnp.concatenate([x, jnp.zeros((extra, *x.shape[1:]), x.dtype)])
+    return (jax.jit(grow) if sharding is None else jax.jit(grow, out_shardings=sharding))(pages)
+
+
 class PagedKVCache:
     """Device pages plus per-request page tables. Request ids are any hashable key."""
 
@@ -98,6 +112,7 @@ class PagedKVCache:
                              f"{self.page_cfg.page_size}; build it with prefix_namespace(model, dtype, page_size)")
         self.prefix_namespace = prefix_namespace
         self.kv = init_pages(model_cfg, self.page_cfg.num_pages, self.page_cfg.page_size, self.dtype, sharding)
+        self._sharding = sharding
         self.allocator = PageAllocator(self.page_cfg.num_pages)
         self.host: HostTier | None = None
         self.remote: RemoteTier | None = None
@@ -122,6 +137,7 @@ class PagedKVCache:
         self.prefix_hits_host = 0  # ... and from the host tier
         self.prefix_hits_remote = 0  # ... and from the remote tier
         self.finished_writes = 0  # pages of finished requests handed to the write-back for L3
+        self.h2d_bytes = dict.fromkeys(H2D_CAUSES, 0)  # KV bytes copied host->device, by cause (totals)
         self._lock = threading.Lock()
 
     @property
@@ -148,6 +164,18 @@ class PagedKVCache:
         self.writeback.submit(gather_snapshot(self.kv, [p for p, _ in evicted]), [k for _, k in evicted])
 
     # ------------------------------------------------------------ per request
+    def grow(self, num_pages: int) -> None:
+        """Enlarge the pool to `num_pages` pages (never shrinks): every page keeps its id and bytes,
+        the new ones are zero and free. The arrays are replaced (new shapes: programs over the pool
+        compile for the new size); call it between steps, when no program reads `kv`."""
+        extra = num_pages - self.page_cfg.num_pages
+        if extra <= 0:
+            return
+        with self._lock:
+            self.kv = tuple(tuple(_append_zero_pages(x, extra, self._sharding) for x in kv) for kv in self.kv)
+            self.page_cfg = dataclasses.replace(self.page_cfg, num_pages=num_pages)
+            self.allocator.grow(num_pages)
+
     def reserve(self, request_id: Hashable, n_tokens: int) -> list[int]:
         """Make request_id hold pages for n_tokens tokens; returns the pages newly allocated.
 
@@ -234,6 +262,7 @@ class PagedKVCache:
             self._committed[request_id] = hit
             self.prefix_hits_host += loaded * P
             self.prefix_hits_remote += from_remote * P
+            self.h2d_bytes["fetched"] += (loaded + from_remote) * self.page_bytes  # L2 / L3 pages loaded back
             return hit * P
 
     def _reserve_shared(self, request_id: Hashable, prompt, n_tokens: int):
@@ -289,6 +318,7 @@ class PagedKVCache:
             self._committed[request_id] = start + loaded
             self.prefix_hits_host += (loaded - n_remote) * P
             self.prefix_hits_remote += n_remote * P
+            self.h2d_bytes["fetched"] += loaded * self.page_bytes  # L2 / L3 pages loaded back
             return (start + loaded) * P
 
     def commit_pages(self, request_id: Hashable, tokens) -> int:
@@ -428,7 +458,7 @@ class PagedKVCache:
         """Counters for /metrics and results."""
         out = {"kv_pages_in_use": self.pages_in_use, "kv_pages_free": self.pages_free,
                "kv_bytes_in_use": self.bytes_in_use, "kv_bytes_total": self.bytes_total,
-               "kv_requests": len(self._pages)}
+               "kv_requests": len(self._pages), **{f"kv_h2d_{c}_bytes": n for c, n in self.h2d_bytes.items()}}
         if self.prefix_caching:
             out.update(prefix_cached_pages=self.pages_cached, prefix_evictable_pages=self.allocator.num_evictable,
                        prefix_query_tokens=self.prefix_queries, prefix_hit_tokens=self.prefix_hits,

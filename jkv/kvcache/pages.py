@@ -148,6 +148,16 @@ class PageAllocator:
     def capacity(self) -> int:
         return self.num_pages - 1
 
+    def grow(self, num_pages: int) -> None:
+        """Add pages [self.num_pages, num_pages) to the free list (a pool that grew; never shrinks).
+        The lower ids still go first, so existing pages and page tables are untouched."""
+        with self._lock:
+            if num_pages <= self.num_pages:
+                return
+            self._refcount.extend([0] * (num_pages - self.num_pages))
+            self._free[:0] = range(num_pages - 1, self.num_pages - 1, -1)
+            self.num_pages = num_pages
+
     @property
     def num_free(self) -> int:
         """Pages `allocate` can hand out: free ones plus evictable cached ones."""

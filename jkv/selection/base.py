@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jkv.selection._ops import topk_select
+from jkv.selection._ops import kernels_in_use, topk_select, topk_select_fused
 
 Metadata = Any  # a pytree of device arrays, one per layer
 
@@ -169,12 +169,9 @@ def scores_to_index(scores: jax.Array, lengths: jax.Array, max_ratio: float,
     if dropped is not None:
         scores = jnp.where(dropped, -jnp.inf, scores)
     k_max = selection_budget(capacity, max_ratio, min_budget)
-    rows = scores.reshape(batch * num_kv_heads, capacity)
     row_lengths = jnp.repeat(lengths.astype(jnp.int32), num_kv_heads)
-    index = topk_select(rows, row_lengths, k_max)
-    budget = selection_budget(row_lengths, max_ratio, min_budget)
-    slot = jnp.arange(k_max, dtype=jnp.int32)[None, :]
-    index = jnp.where(slot < budget[:, None], index, -1)
+    index = topk_select(scores.reshape(batch * num_kv_heads, capacity), row_lengths, k_max)
+    index = _within_budget(index, row_lengths, max_ratio, min_budget)
     if keep is not None:
         keep_rows = keep.reshape(batch * num_kv_heads, capacity)
         kept = jnp.take_along_axis(keep_rows, jnp.maximum(index, 0), axis=1)
@@ -182,6 +179,37 @@ def scores_to_index(scores: jax.Array, lengths: jax.Array, max_ratio: float,
         # caller (a threshold), so dropping entries only shortens the valid prefix.
         index = jnp.where(kept, index, -1)
     return index
+
+
+def _within_budget(index: jax.Array, row_lengths: jax.Array, max_ratio: float, min_budget: int) -> jax.Array:
+    """index i32[R, k_max] (a top-k_max per row) cut to each row's budget for row_lengths i32[R]."""
+    budget = selection_budget(row_lengths, max_ratio, min_budget)
+    slot = jnp.arange(index.shape[1], dtype=jnp.int32)[None, :]
+    return jnp.where(slot < budget[:, None], index, -1)
+
+
+def fused_sum_applies(group_score: str, sinks: int, recent: int, dropped) -> bool:
+    """Whether a selector's top-k is `sum_index`'s (trace time): the ranking is the group's summed
+    q·k ("sum"), nothing outranks it (no kept sinks / recent tokens, no dropped slots) and the
+    dispatch backend runs the kernels. Under "xla" the selectors keep their own jnp path."""
+    return group_score == "sum" and not sinks and not recent and dropped is None and kernels_in_use()
+
+
+def sum_index(queries: jax.Array, keys: jax.Array, lengths: jax.Array, max_ratio: float,
+              min_budget: int = 0) -> jax.Array:
+    """`scores_to_index` of the "sum" group score sum_g queries[b, h, g] · keys[b, h, n] (no kept
+    or dropped slots), by `topk_select_fused`: the scores are computed in the kernel with one dot
+    per position (the G query heads summed first) instead of G dots and an [B, H_kv, G, N] score
+    tensor. A positive scale (1/sqrt(D)) does not change the ranking, so it is left out.
+
+    queries: [B, H_kv, G, d]; keys: [B, H_kv, N_cap, d]; lengths: i32[B]
+    -> kv_index i32[B*H_kv, selection_budget(N_cap, max_ratio, min_budget)]."""
+    batch, num_kv_heads, capacity, dim = keys.shape
+    k_max = selection_budget(capacity, max_ratio, min_budget)
+    row_lengths = jnp.repeat(lengths.astype(jnp.int32), num_kv_heads)
+    index = topk_select_fused(queries.reshape(batch * num_kv_heads, -1, dim),
+                              keys.reshape(batch * num_kv_heads, capacity, dim), row_lengths, k_max)
+    return _within_budget(index, row_lengths, max_ratio, min_budget)
 
 
 def all_tokens_index(lengths: jax.Array, num_kv_heads: int, capacity: int) -> jax.Array:

@@ -12,8 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jkv.selection.base import (Selector, SelectorConfig, all_tokens_index, check_group_score, group_queries,
-                                reduce_group, scores_to_index, token_valid, write_token)
+from jkv.selection.base import (Selector, SelectorConfig, all_tokens_index, check_group_score, fused_sum_applies,
+                                group_queries, reduce_group, scores_to_index, sum_index, token_valid, write_token)
 
 
 class _LengthOnly(Selector):
@@ -127,7 +127,9 @@ class OracleConfig(SelectorConfig):
 
 class Oracle(Selector):
     """Exact attention: per KV head, the tokens with the largest softmax mass summed over the
-    group's query heads (`group_score`). Metadata is the full key cache K: [B, H_kv, N_cap, D]."""
+    group's query heads (`group_score`). Metadata is the full key cache K: [B, H_kv, N_cap, D].
+    With group_score "sum" and no kept tokens, a kernel backend scores and selects in one
+    dispatched op (`topk_select_fused`, base.sum_index); "xla" keeps the jnp scores + top-k."""
 
     name = "oracle"
 
@@ -159,6 +161,9 @@ class Oracle(Selector):
     masks_dropped = True
 
     def _select(self, state, q, metadata, lengths, dropped=None):
+        c = self.config
+        if fused_sum_applies(c.group_score, c.keep_sinks, c.keep_recent, dropped):  # the fused top-k kernel
+            return sum_index(group_queries(q, metadata.shape[1]), metadata, lengths, c.max_ratio, c.min_budget)
         scores = reduce_group(self._logits(state, q, metadata, lengths), self.config.group_score)
         return scores_to_index(scores, lengths, self.config.max_ratio, sinks=self.config.keep_sinks,
                                recent=self.config.keep_recent, min_budget=self.config.min_budget, dropped=dropped)

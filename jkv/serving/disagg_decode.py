@@ -110,7 +110,7 @@ class DisaggBatcher:
         self._cancelled_waiting: set[str] = set()
         if metrics is not None and metrics.kv is not None:
             metrics.kv.watch_pool(worker.pool)  # host staging
-            metrics.kv.watch_landing(worker.pages.h2d_bytes)
+            metrics.kv.watch_steps(worker.phases, worker.pages.h2d_bytes)  # host->device bytes of each step
         if metrics is not None:
             metrics.watch_kv_cache(worker.pages.cache)  # device pages: jkv_kv_pages_in_use / _free
         if metrics is not None and worker.pages.cache.prefix_caching:  # hits: prompt rows that did not cross

@@ -65,6 +65,12 @@ class ServerMetrics:
                    lambda: cache.bytes_in_use))
         for name, help_, read in gauges:
             Gauge(name, help_, registry=r).set_function(read)
+        # Cumulative, by cause (`cache.h2d_bytes`, jkv.kvcache.H2D_CAUSES): a disaggregated decode worker's landing of rows
+        # that arrived or were fetched; a paged engine's prefix pages loaded back from L2 / L3 ("fetched").
+        g = Gauge("jkv_kv_host_to_device_bytes", "KV bytes copied from host memory into device pages since "
+                  "start, by cause", ["cause"], registry=r)
+        for cause in cache.h2d_bytes:
+            g.labels(cause).set_function(lambda c=cause: cache.h2d_bytes[c])
 
     def watch_prefix_cache(self, read_stats):
         """Prefix-cache metrics of a paged engine, read at scrape time from `read_stats()` (a
@@ -196,11 +202,15 @@ class KVTransferMetrics:
                                 "pool (0 when idle: the leak check)", registry=r)
         self.host_requests = Gauge("jkv_kv_host_requests", "requests holding KV in this process' host pool",
                                    registry=r)
+        self.late_writes = Gauge("jkv_kv_host_late_writes_dropped", "writes (fetch replies, compressed frames) "
+                                 "that arrived for host KV already freed: dropped, never written", registry=r)
 
     def watch_pool(self, pool):
-        """Gauges read the KVBufferPool at scrape time."""
+        """Gauges read the KVBufferPool at scrape time (a decode worker frees a request's staging as
+        soon as all its rows are in the device pages, so the bytes fall before it finishes)."""
         self.host_bytes.set_function(lambda: pool.bytes_in_use)
         self.host_requests.set_function(lambda: len(pool.live()))
+        self.late_writes.set_function(lambda: pool.late_writes_dropped)
 
     def add_bytes(self, by_path: dict):
         for path, n in (by_path or {}).items():
@@ -223,15 +233,23 @@ class DecodeKVMetrics(KVTransferMetrics):
                                 "that owned their KV", ["owner"], registry=r)
         self.batches = Counter("jkv_decode_batches", "groups of requests admitted to the running decode batch",
                                registry=r)
+        self.step_h2d = Histogram("jkv_kv_host_to_device_step_bytes", "per decode step: KV bytes copied from "
+                                  "host staging into device pages, by cause", ["cause"], buckets=_STEP_BYTES_BUCKETS,
+                                  registry=r)
 
-    def watch_landing(self, h2d_bytes: dict):
-        """Host->device KV bytes of the decode worker by cause ("arrived": pushed blocks and "ckv"
-        frames, "fetched": on-demand and lookahead replies, "other": recomputed prompts), read at
-        scrape time from `DecodePages.h2d_bytes` (cumulative; 0 growth once every row is local)."""
-        g = Gauge("jkv_kv_host_to_device_bytes", "KV bytes copied from host staging into device pages "
-                  "since start, by cause", ["cause"], registry=self._registry)
-        for cause in h2d_bytes:
-            g.labels(cause).set_function(lambda c=cause: h2d_bytes[c])
+    def watch_steps(self, phases, causes):
+        """Observe every decode step of the worker's `phases` (StepPhases: its `on_end` hook, engine
+        thread): the step's host->device KV bytes per cause in `causes` ("arrived": pushed blocks and
+        "ckv" frames, "fetched": on-demand and lookahead replies, "other": recomputed prompts); a
+        step with everything local observes 0 for each."""
+        causes = tuple(causes)
+        for cause in causes:
+            self.step_h2d.labels(cause)
+
+        def observe(step: dict):
+            for cause in causes:
+                self.step_h2d.labels(cause).observe(step.get(f"h2d_{cause}_bytes_n", 0))
+        phases.on_end = observe
 
     def observe_output(self, extra: dict):
         self.add_bytes(extra.get("bytes"))
@@ -317,6 +335,7 @@ class RouterMetrics:
 _TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                      5.0, 10.0, 30.0)
 _BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 32, 2))  # 1 KiB .. 1 GiB, x4
+_STEP_BYTES_BUCKETS = (0.0, *_BYTES_BUCKETS)  # 0: a step that moved nothing (everything local)
 UNCOMPRESSED_CODEC = "off"  # codec label of a request whose KV moved as plain float32 rows
 
 

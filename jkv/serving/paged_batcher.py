@@ -74,7 +74,7 @@ import numpy as np
 from models import Model
 
 from ..engine import bucket_prompt_len
-from ..kvcache import OutOfPages, PageConfig, PagedKVCache, bucket_pages, prefix_namespace
+from ..kvcache import H2D_CAUSES, OutOfPages, PageConfig, PagedKVCache, bucket_pages, prefix_namespace
 from ..sampling import sample_tokens
 from .admission import AdmissionScheduler, Refit, SchedulingMetrics
 from .batcher import (BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent, _Running,
@@ -161,6 +161,12 @@ class PagedBatcher(ContinuousBatcher):
     @property
     def bytes_in_use(self) -> int:
         return self.kv.bytes_in_use if self.kv is not None else 0
+
+    @property
+    def h2d_bytes(self) -> dict[str, int]:
+        """Host->device KV bytes by cause: prefix pages loaded back from L2 / L3 ("fetched"); decode
+        steps compute their KV on the device and copy none."""
+        return self.kv.h2d_bytes if self.kv is not None else dict.fromkeys(H2D_CAUSES, 0)
 
     def start(self):
         if self._thread is not None:

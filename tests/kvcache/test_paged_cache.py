@@ -31,6 +31,26 @@ def test_out_of_pages_leaves_the_request_as_it_was():
     assert cache.pages_of("a") == [1] and cache.length("a") == 4 and cache.pages_free == 2
 
 
+def test_grow_keeps_every_live_page_its_id_and_bytes_and_frees_the_new_ones():
+    cache = PagedKVCache(tiny_config(), PageConfig(page_size=4, num_pages=4))
+    cache.reserve("a", 12)  # pages 1, 2, 3: the pool is full
+    K, V = cache.kv[1]
+    cache.kv = cache.kv[:1] + ((K.at[2].set(7.0), V.at[3].set(-1.0)),) + cache.kv[2:]
+    with pytest.raises(OutOfPages):
+        cache.reserve("b", 1)
+    cache.grow(8)
+    assert cache.page_cfg.num_pages == 8 and cache.pages_free == 4 and cache.pages_in_use == 3
+    assert cache.kv[1][0].shape[0] == 8 and cache.bytes_total == 8 * cache.page_bytes
+    assert float(cache.kv[1][0][2].min()) == 7.0 and float(cache.kv[1][1][3].max()) == -1.0  # bytes kept
+    assert not np.asarray(cache.kv[1][0][4:]).any()  # the new pages are zero
+    assert cache.reserve("b", 5) == [4, 5] and cache.pages_of("a") == [1, 2, 3]  # ids kept, new ones lowest first
+    cache.grow(6)  # never shrinks
+    assert cache.page_cfg.num_pages == 8
+    cache.free("a"), cache.free("b")
+    cache.allocator.check()
+    assert cache.pages_free == 7
+
+
 def test_table_pads_with_the_null_page_and_buckets_its_width():
     cache = PagedKVCache(tiny_config(), PageConfig(page_size=2, num_pages=32))
     cache.reserve("a", 3)
@@ -55,7 +75,8 @@ def test_pool_dtype_is_the_model_dtype_and_stats_count_bytes(dtype):
     per_token = kv_bytes_per_token(cfg)
     assert per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
     assert cache.stats() == {"kv_pages_in_use": 2, "kv_pages_free": 3, "kv_bytes_in_use": 2 * 4 * per_token,
-                             "kv_bytes_total": 6 * 4 * per_token, "kv_requests": 1}
+                             "kv_bytes_total": 6 * 4 * per_token, "kv_requests": 1,
+                             "kv_h2d_arrived_bytes": 0, "kv_h2d_fetched_bytes": 0, "kv_h2d_other_bytes": 0}
 
 
 # ------------------------------------------------------------------ page writes

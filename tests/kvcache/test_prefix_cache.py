@@ -140,7 +140,8 @@ def test_commit_pages_without_prefix_caching_is_a_no_op():
     cache = PagedKVCache(tiny_config(), PageConfig(P, 9))
     assert cache.reserve_prefix("a", [1] * 9, 9) == 0 and cache.commit_pages("a", [1] * 9) == 0
     assert cache.stats().keys() == {"kv_pages_in_use", "kv_pages_free", "kv_bytes_in_use", "kv_bytes_total",
-                                    "kv_requests"}
+                                    "kv_requests", "kv_h2d_arrived_bytes", "kv_h2d_fetched_bytes",
+                                    "kv_h2d_other_bytes"}
     cache.free("a")
 
 

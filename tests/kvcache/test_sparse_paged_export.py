@@ -19,6 +19,7 @@ import pytest
 from jkv.disagg import decode_pages, decode_program
 from jkv.kvcache import sparse
 from jkv.selection import get_selector
+from jkv.selection.simple import Oracle, OracleConfig
 from models import paged, tiny_config
 from models.transformer import init_params
 from pallas_kernels import dispatch, mosaic_attention
@@ -128,3 +129,24 @@ def test_landing_layer_programs_export_for_cuda(dtype, backend):
             assert module.count(TRITON_CALL) >= launches + 1
         else:
             assert MOSAIC_CALL not in module and TRITON_CALL not in module
+
+
+SCORES_KERNEL = 'name = "topk_partial_scores"'  # the fused top-k's score launch
+
+
+@pytest.mark.parametrize("group_score", ["sum", "mass"])
+def test_the_fused_topk_kernel_is_in_the_exported_layer_where_it_applies(group_score):
+    """Oracle ranking by the group's summed q·k selects with `topk_select_fused` inside the
+    decode worker's fused layer program (scores and top-k by Triton kernels); the softmax-mass
+    ranking cannot take it (the kernel computes only the summed scores) and keeps the jnp scores."""
+    cfg = tiny_config("llama", head_dim=64, dtype="bfloat16")
+    selector = Oracle(OracleConfig(group_score=group_score))
+
+    def layer(params, meta, x, q, query, k_new, pos, now_cached, K, V, mask, layer_i, table, fetchable):
+        return decode_program.fused(cfg, selector, CAPACITY, False, params, None, meta, x, q, query, k_new, pos,
+                                    now_cached, K, V, mask, layer_i, table, fetchable)
+
+    with dispatch.backend("pallas"):
+        module = _export(layer, *_layer_args(cfg, selector)).mlir_module()
+    assert module.count(SCORES_KERNEL) == (1 if group_score == "sum" else 0)
+    assert module.count('name = "topk_select"') == 1 and module.count(GATHER_KERNEL) == 1

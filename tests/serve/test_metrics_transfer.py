@@ -51,8 +51,36 @@ def test_role_all_smartgen_exposes_transfer_histograms(tiny_dir, cache_env):
         assert count(m, "jkv_kv_host_to_device_bytes", cause="fetched") > 0  # the on-demand rows
         assert count(m, "jkv_kv_host_to_device_bytes", cause="other") == 0
         assert count(m, "jkv_kv_pages_in_use") == 0 and count(m, "jkv_kv_pages_free") == 299
+        _pages_follow_a_request_and_steps_count_their_bytes(s.url)
     finally:
         assert s.stop() == 0, "".join(s.log[-30:])
+
+
+def _pages_follow_a_request_and_steps_count_their_bytes(url):
+    """While a long request decodes, its device pages are in use (and its staging is gone once all
+    its rows are on the device); after it, every page is free again. Each decode step observed its
+    host->device bytes by cause: "other" (no recompute) 0 every step."""
+    before = samples(url)
+    body = dict(model="tiny", prompt=PROMPT, max_tokens=200, temperature=0, ignore_eos=True, stream=True)
+    mid = None
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if mid is None and line.startswith("data: {"):
+                mid = samples(url)  # the request is decoding: 200 tokens take many steps
+    used = count(mid, "jkv_kv_pages_in_use")
+    assert used >= -(-len(PROMPT.split()) // 16) and count(mid, "jkv_kv_pages_free") == 299 - used
+    assert count(mid, "jkv_kv_device_bytes_in_use") > 0
+    after = samples(url)
+    assert count(after, "jkv_kv_pages_in_use") == 0 and count(after, "jkv_kv_pages_free") == 299
+    assert count(after, "jkv_kv_device_bytes_in_use") == 0 and count(after, "jkv_kv_host_bytes_in_use") == 0
+    assert count(after, "jkv_kv_host_late_writes_dropped") == 0
+    steps = {c: count(after, "jkv_kv_host_to_device_step_bytes_count", cause=c)
+             - count(before, "jkv_kv_host_to_device_step_bytes_count", cause=c) for c in ("arrived", "fetched", "other")}
+    assert steps["arrived"] == steps["fetched"] == steps["other"] >= 150  # one observation per step and cause
+    assert count(after, "jkv_kv_host_to_device_step_bytes_bucket", cause="other", le="0.0") == \
+        count(after, "jkv_kv_host_to_device_step_bytes_count", cause="other")
+    moved = sum(count(after, "jkv_kv_host_to_device_step_bytes_sum", cause=c) for c in ("arrived", "fetched"))
+    assert moved > 0  # the first request's rows crossed in its steps
 
 
 def test_codec_seconds_and_choice_reach_the_histograms():

@@ -179,8 +179,15 @@ def test_the_host_tier_takes_evicted_pages_and_serves_them_back_with_the_same_to
     try:
         _two_rounds_of_three_system_prompts(b, reference, "h")
         assert _metric(metrics, "jkv_prefix_cache_host_writes_total") > 0
-        assert _metric(metrics, "jkv_prefix_cache_hit_tokens_total", {"tier": "host"}) >= 4 * PAGE
+        host_hits = _metric(metrics, "jkv_prefix_cache_hit_tokens_total", {"tier": "host"})
+        assert host_hits >= 4 * PAGE
         assert _metric(metrics, "jkv_prefix_cache_pages", {"tier": "host"}) > 0
+        # the pages loaded back crossed host->device ("fetched"); nothing else did (decode steps
+        # compute their KV on the device)
+        page_bytes = b.kv.page_bytes
+        assert _metric(metrics, "jkv_kv_host_to_device_bytes", {"cause": "fetched"}) == host_hits // PAGE * page_bytes
+        assert _metric(metrics, "jkv_kv_host_to_device_bytes", {"cause": "arrived"}) == 0
+        assert _metric(metrics, "jkv_kv_host_to_device_bytes", {"cause": "other"}) == 0
         _idle_and_leak_free(b)
     finally:
         b.stop()

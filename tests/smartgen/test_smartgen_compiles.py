@@ -107,3 +107,43 @@ def test_upload_pieces_are_a_fixed_set_of_sizes():
         pieces = decode_pages.upload_pieces(n)
         assert sum(pieces) == n and set(pieces) <= sizes
         assert pieces == sorted(pieces, reverse=True)
+
+
+def test_an_auto_sized_pool_grows_at_hand_in_and_its_steps_still_compile_nothing(model, setup, monkeypatch):
+    """No page_config: the device pool starts small (decode_pages.FIRST_DECODE_TOKENS) and doubles
+    when a request handed in does not fit, here while another request is decoding. The running
+    request keeps its pages and its tokens; its steps at the grown size, and the batch the new one
+    joins, were compiled at the hand-in, not inside a step."""
+    sel, profile, workers = setup
+    rng = np.random.default_rng(12)
+    lens = (700, 600)  # 45 + 39 pages of 16 tokens: more than the first pool's 64
+    prompts = [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in lens]
+    fixed = DecodeWorker(model, sel, TransferConfig(mode="smartgen", kr_fraction=0.3, max_blocks=16), secret=SECRET,
+                         profile=profile, page_config=decode_pages.PageConfig(num_pages=257))
+    try:  # the reference: the same requests on a pool that never grows
+        fixed.connect(workers.addresses)
+        want = [o.token_ids for o in fixed.generate(make_requests(prompts, max_tokens=12, tag="w"))]
+    finally:
+        fixed.close()
+    counter = StepCompiles(monkeypatch)
+    decode = DecodeWorker(model, sel, TransferConfig(mode="smartgen", kr_fraction=0.3, max_blocks=16), secret=SECRET,
+                          profile=profile)
+    try:
+        decode.connect(workers.addresses)
+        first = decode.pages.num_pages
+        assert first == decode_pages.FIRST_DECODE_TOKENS // 16 + 1
+        done = []
+        decode.submit(make_requests(prompts[:1], max_tokens=12, tag="g")[0], on_done=done.append)
+        while not decode._running or len(decode.phases.steps) < 3:  # the first request is decoding
+            decode.step(wait=0.5)
+        decode.submit(make_requests(prompts[1:], max_tokens=12, tag="h")[0], on_done=done.append)
+        while decode.step(wait=0.5) or len(done) < 2:
+            pass
+        assert decode.pages.num_pages == 2 * first  # grew once, by doubling
+        assert sorted(o.request_id for o in done) == ["g0", "h0"]
+        assert [o.token_ids for o in sorted(done, key=lambda o: o.request_id)] == want
+        assert counter.in_step == []
+        assert decode.pages.cache.pages_in_use == 0 and decode.pool.live() == []
+    finally:
+        decode.close()
+        counter.close()

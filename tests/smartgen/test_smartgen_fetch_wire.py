@@ -55,7 +55,8 @@ def test_fetch_round_trips_rows_into_the_right_slots(fetch, seed):
     if not requests:
         return
     reply = reply_rows(_serve(sources, call.payload()), call.rows, D, "test reply")
-    lives = [types.SimpleNamespace(kv=types.SimpleNamespace(kv=np.zeros((2, L, H, N, D), np.float32)),
+    lives = [types.SimpleNamespace(kv=types.SimpleNamespace(kv=np.zeros((2, L, H, N, D), np.float32),
+                                                            take_write=lambda: True),
                                    fetched=np.zeros((L, H, N), bool), fetch_bytes=0) for _ in requests]
     for (b, h), positions, k, v in iter_reply(reply, call.segments):
         keep_rows(lives[b], layer, h, positions, k, v)

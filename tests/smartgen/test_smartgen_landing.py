@@ -28,7 +28,7 @@ def _prompt_rows(decode, lv):
     mask = np.asarray(decode.pages.mask)[:, pages]  # [L, pages, H, P]
     L, _, H, P = mask.shape
     mask = mask.transpose(0, 2, 1, 3).reshape(L, H, -1)[:, :, :n]
-    kv = [np.stack([np.asarray(decode.pages.cache.kv[layer][i])[pages].transpose(1, 0, 2, 3).reshape(H, -1, lv.kv.kv.shape[-1])[:, :n]
+    kv = [np.stack([np.asarray(decode.pages.cache.kv[layer][i])[pages].transpose(1, 0, 2, 3).reshape(H, -1, decode.pages.head_dim)[:, :n]
                     for layer in range(L)]) for i in (0, 1)]
     return mask, kv[0], kv[1]
 
@@ -46,6 +46,10 @@ def _run(model, sel, workers, mode, max_tokens, monkeypatch, profile=None, **kw)
         for lv in st.lives:
             mask, K, V = _prompt_rows(self, lv)
             on = mask == LOCAL
+            if lv.kv.freed:  # its staging went early: only once every row was on the device
+                assert on.all() and lv.on_device.all() and lv.kv.kv is None
+                local += int(on.sum())
+                continue
             staged = (lv.kv.mask[:, None, :lv.geometry.num_tokens] == LOCAL) | lv.fetched[:, :, :lv.geometry.num_tokens]
             assert (on == lv.on_device).all() and not (on & ~staged).any()  # a 1 only for a row in staging
             n = lv.geometry.num_tokens

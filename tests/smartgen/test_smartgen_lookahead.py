@@ -204,7 +204,8 @@ def test_issue_and_complete_scatter_exactly_the_hinted_remote_rows(threaded):
     mask = np.full((L, N), REMOTE, np.int8)
     mask[1, :2] = LOCAL
     lv = types.SimpleNamespace(active=True, released=False, owner="p0", rid="r0", fetch_bytes=0, compression=None,
-                               kv=types.SimpleNamespace(kv=np.zeros_like(source), mask=mask, capacity=N),
+                               kv=types.SimpleNamespace(kv=np.zeros_like(source), mask=mask, capacity=N,
+                                                        take_write=lambda: True),
                                fetched=np.zeros((L, H, N), bool))
     lv.fetched[1, 1, 5] = True  # fetched earlier: not asked again
     owner, clock = _FakeOwner(source), StepPhases()
