@@ -35,15 +35,16 @@ state) and a prompt-scoring request (`prompt_logprobs`, written whole) compute t
 and only offer their pages. With `prefix_cache_host_bytes` (L2) and/or `prefix_cache_l3` (a remote
 pool, L3) an evicted page is written there in the background (jkv/kvcache/writeback.py: the engine
 thread only dispatches a snapshot of the pages), and a later prompt that misses in device pages but
-hits there gets it copied back instead of recomputed. L3 reads never block the engine: for the
-request at the head of the queue a prefetch of the pages L1 and L2 lack is started, the request
-stays queued (the running requests keep stepping) until it answers or its op timeout
-(`prefix_cache_l3_timeout`) passes, and then it is admitted with what arrived (nothing, on a
-failure or timeout: it recomputes; jkv/kvcache/remote_tier.py).
+hits there gets it copied back instead of recomputed. L3 reads never block the engine: one
+read of the pages L1 and L2 lack is in flight at a time, for a waiting request; that request
+stays queued (the running requests keep stepping, other requests are admitted) until the read
+answers or its op timeout (`prefix_cache_l3_timeout`) passes, and then it can be admitted with
+what arrived (nothing, on a failure or timeout: it recomputes; jkv/kvcache/remote_tier.py).
 
-Admission order (`schedule`, jkv/serving/admission.py): the request admitted next (and whose L3
-prefetch is started) is the policy's pick among the waiting ones (fifo: the oldest; sjf / srpt /
-lstf by the cost model of its prefix load and prefill; edf by its slo_ms deadline). The cost model
+Admission order (`schedule`, jkv/serving/admission.py): whose L3 read starts next is the policy's
+pick among the waiting requests with one to do, and the request admitted next is its pick among
+the ready ones (nothing to read, or read answered): fifo the oldest; sjf / srpt / lstf by the
+cost model of its prefix load and prefill; edf by its slo_ms deadline. The cost model
 is loaded from `cost_model` or probed from the engine at start (jkv/serving/cost_probe.py) and
 refitted from the loads and single-chunk prefills the engine measures while serving.
 
@@ -128,7 +129,7 @@ class PagedBatcher(ContinuousBatcher):
         self._prefilling: collections.deque[int] = collections.deque()  # seats still prefilling, oldest first
         self._next_key = 0
         self._blocked: str | None = None  # request id last logged as waiting for pages
-        self._prefetch = None  # (request, remote_tier.Prefetch or None): the L3 read for the request admitted next
+        self._prefetch = None  # (request, remote_tier.Prefetch or None): the one L3 read, held until its request is admitted
         self.scheduler: AdmissionScheduler | None = None  # made by start(): its cost model may need the live cache
         self._refit: Refit | None = None
         self._sched_metrics: SchedulingMetrics | None = None
@@ -256,17 +257,19 @@ class PagedBatcher(ContinuousBatcher):
             self._decode_one_step()
 
     def _admit(self):
+        now = time.perf_counter()
+        self._start_next_read(now)
         while self._waiting and None in self._slots:
-            req = self.scheduler.pick(self._waiting, self._estimate, self._loaded, time.perf_counter())
+            req = self.scheduler.pick(self._waiting, self._estimate, self._loaded, now, ready=self._ready)
+            if req is None:  # every waiting request waits for its L3 read
+                self._wait_for_read()
+                return
             n = len(req.prompt_token_ids)
             key = f"{req.request_id}#{self._next_key}"  # unique even if a client reuses request ids
             total = n if req.prompt_only else n + req.params.max_tokens
             from_cache = req.prompt_logprobs is None and req.prefix_cache  # else computed from position 0
-            remote = None
-            if from_cache and self.kv.remote is not None:
-                remote = self._remote_pages(req)
-                if remote is False:
-                    return  # its L3 read is in flight: admit it (and the others, after it) later
+            reading = self._prefetch is not None and self._prefetch[0] is req
+            remote = self._remote_pages(req) if reading else None
             try:
                 if not from_cache:
                     self.kv.reserve(key, total)
@@ -281,9 +284,11 @@ class PagedBatcher(ContinuousBatcher):
                              e.needed, e.free, self.kv.pages_in_use)
                 return
             self._next_key += 1
-            self._prefetch = None
             self._waiting.remove(req)
             self.scheduler.forget(req)
+            if reading:
+                self._prefetch = None
+                self._start_next_read(now)
             if self._sched_metrics is not None:
                 self._sched_metrics.admitted(time.perf_counter() - req.arrival, len(self._waiting))
             p = req.params
@@ -322,23 +327,43 @@ class PagedBatcher(ContinuousBatcher):
         pre = self._prefetch
         return pre is not None and pre[0] is req and pre[1] is not None and pre[1].outcome is not None
 
-    def _remote_pages(self, req: EngineRequest):
-        """The head request's pages from L3 as reserve_prefix's `remote` argument ((start, payloads)
-        or None), or False while its read is in flight. The first call starts the read; with
-        nothing else running the engine waits on it in short slices (so it still sees new
-        requests and cancels), never past the read's deadline (the L3 op timeout)."""
-        if self._prefetch is None or self._prefetch[0] is not req:
-            self._prefetch = (req, self.kv.prefetch_remote(req.prompt_token_ids))
-        pre = self._prefetch[1]
-        if pre is None:
-            return None
-        payloads = self.kv.remote.collect(pre)
-        if payloads is None and self._n_running == 0:
-            concurrent.futures.wait([pre.future], timeout=max(0.0, min(0.02, pre.deadline - time.monotonic())))
-            payloads = self.kv.remote.collect(pre)
-        if payloads is None:
+    def _needs_read(self, req: EngineRequest) -> bool:
+        """It has shareable prompt pages beyond L1 and L2 to read from L3 (asked once per request)."""
+        if self.kv.remote is None or req.prompt_logprobs is not None or not req.prefix_cache:
             return False
-        if payloads and not pre.measured:
+        return self.scheduler.needs_read(req, lambda r: self.kv.tier_run(r.prompt_token_ids)[2])
+
+    def _ready(self, req: EngineRequest) -> bool:
+        """Admissible now: nothing to read from L3, or its read has answered (admission.py)."""
+        if self._prefetch is not None and self._prefetch[0] is req:
+            pre = self._prefetch[1]
+            return pre is None or self.kv.remote.collect(pre) is not None
+        return not self._needs_read(req)
+
+    def _start_next_read(self, now: float):
+        """With the link free (no read held for a waiting request), start the L3 read of the
+        policy's next pick among the requests that have one to do."""
+        if self.kv.remote is None or self._prefetch is not None:
+            return
+        req = self.scheduler.next_read(self._waiting, self._estimate, self._needs_read, now)
+        if req is not None:  # None: nothing left to read now (L1 / L2 took it, or L3 is skipped)
+            self._prefetch = (req, self.kv.prefetch_remote(req.prompt_token_ids))
+
+    def _wait_for_read(self):
+        """Nothing admissible: with nothing running either, wait for the read in short slices (the
+        engine still sees new requests and cancels), never past its deadline (the L3 op timeout)."""
+        pre = self._prefetch[1] if self._prefetch is not None else None
+        if pre is not None and self._n_running == 0:
+            concurrent.futures.wait([pre.future], timeout=max(0.0, min(0.02, pre.deadline - time.monotonic())))
+
+    def _remote_pages(self, req: EngineRequest):
+        """The pages its answered L3 read brought, as reserve_prefix's `remote` argument
+        ((start, payloads), or None when there was nothing to read or the read failed)."""
+        pre = self._prefetch[1]
+        payloads = self.kv.remote.collect(pre) if pre is not None else None
+        if not payloads:
+            return None
+        if not pre.measured:
             pre.measured = True  # once: a request waiting for pages collects the same answer again
             started = pre.deadline - self.kv.remote.op_timeout_s
             self._measured("load", len(payloads) * self.page_cfg.page_size, time.monotonic() - started, "l3")
