@@ -15,8 +15,11 @@ from jkv import SamplingParams
 from jkv.kvpool import HostKVPool
 from jkv.serving.metrics import ServerMetrics
 from engine_events import collect, start_paged, submit, token_ids
+import test_schedule
 from test_prefix_batcher import _idle_and_leak_free, _metric
-from test_schedule import COST, model  # noqa: F401  (the module-scoped tiny model fixture)
+from test_schedule import COST
+
+model = test_schedule.model  # the module-scoped tiny model fixture
 
 PAGE = 8
 MAX_TOKENS = 2
@@ -57,7 +60,7 @@ def _question(d):
 
 
 @pytest.fixture
-def seeded(model, monkeypatch):  # noqa: F811
+def seeded(model, monkeypatch):
     """A pool holding every document's pages (computed by an engine too small to keep them: each
     request evicts the one before, the write-back sends them to L3) and their greedy answers."""
     pool = GatedPool()
@@ -88,7 +91,7 @@ def _wait(condition, what, timeout=30.0):
 
 @pytest.mark.parametrize("schedule", ["fifo", "sjf", "srpt"])
 def test_a_request_with_nothing_to_read_is_admitted_while_another_reads_and_that_read_is_kept(
-        model, seeded, monkeypatch, tmp_path, schedule):  # noqa: F811
+        model, seeded, monkeypatch, tmp_path, schedule):
     pool, answers = seeded
     COST.save(tmp_path / "cost.json")
     b = _engine(model, pool, monkeypatch, schedule=schedule, cost_model=str(tmp_path / "cost.json"))
@@ -109,7 +112,7 @@ def test_a_request_with_nothing_to_read_is_admitted_while_another_reads_and_that
 
 @pytest.mark.parametrize("schedule, order", [("fifo", (0, 1, 2)), ("sjf", (0, 2, 1)), ("srpt", (0, 2, 1))])
 def test_the_reads_behind_one_in_flight_start_in_the_policys_order_and_each_once(
-        model, seeded, monkeypatch, tmp_path, schedule, order):  # noqa: F811
+        model, seeded, monkeypatch, tmp_path, schedule, order):
     pool, answers = seeded
     COST.save(tmp_path / "cost.json")
     b = _engine(model, pool, monkeypatch, schedule=schedule, cost_model=str(tmp_path / "cost.json"))
