@@ -232,28 +232,26 @@ def link_seconds_per_request(args) -> float:
     return float(np.mean(args.doc_pages)) * page_bytes * 8 / parse_bandwidth(args.link)
 
 
-def start_servers(args, pools: list[str], env: dict) -> dict:
-    """One `jkv serve` per policy (started together: their start-ups overlap), warmed with
-    `--warmup` L3 reads each (sequential per server, the servers in parallel)."""
-    servers, errors = {}, []
+def start_servers(args, pools: list[str], env: dict, servers: dict) -> list[threading.Thread]:
+    """Start one `jkv serve` per policy into `servers`, each on its own thread (their start-ups
+    overlap each other and the seeding); join the threads, then `warm`."""
 
     def start(policy, address):
         try:
             servers[policy] = Server(_server_args(args, address, policy, args.max_slots), env=env,
                                      timeout=START_TIMEOUT_S)
         except RuntimeError as e:
-            errors.append(e)
+            servers.setdefault("errors", []).append(e)
 
     threads = [threading.Thread(target=start, args=pa) for pa in zip(args.policies, pools)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for s in servers.values():
-            s.stop()
-        raise errors[0]
-    servers = {p: servers[p] for p in args.policies}
+    return threads
+
+
+def warm(args, servers: dict):
+    """`--warmup` L3 reads per server (sequential per server, the servers in parallel): the shapes
+    the runs use compile, and the cost model refits from real link times."""
     warm = [(0.0, f"{args.seed}-warm-{k}", args.doc_pages[k % len(args.doc_pages)]) for k in range(args.warmup)]
 
     async def warm_one(url):
@@ -264,7 +262,6 @@ def start_servers(args, pools: list[str], env: dict) -> dict:
         await asyncio.gather(*(warm_one(s.url) for s in servers.values()))
 
     asyncio.run(warm_all())
-    return servers
 
 
 def compare(args) -> tuple[list[dict], dict]:
@@ -278,11 +275,17 @@ def compare(args) -> tuple[list[dict], dict]:
     runs = list(range(len(args.utilizations) + args.reps - 1))
     docs = [(d, p) for run in runs for _, d, p in trace(args, run, 1.0, args.requests)]
     docs += [(f"{args.seed}-warm-{k}", args.doc_pages[k % len(args.doc_pages)]) for k in range(args.warmup)]
-    rows = []
+    rows, servers = [], {}
     try:
-        seed(args, addresses["seed"], env, docs)
-        servers = start_servers(args, addresses["paced"], env)
+        threads = start_servers(args, addresses["paced"], env, servers)
         try:
+            seed(args, addresses["seed"], env, docs)
+            for t in threads:
+                t.join()
+            if "errors" in servers:
+                raise servers["errors"][0]
+            servers = {p: servers[p] for p in args.policies}
+            warm(args, servers)
             chosen = None
             for run, rho in enumerate(sorted(args.utilizations)):
                 rows += run_once(args, servers, run, rho, floor_s, "sweep")
@@ -295,8 +298,11 @@ def compare(args) -> tuple[list[dict], dict]:
             for run in range(len(args.utilizations), len(runs)):
                 rows += run_once(args, servers, run, chosen, floor_s, "rep")
         finally:
+            for t in threads:
+                t.join()
             for s in servers.values():
-                s.stop()
+                if isinstance(s, Server):
+                    s.stop()
     finally:
         pool.stdin.close()
         pool.wait(30)
