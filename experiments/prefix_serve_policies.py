@@ -11,8 +11,9 @@ Validity on a shared, loaded machine:
   a run is sent to all of them at the same instant; each server reads from its own paced link (one
   pool process, one store, one `--link`-paced endpoint per server). Machine load hits all policies
   alike; the ratios are taken within a run.
-- The link dominates: a page crosses a 20 Mbit/s link in ~0.3 s, the 5-token prefill after it
-  takes a few tens of ms, so the policy effect is mostly link time, which load does not change.
+- The link dominates: a page (16 tokens of SmolLM2's f32 KV, 737 KB) crosses the 10 Mbit/s link
+  in 0.6 s; the 5-token prefill after it takes tens of ms on a quiet CPU, so the policy effect is
+  mostly link time, which machine load does not change.
 - FIFO sustained: the runs sweep the modelled link utilisation (`--utilizations`: arrival rate x
   mean link time per request) upwards; a run counts as sustained by FIFO when all requests finish
   and the mean TTFT of the last third of arrivals is at most SUSTAIN_GROWTH x that of the first
@@ -363,12 +364,12 @@ def main(argv=None) -> int:
     add_model_arg(ap)
     ap.add_argument("--policies", type=lambda v: v.split(","), default=["fifo", "sjf", "srpt"],
                     help="--schedule policies, run side by side (fifo first: the baseline)")
-    ap.add_argument("--link", default="20mbit", help="each server's paced L3 link")
+    ap.add_argument("--link", default="10mbit", help="each server's paced L3 link")
     ap.add_argument("--doc-pages", type=lambda v: [int(x) for x in v.split(",")], default=[1, 1, 1, 2, 4, 12],
                     help="document sizes in pages, one drawn uniformly per request")
     ap.add_argument("--utilizations", type=lambda v: [float(x) for x in v.split(",")], default=[0.6, 0.75, 0.9],
                     help="modelled link utilisations of the rate sweep (rate = rho / link time per request)")
-    ap.add_argument("--requests", type=int, default=32, help="requests per run")
+    ap.add_argument("--requests", type=int, default=24, help="requests per run")
     ap.add_argument("--reps", type=int, default=3, help="runs at the chosen rate (the sweep's run there counts)")
     ap.add_argument("--warmup", type=int, default=10, help="L3 reads per server before the runs (cost-model refit)")
     ap.add_argument("--max-tokens", type=int, default=2)
