@@ -57,7 +57,8 @@ START_TIMEOUT_S = 1800  # a start-up (load, compile, probe) on a loaded shared C
 SUSTAIN_GROWTH = 2.0
 FIELDS = ["run", "phase", "rho", "rate", "policy", "completed", "failed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
           "mean_ttft_ms_small", "mean_ttft_ms_big", "ttft_ratio_vs_fifo", "answers_identical_to_fifo",
-          "fifo_sustained", "fifo_first_third_ms", "fifo_last_third_ms", "hit_tokens_remote", "expected_remote_tokens",
+          "fifo_sustained", "fifo_first_third_ms", "fifo_last_third_ms", "modelled_fifo_ms", "modelled_sjf_ms",
+          "modelled_sjf_ratio", "hit_tokens_remote", "expected_remote_tokens",
           "requests", "link", "doc_pages", "max_slots", "model", "cpu_model", "cores", "loadavg_before",
           "loadavg_after"]
 
@@ -207,9 +208,11 @@ def run_once(args, servers: dict, run: int, rho: float, floor_s: float, phase: s
             for p, res in zip(servers, results)]
     fifo = dict(zip(servers, results)).get("fifo", results[0])
     sustained, first, last = fifo_sustained(fifo, floor_s)
+    model_fifo, model_sjf = modelled_ttft(rho, args.doc_pages, floor_s / float(np.mean(args.doc_pages)))
     base = next(r for r in rows if r["policy"] == ("fifo" if "fifo" in servers else rows[0]["policy"]))
     for r in rows:
-        r.update(phase=phase, ttft_ratio_vs_fifo=r["mean_ttft_ms"] / base["mean_ttft_ms"],
+        r.update(phase=phase, modelled_fifo_ms=1e3 * model_fifo, modelled_sjf_ms=1e3 * model_sjf,
+                 modelled_sjf_ratio=model_sjf / model_fifo, ttft_ratio_vs_fifo=r["mean_ttft_ms"] / base["mean_ttft_ms"],
                  answers_identical_to_fifo=r["answers"] == base["answers"], fifo_sustained=sustained,
                  fifo_first_third_ms=first, fifo_last_third_ms=last, loadavg_before=round(load_before, 2),
                  loadavg_after=round(load_after, 2), **{k: v for k, v in machine_info().items()
@@ -218,9 +221,29 @@ def run_once(args, servers: dict, run: int, rho: float, floor_s: float, phase: s
               f"= {r['ttft_ratio_vs_fifo']:.2f}x FIFO (small docs {r['mean_ttft_ms_small']:.0f}, big "
               f"{r['mean_ttft_ms_big']:.0f}), failed {r['failed']}, L3 hit tokens {r['hit_tokens_remote']:.0f}/"
               f"{r['expected_remote_tokens']}, load {load_before:.1f}->{load_after:.1f}", flush=True)
+    print(f"run {run}: link-only M/G/1 model at rho {rho}: FIFO {model_fifo:.1f} s, non-preemptive SJF "
+          f"{model_sjf:.1f} s = {model_sjf / model_fifo:.2f}x", flush=True)
     print(f"run {run}: FIFO sustained = {sustained} (mean TTFT last third {last:.0f} ms <= {SUSTAIN_GROWTH} x "
           f"max(first third {first:.0f} ms, link time per request {1e3 * floor_s:.0f} ms), all finished)", flush=True)
     return rows
+
+
+def modelled_ttft(rho: float, doc_pages: list[int], page_s: float) -> tuple[float, float]:
+    """(FIFO, SJF) mean TTFT in s of the link alone as an M/G/1 queue at utilisation rho: one read
+    at a time, never pre-empted, compute ignored; SJF as non-preemptive priority by read size
+    (Cobham's formula). The reference for what ordering whole reads can give at this rate."""
+    sizes = sorted(set(doc_pages))
+    prob = [doc_pages.count(k) / len(doc_pages) for k in sizes]
+    service = [k * page_s for k in sizes]
+    mean = sum(p * t for p, t in zip(prob, service))
+    w0 = rho / mean * sum(p * t * t for p, t in zip(prob, service)) / 2
+    fifo = w0 / (1 - rho) + mean
+    sjf, before = 0.0, 0.0
+    for p, t in zip(prob, service):
+        upto = before + rho / mean * p * t
+        sjf += p * (w0 / ((1 - before) * (1 - upto)) + t)
+        before = upto
+    return fifo, sjf
 
 
 def link_seconds_per_request(args) -> float:
