@@ -3,8 +3,13 @@
 Workload (CALVO §4: long contexts in the pool, short queries): every request is a document whose
 KV sits in L3 (`--doc-pages`: its size in 16-token pages, drawn uniformly per request, so a few big
 loads share the link with many small ones) plus a 5-token question, max_tokens 2, streamed at
-temperature 0. Prompts are token ids (exact page counts; the answers are not read, only timed and
-compared across policies). Every run uses documents no server has seen, so each one is an L3 read.
+temperature 0. Prompts are token ids (exact page counts). Every run uses documents no server has
+seen, so each one is an L3 read. The pool process stores every document's pages before the servers
+start, under the keys `jkv serve` computes for them, with *synthetic* KV (random values of the
+cache's dtype and page shape): computing them through a seeding server took ~16 s a document on
+the loaded 2-core box, and what is timed (the paced read, the copy into device pages, the prefill
+of the question, the first token) does not depend on the values. So the answers are not the
+model's answers to the documents; they are still compared across policies (the same for all).
 
 Validity on a shared, loaded machine:
 - Side by side: one `jkv serve --schedule P` per policy, all running at once, and every request of
@@ -80,20 +85,35 @@ def trace(args, run: int, rate: float, n: int) -> list[tuple[float, str, int]]:
     return out
 
 
-def serve_pools(n: int, link: str, capacity: str):
-    """The pool process: n endpoints paced at `link` and one unpaced (the seeder's) over one store,
-    so each server reads through its own link and all of them find every seeded page. Prints
-    {"paced": [addresses], "seed": address}; serves until stdin closes."""
+def serve_pools(n: int, link: str, capacity: str, model_name: str, docs_file: str):
+    """The pool process: n endpoints paced at `link` over one store, so each server reads through its
+    own link and all of them find every document. Before serving it stores every document of
+    `docs_file` ([[id, pages], ...]) under the keys `jkv serve` computes for it (the model's
+    namespace, the chained page hashes) with synthetic KV (seeded random values, the cache's dtype
+    and page shape): computing them on a seeding server took ~16 s a document on the loaded CPU.
+    Prints {"paced": [addresses]}; serves until stdin closes."""
+    from jkv.kvcache.prefix import extend_page_keys, prefix_namespace, shareable_pages
+    from jkv.kvpool.hashing import ChunkKey
     from jkv.kvpool.server import PoolServer, parse_size
+    from models import load_model_spec
 
-    secret = os.environ["JKV_SECRET"]
-    servers = [PoolServer(parse_size(capacity), secret=secret, bandwidth=link) for _ in range(n)]
-    servers.append(PoolServer(parse_size(capacity), secret=secret))
+    model = load_model_spec(model_name)
+    cfg = model.cfg
+    namespace = prefix_namespace(model, cfg.dtype, PAGE)
+    rng = np.random.default_rng(0)
+    pages = [(0.1 * rng.standard_normal((cfg.num_layers, 2, cfg.num_kv_heads, PAGE, cfg.head_dim))).astype(cfg.dtype)
+             for _ in range(8)]
+    servers = [PoolServer(parse_size(capacity), secret=os.environ["JKV_SECRET"], bandwidth=link) for _ in range(n)]
+    store = servers[0].pool
     for s in servers[1:]:
         s.pool.close()
-        s.pool = servers[0].pool  # the handlers read self.pool: one store behind every endpoint
-    addresses = [s.start() for s in servers]
-    print(json.dumps({"paced": addresses[:-1], "seed": addresses[-1]}), flush=True)
+        s.pool = store  # the handlers read self.pool: one store behind every endpoint
+    for doc_id, n_pages in json.loads(Path(docs_file).read_text()):
+        tokens = document(doc_id, n_pages) + QUESTION
+        for i, key in enumerate(extend_page_keys([], tokens, namespace, limit=shareable_pages(len(tokens), PAGE))):
+            if not store.put(ChunkKey(namespace, -1, key), pages[i % len(pages)]):
+                raise RuntimeError(f"the pool refused page {i} of document {doc_id}: raise its capacity")
+    print(json.dumps({"paced": [s.start() for s in servers], "pages": store.stats().entries}), flush=True)
     sys.stdin.read()
     for s in servers:
         s.close()
@@ -128,44 +148,10 @@ def remote_hits(url: str) -> float:
                if s.name == "jkv_prefix_cache_hit_tokens_total" and s.labels.get("tier") == "remote")
 
 
-async def _one_prompt(url: str, prompt: list[int]) -> dict:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(900, connect=10)) as client:
-        return await stream_request(client, url, "/v1/completions", _body(prompt, 1), lambda c: c.get("text"))
-
-
 def _server_args(args, l3_address: str, policy: str, max_slots: int) -> list[str]:
     return ["--model", args.model, "--served-model-name", "m", "--max-model-len", str(args.max_model_len),
             "--max-slots", str(max_slots), "--schedule", policy, "--prefix-cache-l3", f"jkvpool://{l3_address}",
             "--prefix-cache-l3-timeout", str(args.l3_timeout)]
-
-
-def seed(args, address: str, env: dict, docs: list[tuple[str, int]]):
-    """Compute every document on a server whose page pool holds one request: each one evicts the one
-    before it to L3 (the write-back); two big fillers evict the last. Waits until the store holds
-    every document's pages."""
-    from jkv.kvpool.remote_pool import RemoteKVPool
-
-    big = max(args.doc_pages)
-    server = Server(_server_args(args, address, "fifo", 1) + ["--num-pages", str(big + 3)], env=env,
-                    timeout=START_TIMEOUT_S)
-    try:
-        prompts = [document(d, p) + QUESTION for d, p in docs]
-        prompts += [document(f"filler {k}", big) + QUESTION for k in range(2)]
-        t0 = time.perf_counter()
-        for prompt in prompts:  # one at a time: each evicts the one before
-            r = asyncio.run(_one_prompt(server.url, prompt))
-            if not r["ok"]:
-                raise RuntimeError(f"seeding failed: {r['error']}")
-        want = sum(p for _, p in docs)
-        client = RemoteKVPool(address, secret=env["JKV_SECRET"])
-        deadline = time.monotonic() + 120
-        while (have := client.server_stats().entries) < want and time.monotonic() < deadline:
-            time.sleep(0.5)
-        client.close()
-        print(f"seeded {len(docs)} documents ({want} pages) in {time.perf_counter() - t0:.0f} s; the store holds "
-              f"{have} pages", flush=True)
-    finally:
-        server.stop()
 
 
 def fifo_sustained(results: list[dict], floor_s: float) -> tuple[bool, float, float]:
@@ -256,9 +242,12 @@ def link_seconds_per_request(args) -> float:
     return float(np.mean(args.doc_pages)) * page_bytes * 8 / parse_bandwidth(args.link)
 
 
-def start_servers(args, pools: list[str], env: dict, servers: dict) -> list[threading.Thread]:
-    """Start one `jkv serve` per policy into `servers`, each on its own thread (their start-ups
-    overlap each other and the seeding); join the threads, then `warm`."""
+def start_servers(args, env: dict, servers: dict, pool: subprocess.Popen) -> list[threading.Thread]:
+    """Start one `jkv serve` per policy into `servers`, each on its own thread, once the pool process
+    has stored the documents and printed its addresses (the model loads overlap); join the threads,
+    then `warm`."""
+    addresses = json.loads(pool.stdout.readline())
+    print(f"the pool stores {addresses['pages']} pages", flush=True)
 
     def start(policy, address):
         try:
@@ -267,7 +256,7 @@ def start_servers(args, pools: list[str], env: dict, servers: dict) -> list[thre
         except RuntimeError as e:
             servers.setdefault("errors", []).append(e)
 
-    threads = [threading.Thread(target=start, args=pa) for pa in zip(args.policies, pools)]
+    threads = [threading.Thread(target=start, args=pa) for pa in zip(args.policies, addresses["paced"])]
     for t in threads:
         t.start()
     return threads
@@ -291,45 +280,46 @@ def warm(args, servers: dict):
 def compare(args) -> tuple[list[dict], dict]:
     secret = secrets.token_hex(16)
     env = {"JKV_SECRET": secret}
-    pool = subprocess.Popen([sys.executable, __file__, "--serve-pools", str(len(args.policies)), "--link", args.link],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, JKV_SECRET=secret, PYTHONPATH=str(REPO)))
-    addresses = json.loads(pool.stdout.readline())
     floor_s = link_seconds_per_request(args)
     runs = list(range(len(args.utilizations) + args.reps - 1))
     docs = [(d, p) for run in runs for _, d, p in trace(args, run, 1.0, args.requests)]
     docs += [(f"{args.seed}-warm-{k}", args.doc_pages[k % len(args.doc_pages)]) for k in range(args.warmup)]
+    docs_file = Path(args.out) / "prefix_serve_policies.docs.json"
+    docs_file.write_text(json.dumps(docs))
+    partial = Path(args.out) / "prefix_serve_policies.partial.json"
+    pool = subprocess.Popen([sys.executable, __file__, "--serve-pools", str(len(args.policies)), "--link", args.link,
+                             "--model", args.model, "--docs-file", str(docs_file)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, JKV_SECRET=secret, PYTHONPATH=str(REPO)))
     rows, servers = [], {}
     try:
-        threads = start_servers(args, addresses["paced"], env, servers)
-        try:
-            seed(args, addresses["seed"], env, docs)
-            for t in threads:
-                t.join()
-            if "errors" in servers:
-                raise servers["errors"][0]
-            servers = {p: servers[p] for p in args.policies}
-            warm(args, servers)
-            chosen = None
-            for run, rho in enumerate(sorted(args.utilizations)):
-                rows += run_once(args, servers, run, rho, floor_s, "sweep")
-                if not rows[-1]["fifo_sustained"]:
-                    break
-                chosen = rho
-            if chosen is None:
-                chosen = min(args.utilizations)
-                print(f"FIFO sustained none of the rates; the reps run at the lowest, rho {chosen}", flush=True)
-            for run in range(len(args.utilizations), len(runs)):
-                rows += run_once(args, servers, run, chosen, floor_s, "rep")
-        finally:
-            for t in threads:
-                t.join()
-            for s in servers.values():
-                if isinstance(s, Server):
-                    s.stop()
+        threads = start_servers(args, env, servers, pool)
+        for t in threads:
+            t.join()
+        if "errors" in servers:
+            raise servers["errors"][0]
+        servers = {p: servers[p] for p in args.policies}
+        warm(args, servers)
+        chosen = None
+        for run, rho in enumerate(sorted(args.utilizations)):
+            rows += run_once(args, servers, run, rho, floor_s, "sweep")
+            partial.write_text(json.dumps(rows, indent=2))  # a run stopped early keeps its rows
+            if not rows[-1]["fifo_sustained"]:
+                break
+            chosen = rho
+        if chosen is None:
+            chosen = min(args.utilizations)
+            print(f"FIFO sustained none of the rates; the reps run at the lowest, rho {chosen}", flush=True)
+        for run in range(len(args.utilizations), len(runs)):
+            rows += run_once(args, servers, run, chosen, floor_s, "rep")
+            partial.write_text(json.dumps(rows, indent=2))
     finally:
+        for s in servers.values():
+            if isinstance(s, Server):
+                s.stop()
         pool.stdin.close()
         pool.wait(30)
+        docs_file.unlink()
     return rows, summary(args, rows, chosen, floor_s)
 
 
@@ -400,11 +390,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=256)
     ap.add_argument("--l3-timeout", type=float, default=60.0, help="--prefix-cache-l3-timeout")
     ap.add_argument("--serve-pools", type=int, default=None, help=argparse.SUPPRESS)  # the pool process
+    ap.add_argument("--docs-file", default=None, help=argparse.SUPPRESS)  # its documents
     add_seed_arg(ap)
     add_out_arg(ap, RESULTS)
     args = ap.parse_args(argv)
     if args.serve_pools is not None:
-        serve_pools(args.serve_pools, args.link, "8GiB")
+        serve_pools(args.serve_pools, args.link, "8GiB", args.model, args.docs_file)
         return 0
     if "fifo" not in args.policies:
         ap.error("--policies must include fifo (the baseline)")
