@@ -21,7 +21,9 @@ ones: those with nothing to read from L3 and the one whose read has answered. So
 is admitted while a long one's prefix crosses the link, under every policy (fifo too: the
 oldest ready request, CALVO's FIFO variant); what the policies change is only the order of each
 queue. The next read starts when the previous request is admitted, not when its read answers
-(the read's pages wait with their request; one read's buffers at a time).
+(the read's pages wait with their request; one read's buffers at a time). Whether a request has
+a read to do is decided once, when it is first seen, like its cost: one whose prefix was all in
+L1/L2 then and was evicted before its admission recomputes those pages.
 
 A request's cost comes from where its prompt's shareable pages are when it is first seen
 (`PagedKVCache.tier_run`: pages in L1 cost nothing to load, the ones in L2 and the rest of the
