@@ -106,6 +106,7 @@ LONG_FILES = (
     "tests/serve/test_config_shutdown.py",
     "tests/serve/test_multihost_serve.py",
     "tests/serve/test_schedule.py",
+    "tests/serve/test_schedule_l3.py",
 )
 
 
