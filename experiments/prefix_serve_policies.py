@@ -103,7 +103,11 @@ def serve_pools(n: int, link: str, capacity: str, model_name: str, docs_file: st
     rng = np.random.default_rng(0)
     pages = [(0.1 * rng.standard_normal((cfg.num_layers, 2, cfg.num_kv_heads, PAGE, cfg.head_dim))).astype(cfg.dtype)
              for _ in range(8)]
-    servers = [PoolServer(parse_size(capacity), secret=os.environ["JKV_SECRET"], bandwidth=link) for _ in range(n)]
+    # timeout: a client is dropped after this long without a message, and a RemoteKVPool with a 60 s op
+    # timeout sends a heartbeat only every 12 s; with the default 5 s a first run had L3 errors on
+    # every server (suspected: clients dropped mid-read of a big document, 7 s at 10 Mbit/s)
+    servers = [PoolServer(parse_size(capacity), secret=os.environ["JKV_SECRET"], bandwidth=link, timeout=300.0)
+               for _ in range(n)]
     store = servers[0].pool
     for s in servers[1:]:
         s.pool.close()
