@@ -27,12 +27,11 @@ multi-turn chats, one turn at a time, through `--role all --disaggregation MODE`
 prefix caching; per follow-up turn the server's `jkv_kv_transfer_bytes_total` (proactive,
 speculative, on demand) against the KV of the turn's uncached tokens and of its whole prompt.
 
-With `--policies fifo,sjf,srpt,...` it instead compares `jkv serve --schedule` policies against
-FIFO with the prefixes in L3 behind a paced `jkv pool` link (experiments/prefix_serve_policies.py:
-long requests whose document is in L3, short ones without), writing `--csv` (default
-prefix_serve_policies.csv), prefix_serve_policies.json and prefix_serve_policies.png:
+With `--policies fifo,sjf,srpt,...` it runs experiments/prefix_serve_policies.py instead (its
+defaults, with this script's --model, --seed and --out): `jkv serve --schedule` policies side by
+side against FIFO with every prefix in L3 behind a paced link, at the highest rate FIFO sustains:
 
-    PYTHONPATH=. python experiments/prefix_serve.py --policies fifo,sjf,srpt --link 400mbit --policy-rate 0.5
+    PYTHONPATH=. python experiments/prefix_serve.py --policies fifo,sjf,srpt
 """
 from __future__ import annotations
 
@@ -262,15 +261,9 @@ def main(argv=None):
     ap.add_argument("--conversations", type=int, default=4, help="multi-turn chats")
     ap.add_argument("--turns", type=int, default=4, help="turns per chat")
     ap.add_argument("--rate", type=float, default=1.0, help="arrivals per second (Poisson)")
-    ap.add_argument("--policies", type=lambda v: v.split(","), default=None,
-                    help="compare these --schedule policies (e.g. fifo,sjf,srpt) with prefixes in L3 instead "
-                         "(CSV default prefix_serve_policies.csv)")
-    ap.add_argument("--link", default="400mbit", help="--policies: the pool server's paced link")
-    ap.add_argument("--policy-rate", type=float, default=0.5, help="--policies: arrivals per second")
-    ap.add_argument("--docs", type=int, default=8, help="--policies: long requests (one L3 document each)")
-    ap.add_argument("--doc-words", type=int, default=450, help="--policies: approximate words per document")
-    ap.add_argument("--short-per-long", type=int, default=3, help="--policies: short requests per long one")
-    ap.add_argument("--l3-timeout", type=float, default=30.0, help="--policies: --prefix-cache-l3-timeout")
+    ap.add_argument("--policies", default=None,
+                    help="run experiments/prefix_serve_policies.py with these --schedule policies instead "
+                         "(e.g. fifo,sjf,srpt)")
     args = ap.parse_args(argv)
     if args.policies is not None:
         return run_policies(args)
@@ -312,19 +305,10 @@ def main(argv=None):
 
 
 def run_policies(args) -> int:
-    from experiments.prefix_serve_policies import FIELDS, compare, plot
+    from experiments.prefix_serve_policies import main as policies_main
 
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    rows = compare(args)
-    (out / "prefix_serve_policies.json").write_text(json.dumps(rows, indent=2))
-    write_csv(out / ("prefix_serve_policies.csv" if args.csv == "prefix_serve.csv" else args.csv), rows, fields=FIELDS)
-    plot(rows, out / "prefix_serve_policies.png")
-    for r in rows:
-        print(f"{r['policy']:>5}: mean TTFT {r['mean_ttft_ms']:.0f} ms = {r['ttft_ratio_vs_fifo']:.2f}x FIFO's "
-              f"(long {r['mean_ttft_ms_long']:.0f}, short {r['mean_ttft_ms_short']:.0f}); answers as FIFO's: "
-              f"{r['answers_identical_to_fifo']}; load average {r['loadavg_1m']}")
-    return 0 if all(r["failed"] == 0 and r["answers_identical_to_fifo"] for r in rows) else 1
+    return policies_main(["--policies", args.policies, "--model", args.model, "--seed", str(args.seed),
+                          "--out", args.out])
 
 
 if __name__ == "__main__":

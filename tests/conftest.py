@@ -111,6 +111,7 @@ LONG_FILES = (
     "tests/serve/test_schedule.py",
     "tests/smartgen/test_smartgen_staging.py",
     "tests/selection/test_fused_topk.py",
+    "tests/serve/test_schedule_l3.py",
 )
 
 
