@@ -42,6 +42,9 @@ uv_sources() {
 
 if [ "${JKV_INSTALLER:-uv}" = "uv" ] && { test -x "$venv/bin/uv" || "$py" -m pip install -q uv 2>&1 | grep -v "is ignored" >&2; test -x "$venv/bin/uv"; }; then
     mapfile -t sources < <(uv_sources)
+    # uv gives up on a file whose bytecode takes over 60 s to compile (and then the whole install):
+    # on a loaded box at nice 10 (.ci/run's gpu stage, load average 65) orbax hit that.
+    export UV_COMPILE_BYTECODE_TIMEOUT="${UV_COMPILE_BYTECODE_TIMEOUT:-1800}"
     if "$venv/bin/uv" pip install -q --python "$py" --compile-bytecode --index-strategy unsafe-best-match "${sources[@]}" "$@"; then
         exit 0
     fi
