@@ -19,10 +19,10 @@ shift 2
 test -x "$venv/bin/python" || "$python" -m venv "$venv"
 py="$venv/bin/python"
 
+# pip's status, not grep's (grep fails when pip printed nothing but the filtered warnings).
 pip_install() {
-    "$py" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-    "$py" -m pip install -q "$@" 2>&1 | grep -v "is ignored"
-    return "${PIPESTATUS[0]}"
+    "$py" -m pip install -q --upgrade pip 2>&1 | { grep -v "is ignored" || true; } || true
+    "$py" -m pip install -q "$@" 2>&1 | { grep -v "is ignored" || true; }
 }
 
 # pip's configured package sources as uv options (one per line of `pip config list`,
