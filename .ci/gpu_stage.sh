@@ -7,8 +7,8 @@
 #   3. experiments/compile_sm90.py: deviceless compilation of every kernel configuration and the
 #      jitted decode programs to sm_90a cubins with the machine's ptxas, plus a negative control
 #      that must be refused; results in experiments/results/gpu_compile.csv.
-# `gpu_stage.sh --install-only` does step 1 and stops: .ci/run starts it in the background while
-# `make test` runs, so the venv's download overlaps the main stage instead of following it.
+# `gpu_stage.sh --install-only` does step 1 and stops. .ci/run runs the whole stage in the
+# background at nice 10 while `make test` runs (see there).
 # Needs: Python 3.12 (JKV_PYTHON312, else pyenv's 3.12.1, else python3.12 on PATH) and CUDA
 # >= 12.8's ptxas on PATH for step 3. Where either is missing the stage says so loudly and skips
 # what it cannot run (exit 0); set JKV_GPU_STAGE_REQUIRED=1 to make that a failure instead.
@@ -41,9 +41,7 @@ if [ ! -f "$stamp" ]; then
     t0=$(date +%s)
     echo "# gpu stage: creating $VENV with $py312 and installing $REQ (first run only)"
     rm -rf "$VENV"
-    "$py312" -m venv "$VENV" || exit 1
-    "$VENV/bin/python" -m pip install -q --upgrade pip 2>&1 | grep -v "is ignored" || true
-    if ! "$VENV/bin/python" -m pip install -q -r "$REQ" 2>&1 | grep -v "is ignored"; then :; fi
+    bash .ci/venv_install.sh "$py312" "$VENV" -r "$REQ" || true  # uv, else pip; checked next
     "$VENV/bin/python" -c 'import jax, jax_plugins.xla_cuda13, flax, pytest' || { echo "gpu stage: install failed" >&2; exit 1; }
     touch "$stamp"
     install_s=$(( $(date +%s) - t0 ))
