@@ -20,18 +20,16 @@ from jkv.disagg.served_rows import ServedRows, missing_spans
 from jkv.kvbuffers.fetch import FetchCall, keep_rows, parse_fetch_framed
 from jkv.kvbuffers.geometry import LOCAL, REMOTE, BlockGeometry
 from jkv.kvbuffers.pool import RequestKV
+from tests.smartgen.test_head_slices import RecordingPeer
 
 L, H, N, CAP, D = 2, 4, 20, 24, 2
 
 
-class RecordingPeer:
-    """A transport Peer stand-in: keeps every write_many's items, in order."""
-
-    def __init__(self):
-        self.calls = []
+class DonePeer(RecordingPeer):
+    """RecordingPeer whose writes are acknowledged at once (the "spec" handler asks `done()`)."""
 
     def write_many(self, items):
-        self.calls.append(list(items))
+        super().write_many(items)
         return types.SimpleNamespace(done=lambda: True)
 
 
@@ -125,7 +123,7 @@ class _Worker(PushSide):
     """The attributes PushSide reads, around one fake bulk peer."""
 
     def __init__(self):
-        self.peer = RecordingPeer()
+        self.peer = DonePeer()
         self.bulk = types.SimpleNamespace(peer=lambda name: self.peer)
         self.head_slices, self.kv_export, self.lease_s = ((0, H),), ExportCounters(((0, H),)), 60.0
         self._lock, self._held = threading.Lock(), {}
