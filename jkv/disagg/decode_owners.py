@@ -199,7 +199,8 @@ class OwnerSide:
             raise
         L, H = cfg.num_layers, cfg.num_kv_heads
         lv = LiveRequest(req, rid, kv, geometry, owner, order, kr, fetched=np.zeros((L, H, capacity), bool),
-                         on_device=np.zeros((L, H, n), bool), landed=np.zeros(L, bool), compression=choice)
+                         on_device=np.zeros((L, H, n), bool), landed=np.zeros(L, bool), compression=choice,
+                         kept_fetches=set() if self.transfer.speculative else None)  # no "spec" carries them
         mark_cached(lv, hit)
         return lv
 
@@ -266,7 +267,8 @@ class OwnerSide:
             except (KeyError, TransportError):
                 continue  # a dead owner surfaces in the next fetch
             for lv in group:
-                lv.kept_fetches.clear()
+                if lv.kept_fetches:
+                    lv.kept_fetches.clear()
 
     # ---------------------------------------------------------------- release
     def _maybe_release(self, lv):

@@ -175,11 +175,12 @@ def keep_rows(request, layer: int, head: int, positions, k, v, seq: int | None =
     """Store fetched rows in a decode-side request's pool and mark them fetched (KV reuse:
     identical bytes to what a later block write brings). request: has `kv.kv`
     f32[2, L, H_kv, N_cap, D], `fetched` bool[L, H_kv, N_cap] and a `fetch_bytes` counter.
-    seq: the `FetchCall.seq` of the reply; noted in `request.kept_fetches` so the next "spec"
-    tells the owner its rows need no push (jkv/disagg/served_rows.py)."""
+    seq: the `FetchCall.seq` of the reply; noted in `request.kept_fetches` (when that is not None:
+    a request with speculation) so the next "spec" tells the owner its rows need no push
+    (jkv/disagg/served_rows.py)."""
     request.kv.kv[0, layer, head, positions] = k
     request.kv.kv[1, layer, head, positions] = v
     request.fetched[layer, head, positions] = True
     request.fetch_bytes += 2 * int(len(positions)) * k.shape[-1] * 4
-    if seq is not None:
+    if seq is not None and request.kept_fetches is not None:
         request.kept_fetches.add(int(seq))
