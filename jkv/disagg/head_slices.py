@@ -43,16 +43,19 @@ from transport import Mask, WriteItem
 class ExportCounters:
     """What a prefill worker moved by slice (read by tests and observers; thread-safe to count).
     copies: device-to-host copies of K or V shards; layers: layers exported; blocks: pushed
-    blocks (one write_many each) per head slice."""
+    blocks (one write_many each) per head slice; held: pushes in which a slice wrote no KV row
+    (at most the mask bytes), the decode side holding every row of it (jkv/disagg/served_rows.py)."""
 
     slices: tuple
     copies: int = 0
     layers: int = 0
     blocks: dict = dataclasses.field(default_factory=dict)
+    held: dict = dataclasses.field(default_factory=dict)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
         self.blocks = {heads: 0 for heads in self.slices}
+        self.held = {heads: 0 for heads in self.slices}
 
     def exported(self, copies: int) -> None:
         with self._lock:
@@ -63,10 +66,15 @@ class ExportCounters:
         with self._lock:
             self.blocks[heads] += 1
 
+    def held_only(self, heads) -> None:
+        with self._lock:
+            self.held[heads] += 1
+
     def snapshot(self) -> dict:
         with self._lock:
             blocks = {f"{a}:{b}": n for (a, b), n in self.blocks.items()}
-            return dict(copies=self.copies, layers=self.layers, blocks=blocks)
+            held = {f"{a}:{b}": n for (a, b), n in self.held.items()}
+            return dict(copies=self.copies, layers=self.layers, blocks=blocks, held=held)
 
 
 def head_slices(sharding, num_kv_heads: int) -> tuple[tuple[int, int], ...]:

@@ -41,12 +41,15 @@ class PushSide:
     def _push_locked(self, peer, h, layer: int, blocks, path: str):
         if h.codec is not None:
             return self._push_compressed(peer, h, layer, blocks, path)
-        t = None
-        for heads, t, nbytes in push_slices(peer, h.rid, h.kv.kv, h.capacity, layer, h.geometry.runs(blocks),
-                                            self.head_slices, h.served.held_rows(layer)):
+        t, runs = None, h.geometry.runs(blocks)
+        sent = push_slices(peer, h.rid, h.kv.kv, h.capacity, layer, runs, self.head_slices, h.served.held_rows(layer))
+        for heads, t, nbytes in sent:
             h.bytes[path] += nbytes
             h.inflight.append(t)
-            self.kv_export.pushed(heads)
+        if runs:  # a slice that wrote no row (absent from `sent`, or mask bytes only) had every row held
+            wrote = {heads for heads, _, nbytes in sent if nbytes}
+            for heads in self.head_slices:
+                (self.kv_export.pushed if heads in wrote else self.kv_export.held_only)(heads)
         for m in blocks:
             h.sent[layer * h.geometry.blocks_per_layer + m] = True
         return t

@@ -154,6 +154,15 @@ def test_spec_confirms_before_it_pushes_and_pushes_unconfirmed_rows_in_full():
     c.served.record(3, 1, [np.arange(4)] * H)
     w._spec(types.SimpleNamespace(peer="decode", payload=proto.pack(dict(rids=["c"]))))
     assert c.bytes["speculative"] == 2 * D * 4 * H * 8
+    assert w.kv_export.snapshot()["held"] == {f"0:{H}": 0}
+    # every row of the pushed blocks held: only their mask bytes cross, counted as a held-only slice
+    d = w.hold("d", [2, 3])  # layer 0, tokens [8, 16)
+    d.served.record(4, 0, [np.arange(8, 16)] * H)
+    w._spec(types.SimpleNamespace(peer="decode", payload=proto.pack(dict(rids=["d"], kept={"d": [4]}))))
+    assert d.bytes["speculative"] == 0 and d.sent[2:4].all() and _rows_written(w.peer.calls, "d") == 0
+    assert [(it.region, it.offset, bytes(it.data)) for it in w.peer.calls[-1]] == [
+        (proto.mask_region("d"), 8, bytes([LOCAL]) * 8)]  # layer 0 of the decode side's [L, CAP] mask
+    assert w.kv_export.snapshot()["held"] == {f"0:{H}": 1}
 
 
 # ---------------------------------------------------------------- decode side
