@@ -146,7 +146,7 @@ class FetchLanes:
             if item in failed:  # a corrupted part is never used: its request fails at the step's end
                 lives[b].error = lives[b].error or f"request {lives[b].req.request_id}: {failed[item]}"
                 continue
-            keep_rows(lives[b], layer, h, positions, k, v)  # identical bytes to what a later block write brings
+            keep_rows(lives[b], layer, h, positions, k, v, call.seq)  # identical bytes to a later block write
         self.phases.count("od_bytes_n", reply.nbytes)
         self.phases.count("fetches_n", 1)
         self.phases.lap("scatter")

@@ -208,7 +208,8 @@ class OwnerSide:
             raise
         L, H = cfg.num_layers, cfg.num_kv_heads
         lv = LiveRequest(req, rid, kv, geometry, owner, order, kr, fetched=np.zeros((L, H, capacity), bool),
-                         on_device=np.zeros((L, H, n), bool), landed=np.zeros(L, bool), compression=choice)
+                         on_device=np.zeros((L, H, n), bool), landed=np.zeros(L, bool), compression=choice,
+                         kept_fetches=set() if self.transfer.speculative else None)  # no "spec" carries them
         mark_cached(lv, hit)
         return lv
 
@@ -262,15 +263,21 @@ class OwnerSide:
                 lv.handoff.set()  # an owner of None (recompute) is handled by `_admit`
 
     def _trigger_speculation(self, lives):
+        """"spec" to each owner with its requests, and the fetch replies each request kept since its
+        last "spec" ("kept": the owner then pushes none of their rows; jkv/disagg/served_rows.py)."""
         by_owner: dict[str, list] = {}
         for lv in lives:
             if lv.fetchable and lv.owner is not None:
-                by_owner.setdefault(lv.owner, []).append(lv.rid)
-        for owner, rids in by_owner.items():
+                by_owner.setdefault(lv.owner, []).append(lv)
+        for owner, group in by_owner.items():
+            kept = {lv.rid: sorted(lv.kept_fetches) for lv in group if lv.kept_fetches}
             try:
-                self.endpoint.peer(owner).notify("spec", proto.pack(dict(rids=rids)))
+                self.endpoint.peer(owner).notify("spec", proto.pack(dict(rids=[lv.rid for lv in group], kept=kept)))
             except (KeyError, TransportError):
-                pass  # a dead owner surfaces in the next fetch
+                continue  # a dead owner surfaces in the next fetch
+            for lv in group:
+                if lv.kept_fetches:
+                    lv.kept_fetches.clear()
 
     # ---------------------------------------------------------------- release
     def _maybe_release(self, lv):

@@ -133,6 +133,8 @@ class LiveRequest:
     bytes: dict = dataclasses.field(default_factory=dict)
     fetch_bytes: int = 0
     fetched: np.ndarray | None = None  # bool[L, H_kv, N_cap]: rows already fetched on demand (KV reuse)
+    # FetchCall.seq of replies kept since the last "spec", which confirms them (served_rows.py); None: no speculation
+    kept_fetches: set | None = dataclasses.field(default_factory=set)
     # Landing (decode_pages.py): which prompt rows are in the device pages, and layers fully landed.
     on_device: np.ndarray | None = None  # bool[L, H_kv, N]: mirrors the device mask's 1s over the prompt
     landed: np.ndarray | None = None  # bool[L]: every prompt row of the layer is on the device

@@ -16,8 +16,10 @@ Push (`push_slices`): one block per (layer, head slice) as the prefill's layout 
 `write_many` each on the bulk connection. Per token run a slice's items are K rows of its heads,
 then V rows; the run's mask bytes (LOCAL) ride on the last slice only, after its rows. The bulk
 connection is one ordered stream, so every head of a row has landed on the decode side before its
-mask byte does: a 1 still means "safe to read". Every slice is checked against H_kv before the
-first write, so a malformed head range writes nothing.
+mask byte does: a 1 still means "safe to read". A speculative push leaves out the rows the decode
+side confirmed it kept from on-demand replies (jkv/disagg/served_rows.py); the run's mask bytes
+still come last, alone when none of its rows is left to write. Every slice is checked against
+H_kv before the first write, so a malformed head range writes nothing.
 
 The decode side (jkv/disagg/decode_pages.py) receives the rows in its host staging buffer and lands
 each into the decode shard that holds its head: a slice may span two decode shards or be part of
@@ -31,6 +33,7 @@ import threading
 import numpy as np
 
 from jkv.disagg import protocol as proto
+from jkv.disagg.served_rows import missing_spans
 from jkv.kvbuffers.fetch import check_heads, kv_offset, mask_offset
 from jkv.kvbuffers.geometry import LOCAL
 from transport import Mask, WriteItem
@@ -40,16 +43,19 @@ from transport import Mask, WriteItem
 class ExportCounters:
     """What a prefill worker moved by slice (read by tests and observers; thread-safe to count).
     copies: device-to-host copies of K or V shards; layers: layers exported; blocks: pushed
-    blocks (one write_many each) per head slice."""
+    blocks (one write_many each) per head slice; held: pushes in which a slice wrote no KV row
+    (at most the mask bytes), the decode side holding every row of it (jkv/disagg/served_rows.py)."""
 
     slices: tuple
     copies: int = 0
     layers: int = 0
     blocks: dict = dataclasses.field(default_factory=dict)
+    held: dict = dataclasses.field(default_factory=dict)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self):
         self.blocks = {heads: 0 for heads in self.slices}
+        self.held = {heads: 0 for heads in self.slices}
 
     def exported(self, copies: int) -> None:
         with self._lock:
@@ -60,10 +66,15 @@ class ExportCounters:
         with self._lock:
             self.blocks[heads] += 1
 
+    def held_only(self, heads) -> None:
+        with self._lock:
+            self.held[heads] += 1
+
     def snapshot(self) -> dict:
         with self._lock:
             blocks = {f"{a}:{b}": n for (a, b), n in self.blocks.items()}
-            return dict(copies=self.copies, layers=self.layers, blocks=blocks)
+            held = {f"{a}:{b}": n for (a, b), n in self.held.items()}
+            return dict(copies=self.copies, layers=self.layers, blocks=blocks, held=held)
 
 
 def head_slices(sharding, num_kv_heads: int) -> tuple[tuple[int, int], ...]:
@@ -135,30 +146,35 @@ def export_layer(kv_pair, dests: list[np.ndarray], lengths) -> int:
 
 
 def slice_items(rid: str, kv: np.ndarray, capacity: int, layer: int, heads: tuple[int, int], runs,
-                with_mask: bool) -> list[WriteItem]:
+                with_mask: bool, held: np.ndarray | None = None) -> list[WriteItem]:
     """The write items of one block (layer, head slice) into the decode side's pool of `capacity`
     tokens: per token run [start, stop), K rows of heads [heads), then V rows; with_mask: the run's
-    mask bytes after its last row. kv: the prefill's pool f32[2, L, H_kv, N, D]."""
+    mask bytes after its last row. kv: the prefill's pool f32[2, L, H_kv, N, D]. held: bool[H_kv, N]
+    rows of `layer` the decode side confirmed it keeps (jkv/disagg/served_rows.py): left out; a
+    run with none of this slice's rows to write still gets its mask bytes (alone)."""
     _, L, H, _, D = kv.shape
     check_heads(heads, H)
     region, mregion = proto.kv_region(rid), proto.mask_region(rid)
     items = []
     for start, stop in runs:
-        rows = [(k, head) for k in (0, 1) for head in range(*heads)]
-        for i, (k, head) in enumerate(rows):
-            mask = None
-            if with_mask and i == len(rows) - 1:
-                mask = Mask(mregion, mask_offset(capacity, layer, start), bytes([LOCAL]) * (stop - start))
-            items.append(WriteItem(region, kv_offset(L, H, capacity, D, k, layer, head, start),
-                                   kv[k, layer, head, start:stop], mask))
+        spans = [(k, head, a, b) for k in (0, 1) for head in range(*heads)
+                 for a, b in missing_spans(held, head, start, stop)]
+        mask = Mask(mregion, mask_offset(capacity, layer, start), bytes([LOCAL]) * (stop - start)) if with_mask else None
+        for i, (k, head, a, b) in enumerate(spans):
+            items.append(WriteItem(region, kv_offset(L, H, capacity, D, k, layer, head, a), kv[k, layer, head, a:b],
+                                   mask if i == len(spans) - 1 else None))
+        if mask is not None and not spans:  # every row is held: the ordered stream puts the byte after them
+            items.append(WriteItem(mregion, mask.offset, np.full(stop - start, LOCAL, np.int8)))
     return items
 
 
-def push_slices(peer, rid: str, kv: np.ndarray, capacity: int, layer: int, runs, slices) -> list:
+def push_slices(peer, rid: str, kv: np.ndarray, capacity: int, layer: int, runs, slices, held=None) -> list:
     """One write_many per head slice of `slices` (see the module docstring); every slice is
-    validated before the first write. Returns [(heads, Transfer, data bytes)] in send order."""
-    blocks = [(heads, slice_items(rid, kv, capacity, layer, heads, runs, i == len(slices) - 1))
+    validated before the first write. held: see `slice_items`. Returns [(heads, Transfer, KV row
+    bytes)] in send order (a mask byte written alone is not KV)."""
+    blocks = [(heads, slice_items(rid, kv, capacity, layer, heads, runs, i == len(slices) - 1, held))
               for i, heads in enumerate(slices)]
     check_slices(slices, kv.shape[2])
-    return [(heads, peer.write_many(items), sum(item.data.nbytes for item in items))
+    region = proto.kv_region(rid)
+    return [(heads, peer.write_many(items), sum(item.data.nbytes for item in items if item.region == region))
             for heads, items in blocks if items]

@@ -173,7 +173,7 @@ class LayerLookahead:
                 if item in failed:  # a corrupted part is never used: its request fails
                     lives[b].error = lives[b].error or f"request {lives[b].req.request_id}: {failed[item]}"
                     continue
-                if keep_rows(lives[b], layer, h, pos, k, v):  # else its staging was freed: dropped
+                if keep_rows(lives[b], layer, h, pos, k, v, p.call.seq):  # else its staging was freed: dropped
                     delivered[b * H + h, pos] = True
             clock.count("od_bytes_n", reply.nbytes)
             clock.count("prefetch_bytes_n", reply.nbytes)

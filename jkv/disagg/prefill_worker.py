@@ -20,9 +20,10 @@ every earlier write applied before a later notification; SmartGen §4.1):
      proactive blocks go out; its hand-off carries the keep table.
   4. decode fetches rows on demand ("fetch" RPC, §4.2; a compressed request's rows as one
      checksummed container in the encoding its on-demand path chose, jkv/compression/paths.py)
-     and triggers speculation ("spec", §4.3):
+     and triggers speculation ("spec", §4.3; jkv/disagg/prefill_pushes.py):
      the next unsent blocks of the plan, at most `spec_cap` per trigger and one speculative
-     write in flight per request (so an on-demand reply never queues behind more than one).
+     write in flight per request (so an on-demand reply never queues behind more than one),
+     without the rows of the fetch replies the "spec" says decode kept (served_rows.py).
   5. decode calls "free" when it holds everything, finished or cancelled; a lease (renewed by
      every fetch/spec) frees requests whose decode worker went silent or died.
 
@@ -47,14 +48,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from jkv.compression.dropping import DroppingCodec, handoff_keep
-from jkv.compression.kv_transfer import KIND as COMPRESSED_KV, WIRE_DTYPE, KVCodec
+from jkv.compression.kv_transfer import WIRE_DTYPE, KVCodec
 from jkv.compression.paths import F16, encode_rows, pack_framed_reply, pack_metadata
 from jkv.disagg import protocol as proto
 from jkv.disagg.bulk_pacer import YieldToOnDemand as _YieldToOnDemand
 from jkv.disagg.handshake import role_config
-from jkv.disagg.head_slices import ExportCounters, export_layer, head_slices, push_slices
+from jkv.disagg.head_slices import ExportCounters, export_layer, head_slices
+from jkv.disagg.prefill_pushes import PushSide
 from jkv.disagg.prefix_split import prefill_geometry
 from jkv.disagg.selectors import load_selector, needs_metadata
+from jkv.disagg.served_rows import ServedRows
 from jkv.kvbuffers.fetch import pack_reply, parse_fetch_framed
 from jkv.kvbuffers.geometry import BlockGeometry
 from jkv.kvbuffers.pool import KVBufferPool
@@ -97,9 +100,10 @@ class _Held:
     original: object = None  # f16[2, L, H_kv, N, D]: the rows its chunks were encoded from (row pipelines)
     meta_codec: str | None = None  # lossless codec of its selector metadata (None: plain leaves)
     bytes: dict = dataclasses.field(default_factory=lambda: dict(proactive=0, speculative=0, on_demand=0, metadata=0))
+    served: ServedRows | None = None  # rows served on demand; those the decode side keeps are never pushed
 
 
-class PrefillWorker:
+class PrefillWorker(PushSide):
     def __init__(self, model, selector, name: str = "prefill-0", *, secret: str, backend: str = "tcp",
                  bandwidth=None, lease_s: float = 300.0, timeout: float = 5.0, codec=None,
                  max_blocks: int | None = None):
@@ -249,7 +253,8 @@ class PrefillWorker:
             geometry = prefill_geometry(model, r)  # skips the rows a decode side's prefix cache holds
             h = _Held(r["rid"], peer_name, self.pool.allocate(r["rid"], int(lengths[b]), int(lengths[b])), geometry,
                       int(r["capacity"]), np.asarray(r["order"], np.int64), np.zeros(geometry.num_blocks, bool),
-                      int(r["kr"]), int(r["spec_cap"]), now + self.lease_s)
+                      int(r["kr"]), int(r["spec_cap"]), now + self.lease_s,
+                      served=ServedRows(cfg.num_layers, cfg.num_kv_heads, int(lengths[b])))
             held.append(h)
             if "compression" in r:
                 h.codec = self._kv_codec().start(r["compression"], geometry)
@@ -373,69 +378,6 @@ class PrefillWorker:
                                 np.asarray([s["top_p"] for s in sp], np.float32),
                                 np.asarray([s["seed"] for s in sp], np.uint32), np.zeros(len(sp), np.int32))
 
-    # ---------------------------------------------------------------- pushes
-    def _push(self, peer, h: _Held, layer: int, blocks, path: str):
-        """`blocks` (indices m of `layer`) as one write_many per KV-head slice (head_slices.py: per
-        contiguous run, K rows then V rows of the slice's heads; the run's mask bytes after the last
-        slice). Returns the last write. Nothing once the request is released (decode freed it)."""
-        with h.push_lock:
-            if h.released:
-                return None
-            return self._push_locked(peer, h, layer, blocks, path)
-
-    def _push_locked(self, peer, h: _Held, layer: int, blocks, path: str):
-        if h.codec is not None:
-            return self._push_compressed(peer, h, layer, blocks, path)
-        t = None
-        for heads, t, nbytes in push_slices(peer, h.rid, h.kv.kv, h.capacity, layer, h.geometry.runs(blocks),
-                                            self.head_slices):
-            h.bytes[path] += nbytes
-            h.inflight.append(t)
-            self.kv_export.pushed(heads)
-        for m in blocks:
-            h.sent[layer * h.geometry.blocks_per_layer + m] = True
-        return t
-
-    def _push_compressed(self, peer, h: _Held, layer: int, blocks, path: str):
-        """The chunks covering `blocks` as one "ckv" notification (see jkv.compression.kv_transfer);
-        every block of those chunks becomes sent (the receiver flips their mask after decoding)."""
-        chunks, covered = h.codec.cover(blocks)
-        for m in covered:
-            h.sent[layer * h.geometry.blocks_per_layer + m] = True
-        payload = h.codec.frame(h.rid, layer, chunks)
-        t = peer.notify(COMPRESSED_KV, payload)
-        h.bytes[path] += len(payload)
-        h.inflight.append(t)
-        return t
-
-    def _spec(self, note) -> None:
-        header, _ = proto.unpack(note.payload)
-        try:
-            peer = self.bulk.peer(note.peer)
-        except KeyError:
-            return
-        for rid in header["rids"]:
-            with self._lock:
-                h = self._held.get(rid)
-                if h is None:
-                    continue
-                h.lease_until = time.monotonic() + self.lease_s
-                if h.spec_busy is not None and not h.spec_busy.done():
-                    continue  # one speculative write in flight per request (§4.3 cap)
-                todo, i = [], h.spec_cursor
-                while i < len(h.order) and len(todo) < h.spec_cap:
-                    if not h.sent[h.order[i]]:
-                        todo.append(int(h.order[i]))
-                    i += 1
-                h.spec_cursor = i
-                if not todo:
-                    continue
-                last = None
-                for layer, blocks in per_layer(h.geometry, todo).items():
-                    last = self._push(peer, h, layer, blocks, "speculative") or last
-                h.spec_busy = last
-                h.inflight = [t for t in h.inflight if not t.done()]
-
     # ---------------------------------------------------------------- RPCs
     def _fetch(self, peer_name, payload):
         """On-demand rows (§4.2): rows of each (request, head) contiguous, K block then V block
@@ -447,7 +389,7 @@ class PrefillWorker:
             raise
 
     def _fetch_rows(self, payload):
-        layer, items, framed = parse_fetch_framed(payload)
+        layer, items, framed, seq = parse_fetch_framed(payload)
         ks, vs, parts = [], [], []
         for rid, heads in items:
             # No lock: a speculative push may hold it, and the on-demand reply is on the decode
@@ -467,6 +409,8 @@ class PrefillWorker:
                     ks.append(source[0, layer, head, p])
                     vs.append(source[1, layer, head, p])
                     nbytes += 2 * len(p) * h.kv.kv.shape[-1] * 4  # float32 rows
+            if seq is not None and h.codec is None:  # exact rows: a push may leave them out once kept
+                h.served.record(seq, layer, heads)
             if framed:  # one container per item, each as its request's on-demand path chose
                 part = self._encode_rows(h, layer, ks[first:], vs[first:])
                 parts.append(part)

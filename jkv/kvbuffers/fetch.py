@@ -12,8 +12,10 @@ validates the range before its rows are written.
 
 The on-demand "fetch" RPC (SmartGen §4.2, Algorithm 1), decode -> prefill:
 
-    request  jkv.framing frame {"layer", "items": [[rid, [count per KV head]], ...]}
-             + i32 positions: for each item, for each head, its `count` token positions
+    request  jkv.framing frame {"layer", "seq", "items": [[rid, [count per KV head]], ...]}
+             + i32 positions: for each item, for each head, its `count` token positions; "seq"
+             numbers the call (unique in the decode process) so the decode side can later confirm
+             which replies it kept (jkv/disagg/served_rows.py)
     reply    K rows f32[sum counts, D] then V rows f32[sum counts, D], in request order
     framed   (the request's header says "framed": 1; only decode workers with compression on ask)
              jkv.framing frame {"parts": [bytes per item]} + one checksummed container per item
@@ -27,6 +29,7 @@ reply). Pure numpy; no JAX, no transport.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -56,6 +59,9 @@ def check_heads(heads, num_kv_heads: int) -> None:
                          f"a slice needs 0 <= start < stop <= {num_kv_heads}")
 
 
+_call_numbers = itertools.count(1)  # FetchCall.seq: next() is atomic in CPython (calls start on several threads)
+
+
 @dataclasses.dataclass
 class FetchCall:
     """One "fetch" RPC being built: `add` each request's per-head positions, then `payload()`.
@@ -69,6 +75,7 @@ class FetchCall:
     segments: list = dataclasses.field(default_factory=list)
     segment_items: list = dataclasses.field(default_factory=list)  # the item index of each segment
     framed: bool = False  # ask for a framed reply (one container per item)
+    seq: int = dataclasses.field(default_factory=lambda: next(_call_numbers))  # names this call in a "spec" ack
 
     def add(self, rid: str, per_head: list, framed: bool = False) -> None:
         """per_head: one (key, positions i32[c]) per KV head, head order (c may be 0). framed: this
@@ -85,18 +92,19 @@ class FetchCall:
 
     def payload(self) -> bytes:
         positions = [np.asarray(p, np.int32) for _, p in self.segments]
-        return pack(dict(layer=self.layer, items=self.items, **({"framed": 1} if self.framed else {})),
+        return pack(dict(layer=self.layer, seq=self.seq, items=self.items, **({"framed": 1} if self.framed else {})),
                     np.concatenate(positions) if positions else np.zeros(0, np.int32))
 
 
 def parse_fetch(payload) -> tuple[int, list[tuple[str, list[np.ndarray]]]]:
     """Prefill side: a "fetch" payload -> (layer, [(rid, [positions i32[c] per KV head])])."""
-    layer, out, _ = parse_fetch_framed(payload)
+    layer, out, _, _ = parse_fetch_framed(payload)
     return layer, out
 
 
-def parse_fetch_framed(payload) -> tuple[int, list[tuple[str, list[np.ndarray]]], bool]:
-    """`parse_fetch` plus whether the caller asked for a framed reply."""
+def parse_fetch_framed(payload) -> tuple[int, list[tuple[str, list[np.ndarray]]], bool, int | None]:
+    """`parse_fetch` plus whether the caller asked for a framed reply and the call's seq (None: a
+    caller that numbers no calls)."""
     header, raw = unpack(payload)
     positions = np.frombuffer(raw, np.int32)
     out, at = [], 0
@@ -106,7 +114,8 @@ def parse_fetch_framed(payload) -> tuple[int, list[tuple[str, list[np.ndarray]]]
             heads.append(positions[at:at + c])
             at += c
         out.append((rid, heads))
-    return int(header["layer"]), out, bool(header.get("framed"))
+    seq = header.get("seq")
+    return int(header["layer"]), out, bool(header.get("framed")), None if seq is None else int(seq)
 
 
 def pack_reply(k_rows: list[np.ndarray], v_rows: list[np.ndarray]) -> bytes:
@@ -162,15 +171,20 @@ def iter_reply(reply: np.ndarray, segments):
         at += c
 
 
-def keep_rows(request, layer: int, head: int, positions, k, v) -> bool:
+def keep_rows(request, layer: int, head: int, positions, k, v, seq: int | None = None) -> bool:
     """Store fetched rows in a decode-side request's pool and mark them fetched (KV reuse:
     identical bytes to what a later block write brings). request: has `kv` (a RequestKV: `kv`
     f32[2, L, H_kv, N_cap, D]), `fetched` bool[L, H_kv, N_cap] and a `fetch_bytes` counter.
-    False (nothing written; counted by the pool) when the request's buffers were freed meanwhile."""
+    seq: the `FetchCall.seq` of the reply; noted in `request.kept_fetches` (when that is not None:
+    a request with speculation) once the rows are written, so the next "spec" tells the owner its
+    rows need no push (jkv/disagg/served_rows.py). False (nothing written, nothing noted; counted by
+    the pool) when the request's buffers were freed meanwhile."""
     if not request.kv.take_write():
         return False
     request.kv.kv[0, layer, head, positions] = k
     request.kv.kv[1, layer, head, positions] = v
     request.fetched[layer, head, positions] = True
     request.fetch_bytes += 2 * int(len(positions)) * k.shape[-1] * 4
+    if seq is not None and request.kept_fetches is not None:
+        request.kept_fetches.add(int(seq))
     return True

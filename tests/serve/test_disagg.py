@@ -174,7 +174,10 @@ def test_requests_spread_across_prefill_instances_and_kv_counters_move(live, tin
         if metric(live.decode.url, "jkv_decode_requests_by_prefill_worker_total", {"owner": o}) > 0}
     kv = {path: metric(live.decode.url, "jkv_kv_transfer_bytes_total", {"path": path}) - kv_before[path]
           for path in kv_before}
-    assert all(v > 0 for v in kv.values()), kv  # proactive, on-demand and speculative bytes all moved
+    # proactive and on-demand bytes moved; speculation moved none: these short prompts are within
+    # StreamingLLM's budget, so their first decode step fetched every row the proactive push left,
+    # and a row the decode side kept is never pushed again (jkv/disagg/served_rows.py)
+    assert kv["proactive"] > 0 and kv["on_demand"] > 0 and kv["speculative"] == 0, kv
     assert metric(live.decode.url, "jkv_kv_on_demand_ratio_count") >= 10
     assert 0 < metric(live.decode.url, "jkv_kv_on_demand_ratio_sum") < metric(live.decode.url,
                                                                               "jkv_kv_on_demand_ratio_count")

@@ -106,4 +106,5 @@ def test_export_counters_count_by_slice():
     counters = ExportCounters(((0, 1), (1, 2)))
     counters.exported(4)
     counters.pushed((1, 2))
-    assert counters.snapshot() == dict(copies=4, layers=1, blocks={"0:1": 0, "1:2": 1})
+    counters.held_only((0, 1))
+    assert counters.snapshot() == dict(copies=4, layers=1, blocks={"0:1": 0, "1:2": 1}, held={"0:1": 1, "1:2": 0})

@@ -206,7 +206,7 @@ def test_issue_and_complete_scatter_exactly_the_hinted_remote_rows(threaded):
     lv = types.SimpleNamespace(active=True, released=False, owner="p0", rid="r0", fetch_bytes=0, compression=None,
                                kv=types.SimpleNamespace(kv=np.zeros_like(source), mask=mask, capacity=N,
                                                         take_write=lambda: True),
-                               fetched=np.zeros((L, H, N), bool))
+                               fetched=np.zeros((L, H, N), bool), kept_fetches=set())
     lv.fetched[1, 1, 5] = True  # fetched earlier: not asked again
     owner, clock = _FakeOwner(source), StepPhases()
     clock.new_step()
@@ -215,7 +215,9 @@ def test_issue_and_complete_scatter_exactly_the_hinted_remote_rows(threaded):
     extra = la.start([lv], 1, lambda: (hint, "q"), clock)
     la.release(1)
     delivered = la.complete([lv], 1, N, clock)
-    assert extra() == "q" and owner.calls == [dict(layer=1, items=[["r0", [2, 1]]])]  # (3, 5) and (6,)
+    seq = owner.calls[0]["seq"]  # the number the next "spec" confirms (jkv/disagg/served_rows.py)
+    assert extra() == "q" and owner.calls == [dict(layer=1, seq=seq, items=[["r0", [2, 1]]])]  # (3, 5) and (6,)
+    assert lv.kept_fetches == {seq}
     assert delivered[0].nonzero()[0].tolist() == [3, 5] and delivered[1].nonzero()[0].tolist() == [6]
     np.testing.assert_array_equal(lv.kv.kv[:, 1, 0, [3, 5]], source[:, 1, 0, [3, 5]])
     np.testing.assert_array_equal(lv.kv.kv[:, 1, 1, 6], source[:, 1, 1, 6])
@@ -225,7 +227,9 @@ def test_issue_and_complete_scatter_exactly_the_hinted_remote_rows(threaded):
     # a refused prefetch is dropped and counted; nothing lands
     la = LayerLookahead(_FakeOwner(source, fail=True), H, D, threaded=threaded)
     lv.fetched[:] = False
+    lv.kept_fetches.clear()
     la.start([lv], 2, lambda: (hint, None), clock)
     assert la.complete([lv], 2, N, clock) is not None and not lv.fetched[2].any()
+    assert lv.kept_fetches == set()  # never confirmed: the owner still pushes those rows
     assert clock.steps[-1]["prefetch_lost_n"] == 1
     la.close()

@@ -116,7 +116,8 @@ def slice_runs(models, selector, profile, prompts, prefill, runs) -> None:
                     leaked=bool(decode.pool.live() or decode.pages.cache.pages_in_use), gathers=list(gathers),
                     slices=[worker.config.kv_head_slices, decode.config.kv_head_slices],
                     export={k: after[k] - before[k] for k in ("copies", "layers")},
-                    blocks={k: n - before["blocks"][k] for k, n in after["blocks"].items()})
+                    blocks={k: n - before["blocks"][k] for k, n in after["blocks"].items()},
+                    held={k: n - before["held"][k] for k, n in after["held"].items()})
             finally:
                 decode.close()
     finally:
