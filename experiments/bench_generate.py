@@ -7,8 +7,8 @@ precision keeps fp32: no AMX/bf16 path), in this one process, one side after the
 
 Per case it records wall seconds and CPU seconds (process user+sys over every thread, around the
 same calls) of each side, and the ratios of both: on a loaded box the wall ratio swings with what
-else runs (transformers' OpenMP threads wait at a barrier for a descheduled peer), the CPU ratio
-much less. Each row carries the CPU model, its vector extensions, the load average before and
+else runs; CPU seconds leave out the time a side waited for a core, but not the time transformers'
+OpenMP threads spin at a barrier for a descheduled peer, so under load neither is a speed claim. Each row carries the CPU model, its vector extensions, the load average before and
 after the case, the torch thread count and XLA_FLAGS; `quiet` says whether the 1-minute load
 average stayed under half the cores. A row that is not quiet is not a claim
 (docs/performance.md). Refuses to run with XLA_FLAGS at -O0 (the test suite's setting).
