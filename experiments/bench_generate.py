@@ -2,9 +2,20 @@
 
 Measures prefill time for 1K and 2K-token prompts and decode throughput for 64 tokens at batch 1
 and 8 (1K-token context), each as the median of --repeats runs after a warm-up (jkv compiles in
-the warm-up). Prints ratios and writes experiments/results/bench_generate.csv.
+the warm-up). Both sides run float32 weights and activations (transformers' default CPU matmul
+precision keeps fp32: no AMX/bf16 path), in this one process, one side after the other.
 
-    python experiments/bench_generate.py [--repeats 3] [--quick]
+Per case it records wall seconds and CPU seconds (process user+sys over every thread, around the
+same calls) of each side, and the ratios of both: on a loaded box the wall ratio swings with what
+else runs; CPU seconds leave out the time a side waited for a core, but not the time transformers'
+OpenMP threads spin at a barrier for a descheduled peer, so under load neither is a speed claim. Each row carries the CPU model, its vector extensions, the load average before and
+after the case, the torch thread count and XLA_FLAGS; `quiet` says whether the 1-minute load
+average stayed under half the cores. A row that is not quiet is not a claim
+(docs/performance.md). Refuses to run with XLA_FLAGS at -O0 (the test suite's setting).
+Writes experiments/results/bench_generate.csv (or --out).
+
+    PYTHONPATH=. python experiments/bench_generate.py [--repeats 3] [--quick]
+    PYTHONPATH=. python experiments/bench_generate.py --prompt-lens 256 --batches 1 --steps 8   # small
 """
 from __future__ import annotations
 
@@ -21,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from jkv.compare import hf_step, load_hf_reference  # noqa: E402
-from experiments.common import RESULTS, write_csv  # noqa: E402
+from experiments.common import RESULTS, describe_machine, machine_info, write_csv  # noqa: E402
+from jkv.xla_options import require_optimized  # noqa: E402
 from models import load_model  # noqa: E402
 
 
@@ -38,14 +50,18 @@ def corpus_tokens(tok, n: int) -> list[int]:
     return ids[:n]
 
 
-def timed(fn, repeats):
-    fn()  # warm-up (compiles)
-    out = []
+def timed(fn, repeats) -> tuple[float, float]:
+    """(median wall seconds, median CPU seconds) of `repeats` calls after a warm-up (compiles).
+    CPU seconds: this process's user+sys over all its threads (time.process_time), so a side's
+    worker threads count, and so does a thread spinning at a barrier."""
+    fn()
+    wall, cpu = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+        wall.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def jkv_prefill(m, ids):
@@ -99,40 +115,84 @@ def hf_decode(hf, ids, batch, steps):
     return run
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--quick", action="store_true", help="256/512-token prompts, 16 steps, 1 repeat")
-    args = ap.parse_args()
-    import torch
+FIELDS = ["case", "jkv_s", "hf_s", "jkv_cpu_s", "hf_cpu_s", "jkv_tok_s", "hf_tok_s", "metric", "ratio", "cpu_ratio",
+          "quiet", "loadavg_1m", "loadavg_1m_after", "cpu_model", "vector_extensions", "cores", "torch_threads",
+          "xla_flags", "jax_version", "torch_version", "transformers_version"]
 
-    print(f"torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per timed run")
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 2048],
+                    help="prefill cases; decode runs at the first one's context")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--quick", action="store_true", help="256/512-token prompts, 16 steps, 1 repeat")
+    ap.add_argument("--out", default=None, help="CSV path (default experiments/results/bench_generate[_quick].csv)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompt_lens, args.steps, args.repeats = [256, 512], 16, 1
+    if args.out is None:
+        args.out = str(RESULTS / ("bench_generate_quick.csv" if args.quick else "bench_generate.csv"))
+    return args
+
+
+def side_by_side(case: str, jkv_run, hf_run, reps: int, tokens: int | None = None) -> dict:
+    """One row: both sides timed back to back, the load average around them."""
+    load = os.getloadavg()[0]
+    tj, cj = timed(jkv_run, reps)
+    th, ch = timed(hf_run, reps)
+    row = dict(case=case, jkv_s=tj, hf_s=th, jkv_cpu_s=cj, hf_cpu_s=ch, loadavg_1m=round(load, 2),
+               loadavg_1m_after=round(os.getloadavg()[0], 2))
+    if tokens is None:
+        row.update(metric="time ratio jkv/hf", ratio=tj / th, cpu_ratio=cj / ch)
+    else:  # throughput: higher is better, so hf over jkv
+        row.update(metric="tok/s ratio jkv/hf", ratio=th / tj, cpu_ratio=ch / cj, jkv_tok_s=tokens / tj,
+                   hf_tok_s=tokens / th)
+    return row
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    require_optimized("bench_generate")
+    import jax
+    import torch
+    import transformers
+
+    if args.torch_threads is not None:
+        torch.set_num_threads(args.torch_threads)
+    info = machine_info()
+    run_info = dict(cpu_model=info["cpu_model"], vector_extensions=info["vector_extensions"], cores=info["cores"],
+                    torch_threads=torch.get_num_threads(), xla_flags=os.environ.get("XLA_FLAGS", ""),
+                    jax_version=jax.__version__, torch_version=torch.__version__,
+                    transformers_version=transformers.__version__)
+    print(f"{describe_machine(info)}; torch threads {run_info['torch_threads']}, XLA_FLAGS {run_info['xla_flags']!r}")
     m = load_model("smollm2-135m-instruct")
     hf = load_hf_reference("smollm2-135m-instruct")
-    lens = (256, 512) if args.quick else (1024, 2048)
-    steps = 16 if args.quick else args.steps
-    reps = 1 if args.quick else args.repeats
     rows = []
-    for n in lens:
+    for n in args.prompt_lens:
         ids = corpus_tokens(m.tokenizer, n)
-        tj = timed(jkv_prefill(m, ids), reps)
-        th = timed(hf_prefill(hf, ids), reps)
-        rows.append(dict(case=f"prefill {n}", jkv_s=tj, hf_s=th, metric="time ratio jkv/hf", ratio=tj / th))
-    ids = corpus_tokens(m.tokenizer, lens[0])
-    for b in (1, 8):
-        tj = timed(jkv_decode(m, ids, b, steps), reps)
-        th = timed(hf_decode(hf, ids, b, steps), reps)
-        rows.append(dict(case=f"decode b={b} ctx={lens[0]}", jkv_s=tj, hf_s=th,
-                         metric="tok/s ratio jkv/hf", ratio=th / tj,
-                         jkv_tok_s=b * steps / tj, hf_tok_s=b * steps / th))
-    print(f"\n{'case':<22} {'jkv s':>8} {'hf s':>8} {'jkv tok/s':>10} {'hf tok/s':>9}  ratio")
+        rows.append(side_by_side(f"prefill {n}", jkv_prefill(m, ids), hf_prefill(hf, ids), args.repeats))
+    ids = corpus_tokens(m.tokenizer, args.prompt_lens[0])
+    for b in args.batches:
+        rows.append(side_by_side(f"decode b={b} ctx={len(ids)}", jkv_decode(m, ids, b, args.steps),
+                                 hf_decode(hf, ids, b, args.steps), args.repeats, tokens=b * args.steps))
+    quiet_below = 0.5 * (info["cores"] or 1)
     for r in rows:
-        print(f"{r['case']:<22} {r['jkv_s']:>8.3f} {r['hf_s']:>8.3f} {r.get('jkv_tok_s', float('nan')):>10.1f} "
-              f"{r.get('hf_tok_s', float('nan')):>9.1f}  {r['metric']} = {r['ratio']:.2f}")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / ("bench_generate_quick.csv" if args.quick else "bench_generate.csv")
-    write_csv(out, rows, fields=["case", "jkv_s", "hf_s", "jkv_tok_s", "hf_tok_s", "metric", "ratio"])
+        r.update(run_info, quiet=max(r["loadavg_1m"], r["loadavg_1m_after"]) < quiet_below)
+    print(f"\n{'case':<22} {'jkv s':>8} {'hf s':>8} {'jkv cpu-s':>9} {'hf cpu-s':>9} {'jkv tok/s':>10} "
+          f"{'hf tok/s':>9}  ratio (wall) / (cpu)  load")
+    for r in rows:
+        print(f"{r['case']:<22} {r['jkv_s']:>8.3f} {r['hf_s']:>8.3f} {r['jkv_cpu_s']:>9.3f} {r['hf_cpu_s']:>9.3f} "
+              f"{r.get('jkv_tok_s', float('nan')):>10.1f} {r.get('hf_tok_s', float('nan')):>9.1f}  "
+              f"{r['metric']} = {r['ratio']:.2f} / {r['cpu_ratio']:.2f}  {r['loadavg_1m']:.1f}")
+    if not all(r["quiet"] for r in rows):
+        print(f"load average reached {quiet_below:.1f} or more ({info['cores']} cores): these figures are not "
+              "claims (quiet=False in the CSV)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_csv(out, rows, fields=FIELDS)
     print(f"wrote {out}")
 
 

@@ -14,14 +14,20 @@ the middle of running decodes. Per pass:
   TBT during admit   p99 and max of the other streams' gaps that overlap the window from the long
                      request's send to its first token (the stall a long prefill causes)
 
+With `--concurrency 1 8`, steady passes follow: `--steady-requests` (24) prompts evenly spread
+over 105-951 tokens, 48 output tokens each, at most N in flight (a new request as one ends): the
+issue's comparison with `transformers serve` at concurrency 1 and 8 (its output tok/s, TTFT, TBT).
+
 jkv gets token ids (every jkv target sees identical prompts); transformers gets their text (its
 tokenizer built from the GGUF splits digits differently, so its prompt lengths differ a little; its
-`usage` is recorded). Each target runs one untimed warm-up pass first (jkv compiles its shapes).
-Writes experiments/results/bench_serve_mixed.csv (one row per target and repeat, with the CPU
-model, vector extensions and load average) and prints the ratios.
+`usage` is recorded). Each target runs untimed warm-up passes first (jkv compiles its shapes).
+Writes experiments/results/bench_serve_mixed.csv (one row per target, pass and repeat, with each
+server's CPU seconds during the pass, the CPU model, vector extensions and the load average before
+and after; `quiet` is False when it reached half the cores: such a row is not a claim) and prints
+the ratios. Refuses to run with XLA_FLAGS at -O0 (the servers would inherit it).
 
     PYTHONPATH=. python experiments/bench_serve_mixed.py                     # the full run, quiet box
-    PYTHONPATH=. python experiments/bench_serve_mixed.py --transformers      # + transformers serve
+    PYTHONPATH=. python experiments/bench_serve_mixed.py --transformers --concurrency 1 8
     PYTHONPATH=. python experiments/bench_serve_mixed.py --quick             # smoke run, tiny sizes
 """
 from __future__ import annotations
@@ -46,12 +52,13 @@ sys.path.insert(0, str(REPO))
 from experiments.common import (RESULTS, add_model_arg, add_out_arg, machine_info, setup_logging,  # noqa: E402
                                 write_csv)
 from experiments.serve_load import Server  # noqa: E402
+from jkv.xla_options import require_optimized  # noqa: E402
 
 log = logging.getLogger("bench_serve_mixed")
-FIELDS = ["target", "repeat", "requests", "failed", "output_tokens", "duration_s", "output_tok_s", "mean_ttft_ms",
+FIELDS = ["target", "pass", "concurrency", "repeat", "requests", "failed", "output_tokens", "duration_s", "output_tok_s", "mean_ttft_ms",
           "p99_ttft_ms", "long_ttft_ms", "long_prompt_tokens", "mean_tbt_ms", "p99_tbt_ms", "p99_tbt_admit_ms",
-          "max_tbt_admit_ms", "admit_gaps", "prompt_lens", "max_tokens", "prefill_chunk", "page_size", "model",
-          "cpu_model", "vector_extensions", "cores", "loadavg_1m"]
+          "max_tbt_admit_ms", "admit_gaps", "server_cpu_s", "prompt_lens", "max_tokens", "prefill_chunk", "page_size", "model",
+          "cpu_model", "vector_extensions", "cores", "loadavg_1m", "loadavg_1m_after", "quiet"]
 
 
 def corpus_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
@@ -111,7 +118,29 @@ async def mixed_pass(url: str, bodies: list[dict], timeout: float) -> list[dict]
         return list(await asyncio.gather(*tasks))
 
 
-def summarize(results: list[dict]) -> dict:
+async def steady_pass(url: str, bodies: list[dict], concurrency: int, timeout: float) -> list[dict]:
+    """The bodies in order, at most `concurrency` in flight (a new one as soon as one ends)."""
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10)) as client:
+        async def one(body):
+            async with gate:
+                return await stream_one(client, url, body, lambda: None)
+        return list(await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), timeout))
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (and its reaped children), from /proc; nan
+    where /proc is missing. The server's own cost per pass, which the load of the box moves less
+    than its wall-clock figures."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
+
+
+def summarize(results: list[dict], long_last: bool = True) -> dict:
     ok = [r for r in results if r["ok"]]
     ms = lambda xs: np.asarray(xs, float) * 1e3  # noqa: E731
     pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else float("nan")  # noqa: E731
@@ -128,7 +157,7 @@ def summarize(results: list[dict]) -> dict:
     out.update(mean_ttft_ms=float(ttft.mean()), p99_ttft_ms=pct(ttft, 99), mean_tbt_ms=float(tbt.mean()),
                p99_tbt_ms=pct(tbt, 99))
     long_ = results[-1]
-    if long_["ok"]:
+    if long_last and long_["ok"]:
         w0, w1 = long_["start"], long_["times"][0]
         admit = ms([b - a for r in results[:-1] if r["ok"] for a, b in zip(r["times"], r["times"][1:])
                     if b > w0 and a < w1])
@@ -225,8 +254,15 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=2, help="timed passes per target (order alternates)")
     ap.add_argument("--transformers", action="store_true",
                     help="also drive `transformers serve --continuous-batching` on the same weights")
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[],
+                    help="also one steady pass per level: --steady-requests requests, at most this many in flight")
+    ap.add_argument("--steady-requests", type=int, default=24, help="requests of a steady pass")
+    ap.add_argument("--steady-prompt-range", type=int, nargs=2, default=[105, 951],
+                    help="a steady pass's prompt lengths, evenly spread over this range")
+    ap.add_argument("--steady-max-tokens", type=int, default=48, help="output tokens per steady-pass request")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 4 prompts of 32-256 tokens, 12 output tokens, chunks of 64, 1 repeat")
+                    help="smoke run: 4 prompts of 32-256 tokens, 12 output tokens, chunks of 64, 1 repeat; steady "
+                         "passes of 6 requests of 32-128 tokens, 8 output tokens")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one pass may take")
     ap.add_argument("--start-timeout", type=float, default=1200,
                     help="seconds a server may take to load and compile (jkv warms up its programs)")
@@ -235,6 +271,10 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.prompt_lens, args.max_tokens, args.prefill_chunk, args.repeats = [32, 64, 128, 256], 12, 64, 1
+        args.steady_requests, args.steady_prompt_range, args.steady_max_tokens = 6, [32, 128], 8
+    if any(c < 1 or c > len(args.prompt_lens) for c in args.concurrency):
+        ap.error(f"--concurrency {args.concurrency}: each level must be 1 to {len(args.prompt_lens)} (the jkv "
+                 "servers' --max-slots is the number of --prompt-lens)")
     args.prompt_lens = sorted(args.prompt_lens)
     return args
 
@@ -258,65 +298,112 @@ def start_targets(args, out: Path) -> dict:
     return targets
 
 
-def print_table(rows: list[dict], targets: list[str]):
+def print_table(rows: list[dict], targets: list[str], admission: bool = True):
+    """Medians over repeats per target, then ratios: each target over slots, paged over transformers;
+    with admission, the stall columns of the mixed pass's long request too."""
     cols = [("output_tok_s", "output tok/s", "{:.1f}"), ("mean_ttft_ms", "mean TTFT ms", "{:.0f}"),
-            ("p99_ttft_ms", "p99 TTFT ms", "{:.0f}"), ("long_ttft_ms", "longest TTFT ms", "{:.0f}"),
-            ("mean_tbt_ms", "mean TBT ms", "{:.1f}"), ("p99_tbt_ms", "p99 TBT ms", "{:.1f}"),
-            ("p99_tbt_admit_ms", "p99 TBT admit ms", "{:.1f}"), ("max_tbt_admit_ms", "max TBT admit ms", "{:.1f}")]
+            ("p99_ttft_ms", "p99 TTFT ms", "{:.0f}"), ("mean_tbt_ms", "mean TBT ms", "{:.1f}"),
+            ("p99_tbt_ms", "p99 TBT ms", "{:.1f}"), ("server_cpu_s", "server CPU s", "{:.1f}")]
+    if admission:
+        cols += [("long_ttft_ms", "longest TTFT ms", "{:.0f}"), ("p99_tbt_admit_ms", "p99 TBT admit ms", "{:.1f}"),
+                 ("max_tbt_admit_ms", "max TBT admit ms", "{:.1f}")]
     med = {t: {k: float(np.median([r.get(k, np.nan) for r in rows if r["target"] == t])) for k, _, _ in cols}
            for t in targets}
     print(f"{'':<20}" + "".join(f"{t:>16}" for t in targets))
     for key, label, fmt in cols:
         print(f"{label:<20}" + "".join(f"{fmt.format(med[t][key]):>16}" for t in targets))
+    print("ratios (median over repeats):")
     if "slots" in med:
-        print("ratios (median over repeats):")
         for t in [t for t in targets if t != "slots"]:
-            print(f"  {t} / slots: output tok/s {med[t]['output_tok_s'] / med['slots']['output_tok_s']:.2f}x, "
-                  f"p99 TBT during the long admission {med[t]['p99_tbt_admit_ms'] / med['slots']['p99_tbt_admit_ms']:.2f}x, "
+            stall = (f"p99 TBT during the long admission "
+                     f"{med[t]['p99_tbt_admit_ms'] / med['slots']['p99_tbt_admit_ms']:.2f}x, " if admission else "")
+            print(f"  {t} / slots: output tok/s {med[t]['output_tok_s'] / med['slots']['output_tok_s']:.2f}x, {stall}"
                   f"mean TTFT {med[t]['mean_ttft_ms'] / med['slots']['mean_ttft_ms']:.2f}x")
     if "transformers" in med:
         p, h = med["paged"], med["transformers"]
         print(f"  paged / transformers: output tok/s {p['output_tok_s'] / h['output_tok_s']:.2f}x, "
-              f"mean TTFT {p['mean_ttft_ms'] / h['mean_ttft_ms']:.2f}x, p99 TBT {p['p99_tbt_ms'] / h['p99_tbt_ms']:.2f}x")
+              f"mean TTFT {p['mean_ttft_ms'] / h['mean_ttft_ms']:.2f}x, mean TBT {p['mean_tbt_ms'] / h['mean_tbt_ms']:.2f}x, "
+              f"p99 TBT {p['p99_tbt_ms'] / h['p99_tbt_ms']:.2f}x, server CPU-s {p['server_cpu_s'] / h['server_cpu_s']:.2f}x")
+
+
+def pass_plan(args, tokenizer) -> list[tuple[str, int | None, list[list[int]], int]]:
+    """(pass, concurrency or None for the mixed pass, prompts, max_tokens) of every timed pass."""
+    plans = [("mixed", None, corpus_prompts(tokenizer, args.prompt_lens), args.max_tokens)]
+    if args.concurrency:
+        lo, hi = args.steady_prompt_range
+        steady = corpus_prompts(tokenizer, [int(n) for n in np.linspace(lo, hi, args.steady_requests)])
+        plans += [(f"c={c}", c, steady, args.steady_max_tokens) for c in args.concurrency]
+    return plans
+
+
+def run_pass(server, bodies: list[dict], concurrency: int | None, timeout: float) -> dict:
+    """One pass against one server: its summary, the server's CPU seconds and the load around it."""
+    pid, load = server.proc.pid, os.getloadavg()[0]
+    cpu = process_cpu_seconds(pid)
+    if concurrency is None:
+        results = asyncio.run(mixed_pass(server.url, bodies, timeout))
+    else:
+        results = asyncio.run(steady_pass(server.url, bodies, concurrency, timeout))
+    summary = summarize(results, long_last=concurrency is None)
+    cores = os.cpu_count() or 1
+    after = os.getloadavg()[0]
+    summary.update(server_cpu_s=process_cpu_seconds(pid) - cpu, loadavg_1m=round(load, 2),
+                   loadavg_1m_after=round(after, 2), quiet=max(load, after) < 0.5 * cores)
+    return summary
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging()
+    require_optimized("bench_serve_mixed")  # the jkv servers inherit this environment
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from models import load_model
 
     tokenizer = load_model(args.model).tokenizer
-    prompts = corpus_prompts(tokenizer, args.prompt_lens)
-    texts = [tokenizer.decode(p) for p in prompts]
+    plans = pass_plan(args, tokenizer)
     t = time.perf_counter()
     targets = start_targets(args, out)
     log.info("%s up in %.0fs; machine %s", list(targets), time.perf_counter() - t, machine_info())
-    bodies = {name: ([hf_body(s.model_id, x, args.max_tokens) for x in texts] if name == "transformers"
-                     else [jkv_body(p, args.max_tokens) for p in prompts]) for name, s in targets.items()}
+
+    def bodies(name, prompts, max_tokens):
+        if name == "transformers":
+            return [hf_body(targets[name].model_id, tokenizer.decode(p), max_tokens) for p in prompts]
+        return [jkv_body(p, max_tokens) for p in prompts]
+
+    # warm-up: the mixed pass and the widest steady pass compile every shape the timed passes use
+    warm = [plans[0]] + ([max(plans[1:], key=lambda p: p[1])] if len(plans) > 1 else [])
     rows = []
     try:
-        for name, s in targets.items():  # warm-up: compiles every shape the timed passes use
-            summary = summarize(asyncio.run(mixed_pass(s.url, bodies[name], args.timeout)))
-            log.info("warm-up %s: %d/%d ok %s", name, summary["requests"] - summary["failed"], summary["requests"],
-                     summary["errors"])
+        for name, s in targets.items():
+            for pass_name, conc, prompts, max_tokens in warm:
+                summary = run_pass(s, bodies(name, prompts, max_tokens), conc, args.timeout)
+                log.info("warm-up %s %s: %d/%d ok %s", name, pass_name, summary["requests"] - summary["failed"],
+                         summary["requests"], summary["errors"])
         for rep in range(args.repeats):
             order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
-            for name in order:
-                summary = summarize(asyncio.run(mixed_pass(targets[name].url, bodies[name], args.timeout)))
-                row = dict(target=name, repeat=rep, **summary, prompt_lens=" ".join(map(str, args.prompt_lens)),
-                           max_tokens=args.max_tokens, prefill_chunk=args.prefill_chunk if name == "paged" else "",
-                           page_size=args.page_size if name == "paged" else "", model=args.model, **machine_info())
-                rows.append(row)
-                log.info("%s #%d: %.1f output tok/s, p99 TBT during admission %.1f ms, failed %d %s", name, rep,
-                         row.get("output_tok_s", float("nan")), row.get("p99_tbt_admit_ms", float("nan")),
-                         row["failed"], row["errors"])
+            for pass_name, conc, prompts, max_tokens in plans:
+                for name in order:
+                    summary = run_pass(targets[name], bodies(name, prompts, max_tokens), conc, args.timeout)
+                    row = {**machine_info(), **summary, "target": name, "pass": pass_name, "concurrency": conc or "",
+                           "repeat": rep, "prompt_lens": " ".join(str(len(p)) for p in prompts),
+                           "max_tokens": max_tokens, "model": args.model,
+                           "prefill_chunk": args.prefill_chunk if name == "paged" else "",
+                           "page_size": args.page_size if name == "paged" else ""}
+                    rows.append(row)
+                    log.info("%s %s #%d: %.1f output tok/s, mean TTFT %.0f ms, %.1f server CPU-s, failed %d %s", name,
+                             pass_name, rep, row.get("output_tok_s", float("nan")),
+                             row.get("mean_ttft_ms", float("nan")), row["server_cpu_s"], row["failed"], row["errors"])
     finally:
         for s in targets.values():
             s.stop()
     write_csv(out / args.csv, rows, fields=FIELDS)
-    print_table(rows, list(targets))
+    for pass_name, conc, _, _ in plans:
+        print(f"\npass {pass_name}" + (f" ({conc} in flight)" if conc else " (mixed lengths, the longest sent last)"))
+        print_table([r for r in rows if r["pass"] == pass_name], list(targets), admission=conc is None)
+    if not all(r["quiet"] for r in rows):
+        print("the load average reached half the cores or more during a pass: these figures are not claims "
+              "(quiet=False in the CSV)")
     print(f"wrote {out / args.csv}; load average now {os.getloadavg()}")
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 

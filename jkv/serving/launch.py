@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 
+from ..xla_options import warn_if_unoptimized
 from .config import ServeConfig, add_serve_arguments, config_from_args
 
 log = logging.getLogger("jkv.serve")
@@ -304,6 +305,7 @@ def run_serve(args) -> int:
 
     cfg = config_from_args(args)
     _setup_logging(cfg.log_level)
+    warn_if_unoptimized("jkv serve")
     mh = _join_replica(cfg)
     if mh is not None and mh.process_id != 0:
         return run_follower(cfg)

@@ -98,10 +98,16 @@ def page_config(config: BatcherConfig) -> PageConfig:
 
 
 def _bucket_rows(n: int, limit: int) -> int:
-    """Decode batch rows: 1 for a lone request (its step reads only its own pages), else `limit`
-    (max_slots). Two batch shapes keep the programs few enough to compile them all at warm-up: a
-    shape first met while serving compiles for seconds and stalls every stream."""
-    return 1 if n <= 1 else limit
+    """Decode batch rows for n decoding requests: the next power of two >= n, at most `limit`
+    (max_slots), so a step's cost follows the running requests (one request reads one row's pages,
+    three read four rows') and there are few programs: `row_buckets` lists them all and the warm-up
+    compiles each (a shape first met while serving compiles for seconds and stalls every stream)."""
+    return min(1 << max(n - 1, 0).bit_length(), limit)
+
+
+def row_buckets(limit: int) -> list[int]:
+    """Every batch size `_bucket_rows` returns for 1..limit requests: 1, 2, 4, ... and limit."""
+    return sorted({_bucket_rows(n, limit) for n in range(1, limit + 1)})
 
 
 class _PagedRun(_Running):
@@ -187,17 +193,18 @@ class PagedBatcher(ContinuousBatcher):
         self._thread.start()
 
     def warmup(self):
-        """Compile every decode step the engine can run (1 or max_slots rows x each page-table width
-        up to max_model_len's: which requests decode together is a matter of timing, so any of them
-        may come up), the shortest prefill chunk and the sampler. Longer chunks compile when a
+        """Compile every decode step the engine can run (each of `row_buckets` x each page-table
+        width up to max_model_len's: which requests decode together is a matter of timing, so any of
+        them may come up), the shortest prefill chunk and the sampler. Longer chunks compile when a
         prompt of that size is first admitted (their shapes depend only on the prompt)."""
         kv = self._new_cache()
         T = min(bucket_prompt_len(1), self.config.prefill_chunk)
         one = np.ones(1, np.int32)
         widest = bucket_pages(self.page_cfg.pages_for(self.config.max_model_len))
         widths = sorted({bucket_pages(n) for n in range(1, widest + 1)})
+        rows = row_buckets(self.config.max_slots)
         for width in widths:
-            for B in sorted({1, self.config.max_slots}):
+            for B in rows:
                 table = np.zeros((B, width), np.int32)  # the null page: scratch, as for an idle row
                 z = np.zeros(B, np.int32)
                 logits, kv.kv = self.model.paged_decode_step(kv.kv, table, z, z)
@@ -209,7 +216,7 @@ class PagedBatcher(ContinuousBatcher):
 
             kv.kv = scatter_pages(kv.kv, np.zeros(CHUNK_PAGES, np.int32),
                                   np.zeros((CHUNK_PAGES, *kv.page_shape), kv.dtype))
-        for B in sorted({1, self.config.max_slots}):
+        for B in rows:
             z = np.zeros(B, np.int32)
             sample_tokens(np.zeros((B, self.model.cfg.vocab_size), np.float32), np.ones(B, np.float32), z,
                           np.ones(B, np.float32), z.astype(np.uint32), z)

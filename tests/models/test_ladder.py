@@ -98,6 +98,40 @@ def test_long_prompt_chunked_attention_matches_unchunked(monkeypatch):
     np.testing.assert_allclose(np.asarray(out[0, :50]), np.asarray(ref[0, :50]), atol=2e-5, rtol=2e-5)
 
 
+def test_blocked_prefill_attention_equals_whole_causal_attention(monkeypatch):
+    """Blocks of 16 queries x keys with an online softmax give one causal attention over all keys:
+    GQA group 3, two prompt lengths (padding inside a block and whole blocks past the length)."""
+    from models import transformer as tfm
+
+    rng = np.random.default_rng(6)
+    B, T, H, H_kv, D = 2, 64, 6, 2, 8
+    q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+    K, V = (jnp.asarray(rng.standard_normal((B, H_kv, T, D)), jnp.float32) for _ in range(2))
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    lengths = jnp.array([64, 23], jnp.int32)
+    key = jnp.arange(T)
+    mask = (key[None, None, :] <= positions[:, :, None]) & (key[None, None, :] < lengths[:, None, None])
+    want = tfm.attention(q, K, V, mask[:, None])
+    got = tfm.blocked_causal_attention(q, K, V, positions, lengths, block=16)
+    for b, n in enumerate(np.asarray(lengths)):
+        np.testing.assert_allclose(np.asarray(got[b, :n]), np.asarray(want[b, :n]), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(tfm, "PREFILL_BLOCK", 16)
+    np.testing.assert_array_equal(np.asarray(tfm.prefill_attention(q, K, V, positions, lengths)), np.asarray(got))
+
+
+def test_long_prompt_blocked_attention_matches_whole(monkeypatch):
+    from models import transformer as tfm
+
+    m = tiny_model("llama", seed=5)
+    rng = np.random.default_rng(4)
+    toks = _tokens(rng, 1, 64, m.cfg.vocab_size)
+    ref, _ = m.prefill(toks, np.array([50]), all_logits=True)  # 64 <= PREFILL_BLOCK: whole attention
+    monkeypatch.setattr(tfm, "PREFILL_BLOCK", 16)
+    m2 = tiny_model("llama", seed=5)  # fresh jit caches pick up the smaller block
+    out, _ = m2.prefill(toks, np.array([50]), all_logits=True)
+    np.testing.assert_allclose(np.asarray(out[0, :50]), np.asarray(ref[0, :50]), atol=2e-5, rtol=2e-5)
+
+
 def test_bfloat16_model_tracks_float32():
     """bf16 params/activations (norms and softmax in f32) stay close to the fp32 model."""
     import jax

@@ -50,3 +50,18 @@ def test_generate_cli_prints_text_and_timings(capsys):
     assert main(["generate", "--prompt", "What is 2+2?", "--chat", "--max-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "TTFT" in out and "mean TBT" in out and "finish=" in out
+
+
+def test_long_prompt_through_blocked_prefill_attention_matches_transformers(pair):
+    """A prompt past PREFILL_BLOCK (its 256-token bucket runs blocked_causal_attention): logits and the
+    greedy continuation still match transformers."""
+    from models import transformer as tfm
+
+    m, hf = pair
+    text = " ".join(f"Chapter {i}: the river turned north past the mill, and the town kept its own counsel "
+                    f"about what the floods of year {1800 + 7 * i} had taken." for i in range(12))
+    ids = m.tokenizer.encode(text)[:200]
+    assert tfm.PREFILL_BLOCK < 200 <= 256 and 256 % tfm.PREFILL_BLOCK == 0
+    report = compare(m, hf, [ids], greedy_tokens=16)
+    assert report.greedy_match == 1.0, report.mismatches
+    assert report.check(Tolerances()) == [], report.format()

@@ -11,7 +11,7 @@ import pytest
 from jkv import LLM, SamplingParams
 from jkv.serving.batcher import BatcherConfig, ContinuousBatcher, EngineRequest, create_batcher
 from jkv.serving.metrics import ServerMetrics
-from jkv.serving.paged_batcher import KVCapacityError, PagedBatcher, page_config
+from jkv.serving.paged_batcher import KVCapacityError, PagedBatcher, _bucket_rows, page_config, row_buckets
 from models import tiny_model
 from engine_events import collect as _collect, start_paged, submit as _submit, token_ids as _ids
 
@@ -136,6 +136,45 @@ def test_seeded_sampling_is_independent_of_batch_mates(paged):
     together = _ids(_collect(_submit(paged, "c", [5, 6, 7], sp)))
     _collect(other)
     assert alone == together and len(alone) == 8
+
+
+def test_row_buckets_are_powers_of_two_up_to_max_slots():
+    assert [_bucket_rows(n, 8) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert row_buckets(8) == [1, 2, 4, 8]
+    assert row_buckets(6) == [1, 2, 4, 6] and _bucket_rows(5, 6) == 6
+    assert row_buckets(1) == [1]
+
+
+def test_a_decode_step_runs_as_many_rows_as_its_requests_bucket_to(model, llm):
+    """One request decodes in the 1-row program, three in the 4-row one, two in the 2-row one (not
+    max_slots rows each step), the warm-up compiled each of them, and the tokens are unchanged."""
+    steps, warm = [], []  # (requests in the step, rows of the step's program)
+    real = model.paged_decode_step
+
+    def recording(kv, table, tokens, positions, sink):
+        live = int((np.asarray(table) != 0).any(axis=1).sum())  # idle rows read only the null page 0
+        sink.append((live, np.asarray(table).shape[0]))
+        return real(kv, table, tokens, positions)
+
+    b = PagedBatcher(_Proxy(model, paged_decode_step=lambda *a: recording(*a, warm)),
+                     BatcherConfig(max_slots=4, max_model_len=256, page_size=PAGE, prefill_chunk=CHUNK))
+    b.warmup()
+    assert {rows for _, rows in warm} == {1, 2, 4}
+    b.model = _Proxy(model, paged_decode_step=lambda *a: recording(*a, steps))
+    b.start()
+    try:
+        rng = np.random.default_rng(5)
+        alone = _prompt(rng, 11)
+        assert _ids(_collect(_submit(b, "alone", alone, _greedy(6)))) == llm.generate(alone, _greedy(6))[0].token_ids
+        assert set(steps) == {(1, 1)}
+        prompts, maxes = [_prompt(rng, n) for n in (5, 20, 9)], (10, 20, 30)
+        qs = [_submit(b, f"r{i}", p, _greedy(m)) for i, (p, m) in enumerate(zip(prompts, maxes))]
+        got = [_ids(_collect(q)) for q in qs]
+    finally:
+        b.stop()
+    assert got == [llm.generate(p, _greedy(m))[0].token_ids for p, m in zip(prompts, maxes)]
+    assert all(rows == _bucket_rows(live, 4) for live, rows in steps)
+    assert {(3, 4), (2, 2), (1, 1)} <= set(steps)
 
 
 # ------------------------------------------------------------------- page leaks
