@@ -62,7 +62,11 @@ from jkv.kvcache import sparse
 
 # An auto-sized pool (no PageConfig given) starts with room for this many tokens and doubles when a
 # request handed in does not fit (`DecodePages.plan`); a PageConfig (--num-pages) fixes the size.
-FIRST_DECODE_TOKENS = 1024
+# Each growth recompiles the running set's programs at hand-in, serially with the first token: a
+# 1,024-token start grew twice for `jkv demo`'s 4 x 536 tokens and raised its TTFT from ~3 s to ~26 s
+# (2 cores), so the start stays at the old fixed size until growth happens once per batch and its
+# compiles overlap the prefill.
+FIRST_DECODE_TOKENS = 16384
 
 
 log = logging.getLogger(__name__)

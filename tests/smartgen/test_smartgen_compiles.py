@@ -116,7 +116,7 @@ def test_an_auto_sized_pool_grows_at_hand_in_and_its_steps_still_compile_nothing
     joins, were compiled at the hand-in, not inside a step."""
     sel, profile, workers = setup
     rng = np.random.default_rng(12)
-    lens = (700, 600)  # 45 + 39 pages of 16 tokens: more than the first pool's 64
+    lens = (700, 600)  # 45 + 39 pages of 16 tokens: more than the first pool's 64 (set below)
     prompts = [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in lens]
     fixed = DecodeWorker(model, sel, TransferConfig(mode="smartgen", kr_fraction=0.3, max_blocks=16), secret=SECRET,
                          profile=profile, page_config=decode_pages.PageConfig(num_pages=257))
@@ -126,6 +126,7 @@ def test_an_auto_sized_pool_grows_at_hand_in_and_its_steps_still_compile_nothing
     finally:
         fixed.close()
     counter = StepCompiles(monkeypatch)
+    monkeypatch.setattr(decode_pages, "FIRST_DECODE_TOKENS", 1024)  # 64 pages: these two requests outgrow it
     decode = DecodeWorker(model, sel, TransferConfig(mode="smartgen", kr_fraction=0.3, max_blocks=16), secret=SECRET,
                           profile=profile)
     try:
