@@ -12,20 +12,11 @@ queues the same policy orders). Which one comes next is the policy's choice
     edf    earliest deadline (arrival + its SLO; no SLO: last)
     lstf   least slack (deadline - now - remaining cost); hopeless requests behind the feasible ones
 
-L3 reads and admission are two queues, as CALVO's loading and compute stages are (§3.1, §3.2:
-each stage's dispatcher takes the highest-priority request that is ready for it). The engine
-keeps one L3 read in flight (the link carries one request's pages at a time; a second read would
-only share its bandwidth): `next_read` gives the request whose read starts next, the policy's
-pick among the waiting requests that still have one to do; once started, the read is never
-abandoned for a request that arrives later (its bytes are on the wire: a restart would send them
-twice). `pick(ready=...)` gives the request admitted next, the policy's pick among the *ready*
-ones: those with nothing to read from L3 and the one whose read has answered. So a short request
-is admitted while a long one's prefix crosses the link, under every policy (fifo too: the
-oldest ready request, CALVO's FIFO variant); what the policies change is only the order of each
-queue. The next read starts when the previous request is admitted, not when its read answers
-(the read's pages wait with their request; one read's buffers at a time). Whether a request has
-a read to do is decided once, when it is first seen, like its cost: one whose prefix was all in
-L1/L2 then and was evicted before its admission recomputes those pages.
+Loads never block admission: a request with a prefix to load takes a place in the loading stages
+(pages reserved, no seat) and the engine keeps admitting others, so a short request is admitted
+while a long one's prefix crosses the link, under every policy; a load once started is never
+abandoned for a request that arrives later (its bytes are on the wire). What the policies change
+is the order of the admission queue and of each loading stage's queue.
 
 A request's cost comes from where its prompt's shareable pages are when it is first seen
 (`PagedKVCache.tier_run`: pages in L1 cost nothing to load, the ones in L2 and the rest of the
@@ -95,7 +86,6 @@ class AdmissionScheduler:
         self.cost_model = cost_model
         self.policy = make_policy(name, cost_model)
         self._infos: dict[int, RequestInfo] = {}  # id(EngineRequest) -> its RequestInfo, while it waits
-        self._reads: dict[int, bool] = {}  # id(EngineRequest) -> it has pages to read from L3, while it waits
 
     def set_cost_model(self, cost_model: CostModel):
         self.cost_model = cost_model
@@ -110,23 +100,9 @@ class AdmissionScheduler:
             info = self._infos[id(req)] = RequestInfo(req.request_id, req.arrival, loaded, computed, deadline)
         return info
 
-    def needs_read(self, req, remote_tokens) -> bool:
-        """Whether `req` has shareable prompt pages beyond L1 and L2 (an L3 read to do), asked once
-        per request as its cost is: remote_tokens(req) -> tokens of them."""
-        need = self._reads.get(id(req))
-        if need is None:
-            need = self._reads[id(req)] = remote_tokens(req) > 0
-        return need
-
-    def pick(self, waiting, estimate, loaded, now: float, ready=None):
-        """The waiting request to admit next, or None when no waiting request is ready. waiting:
-        EngineRequests in arrival order; loaded(req): True when its L3 pages have arrived (no load
-        left for srpt/lstf); now: the arrival clock; ready(req): False while req waits for its L3
-        read (None: every request is ready)."""
-        if ready is not None:
-            waiting = [r for r in waiting if ready(r)]
-            if not waiting:
-                return None
+    def pick(self, waiting, estimate, loaded, now: float):
+        """The waiting request to admit next. waiting: EngineRequests in arrival order (at least
+        one); loaded(req): True when its prefix has no load left (srpt/lstf); now: the arrival clock."""
         if self.name == "fifo":
             return waiting[0]
         policy = self.policy
@@ -139,16 +115,9 @@ class AdmissionScheduler:
 
         return min(waiting, key=key)  # min keeps the first of equal keys: arrival order breaks ties
 
-    def next_read(self, waiting, estimate, needs_read, now: float):
-        """The waiting request whose L3 read starts next (the link is free): the policy's pick among
-        those with one to do (needs_read(req)), None when none has."""
-        want = [r for r in waiting if needs_read(r)]
-        return self.pick(want, estimate, lambda r: False, now) if want else None
-
     def forget(self, req):
         """The request left the queue (admitted, cancelled, failed)."""
         self._infos.pop(id(req), None)
-        self._reads.pop(id(req), None)
 
 
 class Refit:

@@ -58,28 +58,6 @@ def test_srpt_counts_a_request_whose_l3_pages_arrived_as_having_no_load_left():
     assert _pick("sjf", [a, b], estimate, loaded=lambda r: r is a) is b  # sjf's key is static
 
 
-# lstf: big and small have the same SLO, big arrived first and loads more: the least slack
-@pytest.mark.parametrize("name, first_read", [("fifo", "big"), ("sjf", "small"), ("srpt", "small"), ("lstf", "big")])
-def test_the_next_l3_read_is_the_policys_pick_among_requests_with_one_and_admission_skips_the_unready(name, first_read):
-    big, small, local = _req("big", 0.0, 20, slo_ms=9000), _req("small", 1.0, 20, slo_ms=9000), _req("local", 2.0, 20)
-    estimate = lambda r: ({"big": 400, "small": 50, "local": 0}[r.request_id], 20)  # noqa: E731
-    sched = AdmissionScheduler(name, COST if name != "fifo" else None)
-    assert sched.next_read([big, small, local], estimate, lambda r: r is not local, 0.0).request_id == first_read
-    assert sched.next_read([local], estimate, lambda r: r is not local, 0.0) is None
-    # while a read is in flight only the ready requests compete: here the one with nothing to read
-    assert sched.pick([big, small, local], estimate, lambda r: False, 0.0, ready=lambda r: r is local) is local
-    assert sched.pick([big, small], estimate, lambda r: False, 0.0, ready=lambda r: False) is None
-
-
-def test_needs_read_is_asked_once_per_request_and_forgotten_with_it():
-    sched, asked = AdmissionScheduler("fifo", None), []
-    req = _req("r", 0.0, 20)
-    remote = lambda r: asked.append(r) or 32  # noqa: E731
-    assert sched.needs_read(req, remote) and sched.needs_read(req, remote) and len(asked) == 1
-    sched.forget(req)
-    assert sched.needs_read(req, lambda r: 0) is False
-
-
 def test_edf_orders_by_deadline_and_requests_without_slo_go_last():
     none, late, soon = _req("none", 0.0), _req("late", 1.0, slo_ms=5000), _req("soon", 2.0, slo_ms=100)
     assert _pick("edf", [none, late, soon]) is soon
