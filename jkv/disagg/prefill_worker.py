@@ -55,6 +55,7 @@ from jkv.disagg.bulk_pacer import YieldToOnDemand as _YieldToOnDemand
 from jkv.disagg.handshake import role_config
 from jkv.disagg.head_slices import ExportCounters, export_layer, head_slices
 from jkv.disagg.prefill_pushes import PushSide
+from jkv.disagg.prefill_cache import PrefillPrefixCache, prefill_rows
 from jkv.disagg.prefix_split import prefill_geometry
 from jkv.disagg.selectors import load_selector, needs_metadata
 from jkv.disagg.served_rows import ServedRows
@@ -106,10 +107,13 @@ class _Held:
 class PrefillWorker(PushSide):
     def __init__(self, model, selector, name: str = "prefill-0", *, secret: str, backend: str = "tcp",
                  bandwidth=None, lease_s: float = 300.0, timeout: float = 5.0, codec=None,
-                 max_blocks: int | None = None):
+                 max_blocks: int | None = None, prefix_cache_tokens: int = 0):
         """max_blocks: the M this worker declares in the handshake (None: it follows the M each
-        request names, so any decode side's M is accepted)."""
+        request names, so any decode side's M is accepted). prefix_cache_tokens: budget of this
+        worker's own prefix cache (jkv/disagg/prefill_cache.py; 0: none): a prompt that starts
+        with cached pages is prefilled from its first uncached token."""
         self.model, self.selector = model, selector
+        self.prefix_cache = PrefillPrefixCache(model, prefix_cache_tokens) if prefix_cache_tokens else None
         self.codec = codec  # jkv.compression.KVCodec; made on first use by a request that asks for compression
         cfg = model.cfg
         self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
@@ -130,7 +134,8 @@ class PrefillWorker(PushSide):
         self.endpoint.serve("fetch", self._fetch)
         self.endpoint.serve("free", self._free_call)
         self.endpoint.serve("stats", lambda peer, payload: proto.pack(
-            dict(held=self.held(), bytes_in_use=self.pool.bytes_in_use, live=self.pool.live())))
+            dict(held=self.held(), bytes_in_use=self.pool.bytes_in_use, live=self.pool.live(),
+                 prefix_cache=self.prefix_cache.stats() if self.prefix_cache else None)))
         self.endpoint.serve("set_bandwidth", lambda peer, payload: self.set_bandwidth(
             proto.unpack(payload)[0]["bps"]) or b"")
         self.endpoint.on_notify("prefill", self._enqueue)
@@ -274,6 +279,8 @@ class PrefillWorker(PushSide):
 
         def on_layer(layer, K, V):  # as each layer's KV exists (DESIGN.md: transfer starts after layer 0)
             self.kv_export.exported(export_layer((K, V), [h.kv.kv[:, layer] for h in held], lengths))
+            for h, plan in zip(held, plans or ()):  # exact KV, before a codec overwrites the host copy
+                self.prefix_cache.store_layer(plan, layer, h.kv.kv[:, layer])
             leaves = None
             if ship_meta and layer >= dense_below:
                 leaves = jax.tree_util.tree_leaves(self.selector.prepare(layer, K, jl))
@@ -293,7 +300,15 @@ class PrefillWorker(PushSide):
                 if blocks and h.rid not in dropping:  # its keep table needs every layer: pushed after the prefill
                     self._push(peer, h, layer, blocks, "proactive")
 
-        logits, _ = model.prefill(tokens, lengths, on_layer=on_layer)
+        plans = [self.prefix_cache.plan(r["tokens"]) for r in requests] if self.prefix_cache else None
+        try:
+            logits = prefill_rows(model, self.prefix_cache, tokens, lengths, plans, on_layer)
+        except BaseException:  # a failed prefill caches nothing
+            for plan in plans or ():
+                self.prefix_cache.release(plan)
+            raise
+        for plan in plans or ():  # every layer is stored: later prompts share these pages
+            self.prefix_cache.commit(plan)
         prefill_s = time.time() - t_start
         for b, h in ((b, h) for b, h in enumerate(held) if h.rid in dropping):
             self._absorb_dropping(peer, h, tokens[b, :h.geometry.num_tokens], proactive[b])
