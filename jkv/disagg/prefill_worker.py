@@ -511,6 +511,9 @@ def add_args(p):
     p.add_argument("--timeout-s", type=float, default=5.0)
     p.add_argument("--max-blocks", type=int, default=None,
                    help="M the decode side must use (checked in the handshake; default: any)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=0, help="tokens of prompt KV this worker's own "
+                   "prefix cache keeps (host memory, LRU); a prompt that starts with cached pages is prefilled "
+                   "from its first uncached token (0: none)")
     p.add_argument("--exit-with-parent", action="store_true", help="exit when the starting process dies")
 
 
@@ -524,7 +527,7 @@ def run_from_args(args) -> int:
     selector = load_selector(args.selector_file)
     worker = PrefillWorker(model, selector, args.name, secret=secret, backend=args.transport,
                            bandwidth=args.bandwidth, lease_s=args.lease_s, timeout=args.timeout_s,
-                           max_blocks=args.max_blocks)
+                           max_blocks=args.max_blocks, prefix_cache_tokens=args.prefix_cache_tokens)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     address = worker.listen(args.listen)
