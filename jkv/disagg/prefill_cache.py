@@ -156,8 +156,22 @@ def prefill_rows(model, cache: PrefillPrefixCache | None, tokens: np.ndarray, le
                  plans: list[CachePlan] | None, on_layer):
     """The batch's prefill: whole prompts (`Model.prefill`) when no row hits the cache, else each
     row from its first uncached token (`Model.prefill_after`, the cached rows as context), the hook
-    seeing the whole prompts' KV either way. tokens: i32[B, T] right-padded prompts; lengths: i32[B].
-    Returns logits f32[B, V] at each prompt's last token."""
+    seeing the whole prompts' KV either way; then the plans are committed (released if it raised:
+    nothing a failed prefill computed is cached). on_layer must `store_layer` each plan's layer.
+    tokens: i32[B, T] right-padded prompts; lengths: i32[B]. Returns logits f32[B, V] at each
+    prompt's last token."""
+    try:
+        logits = _prefill(model, cache, tokens, lengths, plans, on_layer)
+    except BaseException:
+        for plan in plans or ():
+            cache.release(plan)
+        raise
+    for plan in plans or ():  # every layer is stored: later prompts share these pages
+        cache.commit(plan)
+    return logits
+
+
+def _prefill(model, cache, tokens, lengths, plans, on_layer):
     if not plans or not any(p.start for p in plans):
         return model.prefill(tokens, lengths, on_layer=on_layer)[0]
     B, T = tokens.shape

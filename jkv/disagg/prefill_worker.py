@@ -255,25 +255,13 @@ class PrefillWorker(PushSide):
         now = time.monotonic()
         for b, r in enumerate(requests):
             tokens[b, :lengths[b]] = r["tokens"]
-            geometry = prefill_geometry(model, r)  # skips the rows a decode side's prefix cache holds
-            h = _Held(r["rid"], peer_name, self.pool.allocate(r["rid"], int(lengths[b]), int(lengths[b])), geometry,
-                      int(r["capacity"]), np.asarray(r["order"], np.int64), np.zeros(geometry.num_blocks, bool),
-                      int(r["kr"]), int(r["spec_cap"]), now + self.lease_s,
-                      served=ServedRows(cfg.num_layers, cfg.num_kv_heads, int(lengths[b])))
-            held.append(h)
-            if "compression" in r:
-                h.codec = self._kv_codec().start(r["compression"], geometry)
-                h.on_demand, h.meta_codec = r.get("on_demand"), r.get("meta_codec")
-                if h.on_demand not in (None, F16):  # a row pipeline encodes the original rows on demand
-                    h.original = np.zeros((2, cfg.num_layers, cfg.num_kv_heads, int(lengths[b]), cfg.head_dim),
-                                          WIRE_DTYPE)
-            with self._lock:
-                self._held[h.rid] = h
+            held.append(self._hold(peer_name, r, now))
         link0 = self._link_counters() if any("compression" in r for r in requests) else None
         proactive = [per_layer(h.geometry, h.order[:h.spec_cursor]) for h in held]
         ship_meta = needs_metadata(self.selector)
         dense_below = dense_layer_count(self.selector, cfg.num_layers)
         dropping = {h.rid for h in held if isinstance(h.codec, DroppingCodec)}  # absorbed and pushed after
+        plans = [self.prefix_cache.plan(r["tokens"]) for r in requests] if self.prefix_cache else None
         jl = jnp.asarray(lengths)
         t_start = time.time()
 
@@ -300,15 +288,7 @@ class PrefillWorker(PushSide):
                 if blocks and h.rid not in dropping:  # its keep table needs every layer: pushed after the prefill
                     self._push(peer, h, layer, blocks, "proactive")
 
-        plans = [self.prefix_cache.plan(r["tokens"]) for r in requests] if self.prefix_cache else None
-        try:
-            logits = prefill_rows(model, self.prefix_cache, tokens, lengths, plans, on_layer)
-        except BaseException:  # a failed prefill caches nothing
-            for plan in plans or ():
-                self.prefix_cache.release(plan)
-            raise
-        for plan in plans or ():  # every layer is stored: later prompts share these pages
-            self.prefix_cache.commit(plan)
+        logits = prefill_rows(model, self.prefix_cache, tokens, lengths, plans, on_layer)
         prefill_s = time.time() - t_start
         for b, h in ((b, h) for b, h in enumerate(held) if h.rid in dropping):
             self._absorb_dropping(peer, h, tokens[b, :h.geometry.num_tokens], proactive[b])
@@ -329,6 +309,23 @@ class PrefillWorker(PushSide):
             fields, arrays = handoff_keep(h.codec)  # a token-dropping profile's keep table (or nothing)
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
                                                     prefill_s=prefill_s, bytes=dict(h.bytes), **extra, **fields), *arrays)
+
+    def _hold(self, peer_name: str, r: dict, now: float) -> _Held:
+        """Start holding one request of a "prefill" batch: its host KV buffer, plan and codec."""
+        cfg, n = self.model.cfg, len(r["tokens"])
+        geometry = prefill_geometry(self.model, r)  # skips the rows a decode side's prefix cache holds
+        h = _Held(r["rid"], peer_name, self.pool.allocate(r["rid"], n, n), geometry,
+                  int(r["capacity"]), np.asarray(r["order"], np.int64), np.zeros(geometry.num_blocks, bool),
+                  int(r["kr"]), int(r["spec_cap"]), now + self.lease_s,
+                  served=ServedRows(cfg.num_layers, cfg.num_kv_heads, n))
+        if "compression" in r:
+            h.codec = self._kv_codec().start(r["compression"], geometry)
+            h.on_demand, h.meta_codec = r.get("on_demand"), r.get("meta_codec")
+            if h.on_demand not in (None, F16):  # a row pipeline encodes the original rows on demand
+                h.original = np.zeros((2, cfg.num_layers, cfg.num_kv_heads, n, cfg.head_dim), WIRE_DTYPE)
+        with self._lock:
+            self._held[h.rid] = h
+        return h
 
     # ---------------------------------------------------------------- compression (KVServe)
     def _absorb_dropping(self, peer, h: _Held, prompt, proactive: dict):

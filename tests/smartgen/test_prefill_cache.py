@@ -6,6 +6,8 @@ cache on, off, or emptied between turns (then every row the decode side lacks is
 prefill side's cache), with 1 and 2 prefill workers, and with compressed KV; the follow-up's
 prefill computes only the new tokens (the worker's counters); a tiny budget, requests sharing
 pages in one batch and a cancelled request leak no page and never give wrong KV."""
+import threading
+
 import numpy as np
 import pytest
 
@@ -32,6 +34,15 @@ def clusters(request, model, selectors):
         assert all(x.held() == [] and x.pool.bytes_in_use == 0 for x in w.workers)
     for x in cached.workers:
         check_cache(x.prefix_cache)
+
+
+class OneWorker(InProcessWorkers):
+    """InProcessWorkers around one worker built here (a serving wrapper)."""
+
+    def __init__(self, worker):
+        self.workers, self.addresses = [worker], [worker.listen()]
+        self.threads = [threading.Thread(target=worker.run, daemon=True)]
+        self.threads[0].start()
 
 
 def check_cache(cache: PrefillPrefixCache):
@@ -135,3 +146,49 @@ def test_compressed_follow_up_uses_the_cache_and_matches(model, selectors, profi
     if len(cached.workers) == 1:
         assert counters(cached)["prefill_prefix_hit_tokens"] - before["prefill_prefix_hit_tokens"] == \
             sum(n // P * P for n in TURN1_LENS)
+
+
+def test_tiny_budget_shared_batch_cancel_and_metrics(model, selectors, profiles):
+    """A 4-page prefill cache (evicting all the time) serving requests that share pages in one
+    batch and a request cancelled before its hand-off: tokens equal workers without the cache, no
+    page stays referenced, and /metrics of the serving wrapper shows tier="prefill" hits and the
+    computed tokens."""
+    from jkv.serving.disagg_prefill import ServingPrefillWorker
+    from jkv.serving.metrics import PrefillMetrics
+    from tests.smartgen.test_smartgen_admission import Recorder, run_until
+
+    metrics = PrefillMetrics()
+    worker = ServingPrefillWorker(model, selectors["infinigen"], "prefill-tiny", secret=SECRET, metrics=metrics,
+                                  prefix_cache_tokens=4 * P)
+    cached = OneWorker(worker)
+    plain = InProcessWorkers(model, selectors["infinigen"], 1)
+    d = decode(model, selectors, profiles, cached, "smartgen", False, "decode-tiny")
+    ref = decode(model, selectors, profiles, plain, "smartgen", False, "decode-tiny-ref")
+    try:
+        rng = np.random.default_rng(5)
+        stem = rng.integers(3, model.cfg.vocab_size, 3 * P + 3).tolist()
+        tails = [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in (5, 30, 17)]
+        rounds = [[stem + tails[0], stem + tails[1]], [stem + tails[1] + tails[2], stem[:P + 4] + tails[2]],
+                  [stem + tails[0] + tails[1], stem + tails[2]]]
+        for i, prompts in enumerate(rounds):  # each batch shares the stem's pages
+            rec = Recorder()
+            reqs = make_requests(prompts + [stem + tails[2] + tails[0]], tag=f"b{i}-")
+            for r in reqs:
+                d.submit(r, on_token=rec.on_token, on_done=rec.on_done)
+            assert d.cancel(reqs[-1].request_id)  # before its hand-off: its prefill may be running
+            run_until(d, lambda: len(rec.outputs) == len(reqs))
+            want = ref.generate(make_requests(prompts, tag=f"b{i}-"))
+            assert [rec.outputs[r.request_id].token_ids for r in reqs[:-1]] == [o.token_ids for o in want]
+            assert rec.outputs[reqs[-1].request_id].finish_reason == "error"
+        run_until(d, lambda: worker.held() == [])
+        check_cache(worker.prefix_cache)
+        s = worker.prefix_cache.stats()
+        assert s["prefill_prefix_hit_tokens"] > 0 and s["prefill_prefix_evictions"] > 0
+        text = metrics.render().decode()
+        assert f'jkv_prefix_cache_hit_tokens_total{{tier="prefill"}} {float(s["prefill_prefix_hit_tokens"])}' in text
+        assert f'jkv_prefill_computed_tokens_total {float(s["prefill_computed_tokens"])}' in text
+    finally:
+        d.close()
+        ref.close()
+        cached.close()
+        plain.close()
