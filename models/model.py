@@ -48,6 +48,7 @@ class Model:
         # KV head, activations and logits replicated) so caches never drift to another layout.
         jit = self._jit
         self._prefill_layer = jit(p(tfm.prefill_layer, cfg), lambda s: (s.replicated, s.kv, s.kv))
+        self._prefill_layer_after = jit(p(paged.prefill_layer_after, cfg), lambda s: (s.replicated, s.kv, s.kv))
         self._embed = jit(tfm.embed, lambda s: s.replicated)
         self._logits = jit(p(tfm.final_logits, cfg), lambda s: s.replicated)
         self._qkv = jit(p(tfm.layer_qkv, cfg), lambda s: (s.q_heads, s.kv, s.kv))
@@ -120,6 +121,28 @@ class Model:
             return self._logits(self.params, x), kv
         last = x[jnp.arange(B), lengths - 1]
         return self._logits(self.params, last), kv
+
+    def prefill_after(self, tokens, start, lengths, context: Callable, on_layer: Callable | None = None):
+        """Prefill of each row's tokens after its cached prefix, layer by layer.
+
+        tokens: i32[B, C], row b's prompt tokens from position start[b] (i32[B]), lengths[b] >= 1
+        of them valid. context(l) -> (K, V), each [B, H_kv, T, D]: layer l's cached KV of row b at
+        positions < start[b] (zeros after; T >= start[b] + lengths[b]). on_layer(l, K, V) is called
+        with the whole prompts' KV of layer l ([B, H_kv, T, D], as `prefill` gives it for positions
+        < start[b] + lengths[b]). Returns logits f32[B, V] at each prompt's last token.
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        start = jnp.asarray(start, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        B, C = tokens.shape
+        positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
+        x = self._embed(self.params, tokens)
+        for l, lp in enumerate(self.params["layers"]):
+            K_ctx, V_ctx = context(l)
+            x, K, V = self._prefill_layer_after(lp, x, positions, K_ctx, V_ctx, start, lengths)
+            if on_layer is not None:
+                on_layer(l, K, V)
+        return self._logits(self.params, x[jnp.arange(B), lengths - 1])
 
     # ------------------------------------------------------- per-layer decode
     def embed(self, tokens):

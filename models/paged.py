@@ -165,9 +165,16 @@ def chunk_attention(q, k, v, K_pages, V_pages, page_table, start, lengths):
     j < lengths[b]). Returns [B, C, H*D]. Queries are processed PREFILL_QUERY_CHUNK at a time
     for long chunks, as in whole-prompt prefill.
     """
+    return context_attention(q, k, v, gather_context(K_pages, page_table), gather_context(V_pages, page_table),
+                             start, lengths)
+
+
+def context_attention(q, k, v, K_ctx, V_ctx, start, lengths):
+    """`chunk_attention` over a context given as arrays: K_ctx, V_ctx [B, H_kv, n_ctx, D] hold row
+    b's earlier tokens at positions < start[b] (the rest is masked). Returns [B, C, H*D]."""
     B, C = q.shape[:2]
-    K = jnp.concatenate([gather_context(K_pages, page_table), k.transpose(0, 2, 1, 3).astype(K_pages.dtype)], 2)
-    V = jnp.concatenate([gather_context(V_pages, page_table), v.transpose(0, 2, 1, 3).astype(V_pages.dtype)], 2)
+    K = jnp.concatenate([K_ctx, k.transpose(0, 2, 1, 3).astype(K_ctx.dtype)], 2)
+    V = jnp.concatenate([V_ctx, v.transpose(0, 2, 1, 3).astype(V_ctx.dtype)], 2)
     n_ctx = K.shape[2] - C
     context_ok = jnp.arange(n_ctx)[None, :] < start[:, None]  # [B, n_ctx]
     key_j = jnp.arange(C)
@@ -207,3 +214,24 @@ def prefill_chunk_compute(cfg: ModelConfig, params, cache, page_table, tokens, s
         new_v.append(v.transpose(0, 2, 1, 3))
     last = x[jnp.arange(B), jnp.clip(lengths - 1, 0, C - 1)]
     return tfm.final_logits(cfg, params, last), jnp.stack(new_k), jnp.stack(new_v)
+
+
+def prefill_layer_after(cfg: ModelConfig, layer_params, x, positions, K_ctx, V_ctx, start, lengths):
+    """One prefill layer of the tokens after each row's cached prefix, returning the whole prompt's KV.
+
+    x: [B, C, hidden] (row b's tokens at positions start[b] + j, positions: i32[B, C], lengths[b]
+    valid); K_ctx, V_ctx: [B, H_kv, T, D], row b's cached KV at positions < start[b] (zeros after).
+    Returns (x, K, V): K, V [B, H_kv, T, D], the context with the chunk's rows placed at
+    start[b] + j (what a whole-prompt prefill's layer gives for positions < start[b] + lengths[b]).
+    """
+    layer = tfm.DecoderLayer(cfg)
+    q, k, v = layer.apply({"params": layer_params}, x, positions, method=tfm.DecoderLayer.qkv)
+    attn = context_attention(q, k, v, K_ctx, V_ctx, start, lengths)
+    x = layer.apply({"params": layer_params}, x, attn, method=tfm.DecoderLayer.attn_out_and_mlp)
+    T, C = K_ctx.shape[2], x.shape[1]
+
+    def place(ctx, new, s):  # ctx: [H_kv, T, D]; new: [C, H_kv, D] to positions s.. (room past T: no clamping)
+        grown = jnp.pad(ctx, ((0, 0), (0, C), (0, 0)))
+        return lax.dynamic_update_slice(grown, new.transpose(1, 0, 2).astype(ctx.dtype), (0, s, 0))[:, :T]
+
+    return x, jax.vmap(place)(K_ctx, k, start), jax.vmap(place)(V_ctx, v, start)

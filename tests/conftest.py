@@ -103,6 +103,8 @@ LONG_FILES = (
     "tests/smartgen/test_smartgen_compiles.py",
     "tests/smartgen/test_smartgen_layer_programs.py",
     "tests/smartgen/test_prefix_split.py",
+    "tests/smartgen/test_prefill_cache.py",
+    "tests/kvcache/test_prefill_prefix_cache.py",
     "tests/smartgen/test_harness.py",
     "tests/serve/test_supervision.py",
     "tests/serve/test_server_api.py",

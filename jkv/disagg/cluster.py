@@ -41,7 +41,8 @@ class LocalPrefillWorkers:
 
     def __init__(self, count: int, model_spec: str, selector_file: str, *, secret: str, transport: str = "tcp",
                  bandwidth=None, lease_s: float = 300.0, timeout_s: float = 5.0, start_timeout: float = 300.0,
-                 dtype: str = "float32", max_blocks: int | None = None, tensor_parallel: int = 1):
+                 dtype: str = "float32", max_blocks: int | None = None, tensor_parallel: int = 1,
+                 prefix_cache_tokens: int = 0):
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
         self.start_timeout = start_timeout
@@ -54,6 +55,8 @@ class LocalPrefillWorkers:
                       "--lease-s", str(lease_s), "--timeout-s", str(timeout_s), "--dtype", dtype, "--tensor-parallel", str(tensor_parallel), "--exit-with-parent"]
         if max_blocks is not None:
             self._args += ["--max-blocks", str(max_blocks)]
+        if prefix_cache_tokens:
+            self._args += ["--prefix-cache-tokens", str(prefix_cache_tokens)]
         if bandwidth is not None:
             self._args += ["--bandwidth", str(bandwidth)]
         try:
@@ -129,7 +132,8 @@ class DisaggregatedEngine:
         prefill worker (a second connection under one name replaces the first). page_config: the
         decode worker's device page pool (jkv.kvcache.PageConfig; None: sized to need, doubling at hand-in).
         prefix_caching: the decode worker keeps finished prompts' pages and later requests move
-        only their new KV (jkv/disagg/prefix_split.py)."""
+        only their new KV (jkv/disagg/prefix_split.py), and local prefill workers keep their own
+        prefix cache of config.prefill_prefix_cache_tokens (jkv/disagg/prefill_cache.py)."""
         self.config = config
         self.model = model
         spec = config.model_spec or model_spec
@@ -160,7 +164,9 @@ class DisaggregatedEngine:
                                                    transport=config.transport, bandwidth=config.bandwidth,
                                                    lease_s=config.lease_s, timeout_s=config.timeout_s,
                                                    dtype=model.cfg.dtype, max_blocks=config.transfer.max_blocks,
-                                                   tensor_parallel=getattr(model, "tensor_parallel", 1))
+                                                   tensor_parallel=getattr(model, "tensor_parallel", 1),
+                                                   prefix_cache_tokens=config.prefill_prefix_cache_tokens
+                                                   if prefix_caching else 0)
                 addresses = self.workers.addresses
             self.decode.connect(addresses)
         except BaseException:

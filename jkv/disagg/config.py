@@ -26,7 +26,10 @@ class Disaggregation:
     compression_options {"profiles": [files], "workload", "q_min", "t_slo_s"};
     min_budget: the selection budget's floor in tokens, k = min(N, max(ceil(max_ratio*N), min_budget)),
     so requests of up to min_budget cached tokens decode densely (SelectorConfig.min_budget; 0: the
-    bare ratio)."""
+    bare ratio); prefill_prefix_cache_tokens: budget of each prefill worker's own prefix cache (a
+    prompt that starts with cached pages is prefilled from its first uncached token,
+    jkv/disagg/prefill_cache.py; 0: none; local workers get it where the decode side's prefix
+    caching is on)."""
 
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     selector: str = "infinigen"
@@ -44,6 +47,7 @@ class Disaggregation:
     compression: str = "off"
     compression_options: dict = dataclasses.field(default_factory=dict)
     min_budget: int = DEFAULT_MIN_BUDGET
+    prefill_prefix_cache_tokens: int = 16384
 
     def __post_init__(self):
         if self.transport not in ("tcp", "shm", "rdma"):
@@ -57,6 +61,9 @@ class Disaggregation:
         if self.bandwidth is not None:
             parse_bandwidth(self.bandwidth)  # raises naming the value
         check_min_budget(self.min_budget)
+        if not isinstance(self.prefill_prefix_cache_tokens, int) or self.prefill_prefix_cache_tokens < 0:
+            raise ValueError(f"prefill_prefix_cache_tokens={self.prefill_prefix_cache_tokens!r} must be an int >= 0 "
+                             "(tokens of KV; 0: no prefill prefix cache)")
         if "min_budget" in self.selector_options:
             raise ValueError(f"selector_options min_budget={self.selector_options['min_budget']!r}: set "
                              "Disaggregation(min_budget=...) instead (it applies to every selector)")

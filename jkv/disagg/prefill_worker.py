@@ -55,6 +55,7 @@ from jkv.disagg.bulk_pacer import YieldToOnDemand as _YieldToOnDemand
 from jkv.disagg.handshake import role_config
 from jkv.disagg.head_slices import ExportCounters, export_layer, head_slices
 from jkv.disagg.prefill_pushes import PushSide
+from jkv.disagg.prefill_cache import PrefillPrefixCache, prefill_rows
 from jkv.disagg.prefix_split import prefill_geometry
 from jkv.disagg.selectors import load_selector, needs_metadata
 from jkv.disagg.served_rows import ServedRows
@@ -106,10 +107,13 @@ class _Held:
 class PrefillWorker(PushSide):
     def __init__(self, model, selector, name: str = "prefill-0", *, secret: str, backend: str = "tcp",
                  bandwidth=None, lease_s: float = 300.0, timeout: float = 5.0, codec=None,
-                 max_blocks: int | None = None):
+                 max_blocks: int | None = None, prefix_cache_tokens: int = 0):
         """max_blocks: the M this worker declares in the handshake (None: it follows the M each
-        request names, so any decode side's M is accepted)."""
+        request names, so any decode side's M is accepted). prefix_cache_tokens: budget of this
+        worker's own prefix cache (jkv/disagg/prefill_cache.py; 0: none): a prompt that starts
+        with cached pages is prefilled from its first uncached token."""
         self.model, self.selector = model, selector
+        self.prefix_cache = PrefillPrefixCache(model, prefix_cache_tokens) if prefix_cache_tokens else None
         self.codec = codec  # jkv.compression.KVCodec; made on first use by a request that asks for compression
         cfg = model.cfg
         self.pool = KVBufferPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, with_mask=False)
@@ -130,7 +134,8 @@ class PrefillWorker(PushSide):
         self.endpoint.serve("fetch", self._fetch)
         self.endpoint.serve("free", self._free_call)
         self.endpoint.serve("stats", lambda peer, payload: proto.pack(
-            dict(held=self.held(), bytes_in_use=self.pool.bytes_in_use, live=self.pool.live())))
+            dict(held=self.held(), bytes_in_use=self.pool.bytes_in_use, live=self.pool.live(),
+                 prefix_cache=self.prefix_cache.stats() if self.prefix_cache else None)))
         self.endpoint.serve("set_bandwidth", lambda peer, payload: self.set_bandwidth(
             proto.unpack(payload)[0]["bps"]) or b"")
         self.endpoint.on_notify("prefill", self._enqueue)
@@ -250,30 +255,20 @@ class PrefillWorker(PushSide):
         now = time.monotonic()
         for b, r in enumerate(requests):
             tokens[b, :lengths[b]] = r["tokens"]
-            geometry = prefill_geometry(model, r)  # skips the rows a decode side's prefix cache holds
-            h = _Held(r["rid"], peer_name, self.pool.allocate(r["rid"], int(lengths[b]), int(lengths[b])), geometry,
-                      int(r["capacity"]), np.asarray(r["order"], np.int64), np.zeros(geometry.num_blocks, bool),
-                      int(r["kr"]), int(r["spec_cap"]), now + self.lease_s,
-                      served=ServedRows(cfg.num_layers, cfg.num_kv_heads, int(lengths[b])))
-            held.append(h)
-            if "compression" in r:
-                h.codec = self._kv_codec().start(r["compression"], geometry)
-                h.on_demand, h.meta_codec = r.get("on_demand"), r.get("meta_codec")
-                if h.on_demand not in (None, F16):  # a row pipeline encodes the original rows on demand
-                    h.original = np.zeros((2, cfg.num_layers, cfg.num_kv_heads, int(lengths[b]), cfg.head_dim),
-                                          WIRE_DTYPE)
-            with self._lock:
-                self._held[h.rid] = h
+            held.append(self._hold(peer_name, r, now))
         link0 = self._link_counters() if any("compression" in r for r in requests) else None
         proactive = [per_layer(h.geometry, h.order[:h.spec_cursor]) for h in held]
         ship_meta = needs_metadata(self.selector)
         dense_below = dense_layer_count(self.selector, cfg.num_layers)
         dropping = {h.rid for h in held if isinstance(h.codec, DroppingCodec)}  # absorbed and pushed after
+        plans = [self.prefix_cache.plan(r["tokens"]) for r in requests] if self.prefix_cache else None
         jl = jnp.asarray(lengths)
         t_start = time.time()
 
         def on_layer(layer, K, V):  # as each layer's KV exists (DESIGN.md: transfer starts after layer 0)
             self.kv_export.exported(export_layer((K, V), [h.kv.kv[:, layer] for h in held], lengths))
+            for h, plan in zip(held, plans or ()):  # exact KV, before a codec overwrites the host copy
+                self.prefix_cache.store_layer(plan, layer, h.kv.kv[:, layer])
             leaves = None
             if ship_meta and layer >= dense_below:
                 leaves = jax.tree_util.tree_leaves(self.selector.prepare(layer, K, jl))
@@ -293,7 +288,7 @@ class PrefillWorker(PushSide):
                 if blocks and h.rid not in dropping:  # its keep table needs every layer: pushed after the prefill
                     self._push(peer, h, layer, blocks, "proactive")
 
-        logits, _ = model.prefill(tokens, lengths, on_layer=on_layer)
+        logits = prefill_rows(model, self.prefix_cache, tokens, lengths, plans, on_layer)
         prefill_s = time.time() - t_start
         for b, h in ((b, h) for b, h in enumerate(held) if h.rid in dropping):
             self._absorb_dropping(peer, h, tokens[b, :h.geometry.num_tokens], proactive[b])
@@ -314,6 +309,23 @@ class PrefillWorker(PushSide):
             fields, arrays = handoff_keep(h.codec)  # a token-dropping profile's keep table (or nothing)
             self._notify(peer_name, "handoff", dict(rid=h.rid, first_token=int(first[b]), t_first=t_first,
                                                     prefill_s=prefill_s, bytes=dict(h.bytes), **extra, **fields), *arrays)
+
+    def _hold(self, peer_name: str, r: dict, now: float) -> _Held:
+        """Start holding one request of a "prefill" batch: its host KV buffer, plan and codec."""
+        cfg, n = self.model.cfg, len(r["tokens"])
+        geometry = prefill_geometry(self.model, r)  # skips the rows a decode side's prefix cache holds
+        h = _Held(r["rid"], peer_name, self.pool.allocate(r["rid"], n, n), geometry,
+                  int(r["capacity"]), np.asarray(r["order"], np.int64), np.zeros(geometry.num_blocks, bool),
+                  int(r["kr"]), int(r["spec_cap"]), now + self.lease_s,
+                  served=ServedRows(cfg.num_layers, cfg.num_kv_heads, n))
+        if "compression" in r:
+            h.codec = self._kv_codec().start(r["compression"], geometry)
+            h.on_demand, h.meta_codec = r.get("on_demand"), r.get("meta_codec")
+            if h.on_demand not in (None, F16):  # a row pipeline encodes the original rows on demand
+                h.original = np.zeros((2, cfg.num_layers, cfg.num_kv_heads, n, cfg.head_dim), WIRE_DTYPE)
+        with self._lock:
+            self._held[h.rid] = h
+        return h
 
     # ---------------------------------------------------------------- compression (KVServe)
     def _absorb_dropping(self, peer, h: _Held, prompt, proactive: dict):
@@ -496,6 +508,9 @@ def add_args(p):
     p.add_argument("--timeout-s", type=float, default=5.0)
     p.add_argument("--max-blocks", type=int, default=None,
                    help="M the decode side must use (checked in the handshake; default: any)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=0, help="tokens of prompt KV this worker's own "
+                   "prefix cache keeps (host memory, LRU); a prompt that starts with cached pages is prefilled "
+                   "from its first uncached token (0: none)")
     p.add_argument("--exit-with-parent", action="store_true", help="exit when the starting process dies")
 
 
@@ -509,7 +524,7 @@ def run_from_args(args) -> int:
     selector = load_selector(args.selector_file)
     worker = PrefillWorker(model, selector, args.name, secret=secret, backend=args.transport,
                            bandwidth=args.bandwidth, lease_s=args.lease_s, timeout=args.timeout_s,
-                           max_blocks=args.max_blocks)
+                           max_blocks=args.max_blocks, prefix_cache_tokens=args.prefix_cache_tokens)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     address = worker.listen(args.listen)

@@ -26,8 +26,8 @@ KV than a prefill gives it, and greedy tokens would differ from a run without pr
 A request whose KV moves compressed (KVServe) or token-dropped neither uses nor feeds the cache:
 its landed rows are lossy, and a hit would also change what a run without caching lands.
 The selector metadata ("meta") still covers the whole prompt (it is computed from the prefill's
-keys and is small next to the KV). The prefill side prefills the whole prompt; it has no prefix
-cache of its own for the compute.
+keys and is small next to the KV). The prefill side computes only what its own prefix cache
+lacks (jkv/disagg/prefill_cache.py); its layer hook still sees the whole prompt's KV.
 
 Threads: everything here runs on the decode worker's engine thread, or on the prefill worker's
 main loop (`prefill_geometry`).

@@ -285,6 +285,12 @@ _TABLE = {
                     "disagg.transfer.kr_fraction"),
     "on_failure": (str, "when a prefill worker dies: fail its requests (error event) or recompute their KV",
                    "disagg.on_failure"),
+    "prefill_prefix_cache_tokens": (int, "prefill, and role all --disaggregation's local prefill workers (when "
+                                         "--enable-prefix-caching is on): tokens of prompt KV the prefill worker's "
+                                         "own prefix cache keeps (host memory, least recently used evicted); a "
+                                         "prompt that starts with cached pages is prefilled from its first "
+                                         "uncached token (jkv_prefill_computed_tokens_total); 0: off",
+                                    "disagg.prefill_prefix_cache_tokens"),
     "lease_s": (float, "a prefill worker frees a request's KV after this long without decode activity",
                 "disagg.lease_s"),
     "transfer_timeout": (float, "seconds before a silent transport peer counts as dead", "disagg.timeout_s"),

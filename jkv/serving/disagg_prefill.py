@@ -47,6 +47,8 @@ class ServingPrefillWorker(PrefillWorker):
             endpoint.observe_transfers(metrics.transfers.observe_transfer)
         metrics.inflight_tokens.set_function(lambda: self.inflight()[1])
         metrics.inflight_requests.set_function(lambda: self.inflight()[0])
+        if self.prefix_cache is not None:
+            metrics.watch_prefix_cache(self.prefix_cache.stats)
 
     def inflight(self) -> tuple[int, int]:
         """(requests, prompt tokens) queued or holding KV here."""

@@ -206,7 +206,7 @@ def build_prefill(cfg: ServeConfig):
     dis = cfg.disagg
     worker = ServingPrefillWorker(model, selector, name, secret=secret, backend=dis.transport,
                                   bandwidth=dis.bandwidth, lease_s=dis.lease_s, timeout=dis.timeout_s,
-                                  metrics=metrics)
+                                  metrics=metrics, prefix_cache_tokens=dis.prefill_prefix_cache_tokens)
     bound = worker.listen(cfg.transport_listen)
     address = cfg.transport_advertise or bound  # what decode servers and the router are told
     runner = threading.Thread(target=worker.run, name="jkv-prefill-main", daemon=True)

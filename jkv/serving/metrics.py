@@ -293,8 +293,40 @@ class PrefillMetrics:
     def count_request(self, endpoint: str, status: int):
         self.requests.labels(self.role, endpoint, str(status)).inc()
 
+    def watch_prefix_cache(self, read_stats) -> None:
+        """Export the worker's own prefix cache (`PrefillPrefixCache.stats`, read once per scrape)."""
+        self.registry.register(_PrefillCacheCollector(read_stats))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefillCacheCollector:
+    """The prefill role's prefix cache under the decode role's metric names, tier="prefill", plus
+    the prompt tokens its prefills computed (a hit's tokens are not)."""
+
+    def __init__(self, read_stats):
+        self.read_stats = read_stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.read_stats()
+        tier = lambda v: {"prefill": v}  # noqa: E731
+        return [
+            _family(CounterMetricFamily, "jkv_prefill_computed_tokens", "prompt tokens this worker's prefills "
+                    "computed (tokens whose KV came from its prefix cache are not)", s["prefill_computed_tokens"]),
+            _family(CounterMetricFamily, "jkv_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
+                    "cache (every full page but the one holding the last prompt token)",
+                    s["prefill_prefix_query_tokens"]),
+            _family(CounterMetricFamily, "jkv_prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix "
+                    "cache instead of prefill, by tier", tier(s["prefill_prefix_hit_tokens"])),
+            _family(CounterMetricFamily, "jkv_prefix_cache_evictions", "cached prefix pages evicted to make room "
+                    "for new pages, by tier", tier(s["prefill_prefix_evictions"])),
+            _family(GaugeMetricFamily, "jkv_prefix_cache_pages", "KV pages holding a cached prefix, by tier",
+                    tier(s["prefill_prefix_cached_pages"])),
+        ]
 
 
 class RouterMetrics:

@@ -32,7 +32,7 @@ SAMPLES = {
     "prefill_chunk": ("256", DECODE), "enable_prefix_caching": ("false", DECODE),
     "prefix_cache_host_bytes": ("1048576", DECODE), "prefix_cache_l3": ("redis://127.0.0.1:6379/0", DECODE),
     "prefix_cache_l3_timeout": ("2.5", DECODE), "schedule": ("edf", DECODE), "cost_model": ("cost.json", DECODE),
-    "tensor_parallel": ("2", []),
+    "tensor_parallel": ("2", []), "prefill_prefix_cache_tokens": ("4096", ["--role", "prefill"]),
     "coordinator_address": ("10.0.0.1:8476", []), "num_processes": ("2", []), "process_id": ("1", []),
     "transport_advertise": ("jkv-prefill-a:7100|jkv-prefill-a:7101", ["--role", "prefill"]), "prefill": ("http://p:2", ROUTER), "decode": ("http://d:2", ROUTER),
     "routing": ("least-load", ROUTER), "routing_chunk_chars": ("32", ROUTER), "routing_record_chunks": ("100", ROUTER),
