@@ -130,8 +130,11 @@ class ConnectionHost(Protocol):
 class Connection(ReceiveSide):
     def __init__(self, host: ConnectionHost, sock: socket.socket, peer_name: str, *,
                  pacers: list[TokenBucket] = (), ring_tx: ShmRing | None = None,
-                 ring_rx: ShmRing | None = None):
+                 ring_rx: ShmRing | None = None, peer_liveness: float | None = None):
         self.host = host  # the Endpoint: regions, metrics, handlers, timeouts
+        # A PING within a fifth of the peer's liveness timeout too, whatever ours is: a side with a
+        # long timeout (a pool client with a long op timeout) must not go silent past a short one.
+        self.heartbeat = host.heartbeat if peer_liveness is None else min(host.heartbeat, peer_liveness / 5)
         self.sock = sock
         self.peer_name = peer_name
         self.pacers = list(pacers)
@@ -142,6 +145,7 @@ class Connection(ReceiveSide):
         self._ops: collections.deque[Operation] = collections.deque()
         self._control: collections.deque[tuple[Header, bytes]] = collections.deque()
         self._pending: dict[int, Operation] = {}
+        self._receiving: Operation | None = None  # call whose REPLY payload the reader is taking in
         self._inflight: Operation | None = None  # op whose frames the sender is writing
         self._seq_tx = 0
         self._seq_rx = 0
@@ -193,8 +197,7 @@ class Connection(ReceiveSide):
                 text = farewell.encode()[:_MAX_ERROR_TEXT]
                 self._farewell = (Header(Op.ERROR, 0, 0, 0, 0, len(text), 0, crc32c(text)), text)
             ops = list(self._ops) + list(self._pending.values())
-            if self._inflight is not None:
-                ops.append(self._inflight)
+            ops += [op for op in (self._inflight, self._receiving) if op is not None]
             self._ops.clear()
             self._pending.clear()
             self._cond.notify_all()
@@ -221,7 +224,7 @@ class Connection(ReceiveSide):
             return
         expired = []
         with self._cond:
-            if now - self.last_tx > self.host.heartbeat and not self._ping_queued:
+            if now - self.last_tx > self.heartbeat and not self._ping_queued:
                 self._ping_queued = True
                 self._control.append((Header(Op.PING), b""))
                 self._cond.notify_all()
@@ -232,11 +235,18 @@ class Connection(ReceiveSide):
             candidates = list(self._ops) + ([self._inflight] if self._inflight else [])
             expired += [op for op in candidates
                         if op.transfer.deadline is not None and now > op.transfer.deadline]
+            late = self._receiving
+            late = late if late is not None and late.transfer.deadline is not None \
+                and now > late.transfer.deadline else None
         for op in expired:
             t = op.transfer
             t.fail(OpTimeout(f"{t.kind} to {self.peer_name!r} ({t.nbytes} B) did not complete "
                              f"within its {t.deadline - t.created_at:.3g}s timeout "
                              f"(state was {t.state.name})"))
+        if late is not None:  # mid-frame: the stream cannot skip the rest, so the connection goes
+            t = late.transfer
+            self.fail(OpTimeout(f"reply to {t.kind} from {self.peer_name!r} still arriving past its "
+                                f"{t.deadline - t.created_at:.3g}s timeout; connection closed"))
 
     def join(self, timeout: float | None = None) -> None:
         self._sender.join(timeout)

@@ -65,6 +65,13 @@ BACKENDS = ("tcp", "shm", "rdma")
 Handler = Callable[[str, memoryview], object]
 
 
+def _peer_liveness(extra: dict) -> float | None:
+    """The liveness timeout a peer announced in its handshake extra (None from an older peer or
+    a nonsensical value: then only this side's own heartbeat applies)."""
+    value = extra.get("liveness_s")
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
 @dataclass(frozen=True)
 class Notification:
     peer: str
@@ -278,16 +285,17 @@ class Endpoint(RdmaControl):
         peer = None
         for stream in range(streams):
             try:
-                sock, peer_name, ring_tx, ring_rx = self._open_stream(
+                sock, peer_name, ring_tx, ring_rx, liveness = self._open_stream(
                     address, deadline, {"session": session, "stream": stream, "streams": streams})
             except TransportError:
                 if peer is not None:
                     peer.close()
                 raise
             if peer is None:
-                peer = self._adopt(sock, peer_name, pacer, ring_tx, ring_rx, session=session)
+                peer = self._adopt(sock, peer_name, pacer, ring_tx, ring_rx, session=session,
+                                   peer_liveness=liveness)
             else:
-                self._attach(peer, sock, pacer, ring_tx, ring_rx)
+                self._attach(peer, sock, pacer, ring_tx, ring_rx, peer_liveness=liveness)
         return peer
 
     def _open_stream(self, address, deadline: float, info: dict):
@@ -319,10 +327,11 @@ class Endpoint(RdmaControl):
             extra = json.dumps({**info, "ring": ring_tx.name if ring_tx else None, **self._my_config()}).encode()
             peer_name, server_extra = client_handshake(sock, self._secret, self.name, self.backend,
                                                        Deadline(self.handshake_timeout), lambda: extra)
+            heard = json.loads(server_extra)
             if self.config_check is not None:
-                self.config_check.verify(json.loads(server_extra))
+                self.config_check.verify(heard)
             if ring_tx is not None:
-                ring_rx = ShmRing.attach(json.loads(server_extra)["ring"])
+                ring_rx = ShmRing.attach(heard["ring"])
             sock.settimeout(None)
         except (AuthError, OSError, ValueError, KeyError, TypeError) as e:
             for ring in (ring_tx, ring_rx):
@@ -335,10 +344,13 @@ class Endpoint(RdmaControl):
             if isinstance(e, AuthError):
                 raise
             raise AuthError(f"handshake with {address!r} failed: {e}") from e
-        return sock, peer_name, ring_tx, ring_rx
+        return sock, peer_name, ring_tx, ring_rx, _peer_liveness(heard)
 
     def _my_config(self) -> dict:
-        return {} if self.config_check is None else {"config": self.config_check.config}
+        """What this side tells a peer in the handshake: its liveness timeout (the peer heartbeats
+        within a fifth of it) and, with ``config_check``, its configuration."""
+        mine = {"liveness_s": self.timeout}
+        return mine if self.config_check is None else {**mine, "config": self.config_check.config}
 
     def _new_socket(self) -> socket.socket:
         if self.backend == "shm":
@@ -349,10 +361,11 @@ class Endpoint(RdmaControl):
 
     def _adopt(self, sock, peer_name: str, pacer: TokenBucket | None = None,
                ring_tx: ShmRing | None = None, ring_rx: ShmRing | None = None, *,
-               session: str = "") -> Peer:
+               session: str = "", peer_liveness: float | None = None) -> Peer:
         """Wrap an authenticated socket in a Connection + Peer and start its threads."""
         pacers = [p for p in (pacer, self.pacer) if p is not None]
-        conn = Connection(self, sock, peer_name, pacers=pacers, ring_tx=ring_tx, ring_rx=ring_rx)
+        conn = Connection(self, sock, peer_name, pacers=pacers, ring_tx=ring_tx, ring_rx=ring_rx,
+                          peer_liveness=peer_liveness)
         peer = Peer(self, conn, session)
         with self._lock:
             if self._closed.is_set():
@@ -369,10 +382,12 @@ class Endpoint(RdmaControl):
         return peer
 
     def _attach(self, peer: Peer, sock, pacer: TokenBucket | None = None,
-                ring_tx: ShmRing | None = None, ring_rx: ShmRing | None = None) -> None:
+                ring_tx: ShmRing | None = None, ring_rx: ShmRing | None = None, *,
+                peer_liveness: float | None = None) -> None:
         """Add one more stream (connection) to an existing peer."""
         pacers = [p for p in (pacer, self.pacer) if p is not None]
-        conn = Connection(self, sock, peer.name, pacers=pacers, ring_tx=ring_tx, ring_rx=ring_rx)
+        conn = Connection(self, sock, peer.name, pacers=pacers, ring_tx=ring_tx, ring_rx=ring_rx,
+                          peer_liveness=peer_liveness)
         with self._lock:
             if self._closed.is_set() or self._peers.get(peer.name) is not peer or not peer.alive:
                 sock.close()
@@ -407,15 +422,17 @@ class Endpoint(RdmaControl):
                                             Deadline(self.handshake_timeout), welcome_extra)
             sock.settimeout(None)
             session = str(info.get("session", ""))
+            liveness = _peer_liveness(info)
             if int(info.get("stream", 0)) == 0:
-                self._adopt(sock, peer_name, None, rings.get("tx"), rings.get("rx"), session=session)
+                self._adopt(sock, peer_name, None, rings.get("tx"), rings.get("rx"), session=session,
+                            peer_liveness=liveness)
             else:  # a further stream of a peer that connected with streams > 1
                 with self._lock:
                     peer = self._peers.get(peer_name)
                 if peer is None or not session or peer.session != session:
                     raise TransportError(f"stream {info.get('stream')} of {peer_name!r} names an "
                                          f"unknown session")
-                self._attach(peer, sock, None, rings.get("tx"), rings.get("rx"))
+                self._attach(peer, sock, None, rings.get("tx"), rings.get("rx"), peer_liveness=liveness)
         except (AuthError, OSError, ValueError, KeyError, TypeError, TransportError) as e:
             self.metrics.incr("auth_failures")
             self._refusals.refused(str(e))

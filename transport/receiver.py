@@ -11,7 +11,7 @@ trailer-carried crc (``FLAG_TRAILER``) is computed by the connection's ``jkvt-cr
 thread (:mod:`transport.checksum`) as the pieces land.
 
 `ReceiveSide` is a mixin of `Connection`: it uses the connection's ``sock``, ``host``, ``_cond``,
-``_pending``, ``_seq_rx``, ``ring_rx``/``ring_tx``, ``_rx_*`` counters, ``_rx_crc``, ``_sender``,
+``_pending``, ``_receiving``, ``_seq_rx``, ``ring_rx``/``ring_tx``, ``_rx_*`` counters, ``_rx_crc``, ``_sender``,
 ``fail`` and ``_control_frame``, and runs only on the reader thread.
 """
 from __future__ import annotations
@@ -240,9 +240,17 @@ class ReceiveSide:
     def _on_reply(self, h: Header) -> None:
         with self._cond:
             op = self._pending.pop(h.aux, None)
+            # While its payload arrives the call is in no queue; `fail` and the watchdog's deadline
+            # still reach it here (a peer that drops mid-reply must not leave the caller waiting).
+            self._receiving = op
         if op is None:  # the call timed out or was never ours: drain and ignore
             self._drain(h.length, h)
             return
+        self._receive_reply(h, op)  # raising leaves it in `_receiving` for `fail`, which follows
+        with self._cond:
+            self._receiving = None
+
+    def _receive_reply(self, h: Header, op) -> None:
         t = op.transfer
         if h.flags & FLAG_ERR:
             text = self._recv_payload(h, MAX_ERROR_TEXT).decode(errors="replace")

@@ -156,6 +156,29 @@ def test_a_server_sending_wrong_bytes_causes_misses_not_hits():
         server.close()
 
 
+def test_a_read_slower_than_the_servers_liveness_timeout_completes():
+    """`jkv serve --prefix-cache-l3-timeout 10` reading through a slow link from a pool that drops a
+    peer after 0.5 s of silence: a reply takes ~1.6 s here, during which the client sends nothing
+    but heartbeats. On its own the client would heartbeat every 2 s (a fifth of its own timeout),
+    the server would drop it mid-reply and the read would fail (L3 then skipped for
+    retry_after_s, the stall behind the first CALVO serving figure). It heartbeats within the
+    server's timeout instead (learned in the handshake), so the read completes."""
+    server = PoolServer(1 << 20, secret=SECRET, timeout=0.5, bandwidth="4kbit")  # 768 B: ~1.6 s
+    try:
+        address = server.start()
+        with RemoteKVPool(address, secret=SECRET, op_timeout_s=10.0, retry_after_s=60) as pool:
+            a, = chunk_keys(list(range(4)), NS)
+            assert pool.put(a, chunk_payload(a))
+            out = buffers(1)
+            t0 = time.monotonic()
+            meta, = pool.get_many([a], out)
+            assert time.monotonic() - t0 > 1.0                        # the reply did outlast 0.5 s
+            assert meta is not None
+            np.testing.assert_array_equal(meta.view(out[0]), chunk_payload(a))
+    finally:
+        server.close()
+
+
 def test_caller_errors_are_clear(pool):
     check_caller_errors(pool)
     with pytest.raises(ValueError, match="op_timeout_s"):

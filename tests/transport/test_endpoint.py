@@ -271,3 +271,53 @@ def test_multiple_streams_per_peer(backend, make_endpoint):
         peer.write("pool", 0, b"x").wait(2)
     with pytest.raises(ValueError, match="streams=0"):
         client.connect(server.address, streams=0)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "shm"])
+def test_idle_peer_heartbeats_within_the_other_sides_liveness_timeout(make_endpoint, backend):
+    """Each side heartbeats at most every fifth of the *peer's* liveness timeout (learned in the
+    handshake), not only of its own: a client with a long timeout (a KV-pool client whose op
+    timeout is 10 s heartbeats every 2 s on its own) stays connected to a server that drops a
+    peer after 0.5 s of silence, however long it idles."""
+    server = make_endpoint("server", backend, timeout=0.5)
+    client = make_endpoint("client", backend, timeout=10.0, op_timeout=10.0)
+    server.serve("echo", lambda peer_name, payload: bytes(payload))
+    peer = client.connect(server.listen())
+    time.sleep(1.5)  # idle for 3x the server's liveness timeout
+    assert peer.alive and "client" in server.peers
+    assert bytes(peer.call("echo", b"still here")) == b"still here"
+    assert server.metrics.snapshot().get("peers_failed", 0) == 0
+
+
+def _slow_reply_pair(make_endpoint, backend):
+    """A server whose replies are paced to 8 kbit/s: its 2,000-byte reply takes ~2 s."""
+    server = make_endpoint("server", backend, bandwidth="8kbit")
+    client = make_endpoint("client", backend)
+    server.serve("big", lambda peer_name, payload: b"z" * 2000)
+    return server, client, client.connect(server.listen())
+
+
+def test_a_peer_dropping_mid_reply_fails_the_call_at_once(make_endpoint, backend="tcp"):  # shm replies are not paced
+    """The reader takes a call out of the pending table when its REPLY header arrives; a peer that
+    dies while the payload is still arriving must fail that call too, not leave it waiting
+    forever (it was in no queue that failing the connection empties)."""
+    server, client, peer = _slow_reply_pair(make_endpoint, backend)
+    into = bytearray(4096)
+    t = peer.call_async("big", timeout=60, into=into)
+    time.sleep(0.5)                               # the reply is on its way, not yet complete
+    server.close()
+    with pytest.raises(TransportError) as failed:
+        t.wait(10)
+    assert t.state is TransferState.FAILED and not isinstance(failed.value, OpTimeout), failed.value
+
+
+def test_a_reply_still_arriving_past_the_calls_deadline_fails_it(make_endpoint, backend="tcp"):  # shm replies are not paced
+    """A call's deadline holds while its reply arrives: the call fails with OpTimeout near its
+    deadline (the connection closes, since the stream cannot skip the rest of the frame), not
+    when the slow reply finally lands."""
+    server, client, peer = _slow_reply_pair(make_endpoint, backend)
+    t0 = time.monotonic()
+    t = peer.call_async("big", timeout=0.6, into=bytearray(4096))
+    with pytest.raises(OpTimeout, match="still arriving|did not complete"):
+        t.wait(10)
+    assert t.state is TransferState.FAILED and time.monotonic() - t0 < 1.8
