@@ -1,7 +1,8 @@
 """jkv vs Hugging Face transformers on SmolLM2-135M-Instruct (CPU, fp32), side by side in one run.
 
 Measures prefill time for 1K and 2K-token prompts and decode throughput for 64 tokens at batch 1
-and 8 (1K-token context), each as the median of --repeats runs after a warm-up (jkv compiles in
+and 8 (1K-token context; jkv's step is the paged one `LLM` and `jkv serve` run, `--jkv-decode dense`
+the contiguous-cache `Model.decode_step` that rows before 2026-12-02 measured), each as the median of --repeats runs after a warm-up (jkv compiles in
 the warm-up). Both sides run float32 weights and activations (transformers' default CPU matmul
 precision keeps fp32: no AMX/bf16 path), in this one process, one side after the other.
 
@@ -97,6 +98,29 @@ def jkv_decode(m, ids, batch, steps):
     return run
 
 
+def jkv_paged_decode(m, ids, batch, steps, page_size: int = 16):
+    """The decode step `LLM` and `jkv serve` run (`Model.paged_decode_step` over a page table), from
+    the same prefill, with a host argmax each step; the pages are rewritten per run."""
+    toks = np.array([ids] * batch, np.int32)
+    lengths = np.full(batch, len(ids), np.int32)
+    _, kv = m.prefill(toks, lengths)
+    pages_per_row = -(-(len(ids) + steps) // page_size)
+    table = 1 + np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)  # page 0: null
+
+    def run():
+        pages = m.write_prefill_pages(m.init_paged_kv(1 + batch * pages_per_row, page_size), table, kv, lengths)
+        tok = np.zeros(batch, np.int32) + 42
+        pos = lengths.copy()
+        for _ in range(steps):
+            logits, pages = m.paged_decode_step(pages, table, tok, pos)
+            tok = np.asarray(logits.argmax(-1), np.int32)
+            pos = pos + 1
+    return run
+
+
+JKV_DECODE = {"paged": jkv_paged_decode, "dense": jkv_decode}
+
+
 def hf_decode(hf, ids, batch, steps):
     import copy
 
@@ -116,7 +140,7 @@ def hf_decode(hf, ids, batch, steps):
 
 
 FIELDS = ["case", "jkv_s", "hf_s", "jkv_cpu_s", "hf_cpu_s", "jkv_tok_s", "hf_tok_s", "metric", "ratio", "cpu_ratio",
-          "quiet", "loadavg_1m", "loadavg_1m_after", "cpu_model", "vector_extensions", "cores", "torch_threads",
+          "quiet", "loadavg_1m", "loadavg_1m_after", "jkv_decode", "cpu_model", "vector_extensions", "cores", "torch_threads",
           "xla_flags", "jax_version", "torch_version", "transformers_version"]
 
 
@@ -127,6 +151,9 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 2048],
                     help="prefill cases; decode runs at the first one's context")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
+    ap.add_argument("--jkv-decode", choices=sorted(JKV_DECODE), default="paged",
+                    help="jkv's decode step: paged (what LLM and jkv serve run) or dense (Model.decode_step, "
+                         "a contiguous [B, H_kv, N, D] cache; what this script measured before 2026-12-02)")
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="256/512-token prompts, 16 steps, 1 repeat")
     ap.add_argument("--out", default=None, help="CSV path (default experiments/results/bench_generate[_quick].csv)")
@@ -163,11 +190,12 @@ def main(argv=None):
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
     info = machine_info()
-    run_info = dict(cpu_model=info["cpu_model"], vector_extensions=info["vector_extensions"], cores=info["cores"],
+    run_info = dict(jkv_decode=args.jkv_decode, cpu_model=info["cpu_model"], vector_extensions=info["vector_extensions"], cores=info["cores"],
                     torch_threads=torch.get_num_threads(), xla_flags=os.environ.get("XLA_FLAGS", ""),
                     jax_version=jax.__version__, torch_version=torch.__version__,
                     transformers_version=transformers.__version__)
-    print(f"{describe_machine(info)}; torch threads {run_info['torch_threads']}, XLA_FLAGS {run_info['xla_flags']!r}")
+    print(f"{describe_machine(info)}; torch threads {run_info['torch_threads']}, XLA_FLAGS {run_info['xla_flags']!r}, "
+          f"jkv decode step: {args.jkv_decode}")
     m = load_model("smollm2-135m-instruct")
     hf = load_hf_reference("smollm2-135m-instruct")
     rows = []
@@ -176,7 +204,7 @@ def main(argv=None):
         rows.append(side_by_side(f"prefill {n}", jkv_prefill(m, ids), hf_prefill(hf, ids), args.repeats))
     ids = corpus_tokens(m.tokenizer, args.prompt_lens[0])
     for b in args.batches:
-        rows.append(side_by_side(f"decode b={b} ctx={len(ids)}", jkv_decode(m, ids, b, args.steps),
+        rows.append(side_by_side(f"decode b={b} ctx={len(ids)}", JKV_DECODE[args.jkv_decode](m, ids, b, args.steps),
                                  hf_decode(hf, ids, b, args.steps), args.repeats, tokens=b * args.steps))
     quiet_below = 0.5 * (info["cores"] or 1)
     for r in rows:
