@@ -1,6 +1,7 @@
 """Token-dropping profiles on the serving path (jkv/compression/dropping.py): ids, the per-chunk
 wire format, the decode side's DROPPED mask, the controller's candidates, and end to end through
 real prefill workers: a dense reference with the same drop, and the transfer-mode invariant."""
+import functools
 import threading
 
 import jax.numpy as jnp
@@ -228,7 +229,12 @@ def prefill(model):
         assert worker.held() == [] and worker.pool.bytes_in_use == 0
 
 
+@functools.lru_cache(maxsize=None)
 def selector_for(model, name):
+    """One selector per (model, name), shared by the prefill worker and every decode worker of this
+    module, as the SmartGen tests share theirs: a decode worker's jitted programs are cached per
+    selector object (decode_program.programs_for), so a new selector per serve() traced and lowered
+    every layer program again."""
     return build_selector(model, name, **({} if name == "dense" else dict(min_budget=0)))
 
 
