@@ -11,7 +11,10 @@ Nothing here knows about KV transfer: the engine (`jkv/`) wires selection and tr
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
+import os
+import zipfile
 from typing import Callable
 
 import jax
@@ -252,11 +255,44 @@ def tiny_config(family: str = "llama", **overrides) -> ModelConfig:
     return ModelConfig(**base)
 
 
+# A directory where `tiny_model` keeps the parameters it initialised (one .npz per config and seed),
+# for the processes of one test run: flax's eager init costs ~6 CPU-s in each new process (one small
+# program compiled per op and shape), loading the file ~0.2 s, and the test suite starts hundreds
+# of processes (servers, prefill workers) that build the same tiny models. Unset: no files.
+TINY_PARAMS_CACHE_ENV = "JKV_TINY_PARAMS_CACHE"
+
+
 def tiny_model(family: str = "llama", seed: int = 0, tensor_parallel: int = 1, **overrides) -> Model:
     """Random-init tiny model (no tokenizer) for tests of everything above the model."""
     cfg = tiny_config(family, **overrides)
-    return Model(cfg, tfm.init_params(cfg, seed), tokenizer=None, name=f"tiny-{family}",
+    return Model(cfg, _tiny_params(cfg, seed), tokenizer=None, name=f"tiny-{family}",
                  tensor_parallel=tensor_parallel)
+
+
+def _tiny_params(cfg: ModelConfig, seed: int):
+    """`tfm.init_params(cfg, seed)`, through the $JKV_TINY_PARAMS_CACHE directory when it is set:
+    the same arrays bit for bit (saved from the init, restored into the init's tree structure)."""
+    directory = os.environ.get(TINY_PARAMS_CACHE_ENV)
+    if not directory:
+        return tfm.init_params(cfg, seed)
+    tag = hashlib.sha256(f"{cfg!r}|{seed}|{jax.__version__}".encode()).hexdigest()[:24]
+    path = os.path.join(directory, f"tiny-{tag}.npz")
+    shapes = jax.eval_shape(lambda: tfm.init_params(cfg, seed))
+    leaves, treedef = jax.tree_util.tree_flatten(shapes)
+    try:
+        with np.load(path) as stored:  # raw bytes, viewed as the init's dtype (bfloat16 too)
+            arrays = [np.frombuffer(stored[f"a{i}"].tobytes(), l.dtype).reshape(l.shape)
+                      for i, l in enumerate(leaves)]
+        return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in arrays])
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):
+        pass  # not there yet (or half-written by a process that died): initialise and store
+    params = tfm.init_params(cfg, seed)
+    os.makedirs(directory, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, **{f"a{i}": np.asarray(a).reshape(-1).view(np.uint8)
+                     for i, a in enumerate(jax.tree_util.tree_leaves(params))})
+    os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+    return params
 
 
 def params_to_numpy(params) -> dict:

@@ -23,6 +23,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _OWN_CACHE = tempfile.mkdtemp(prefix="jkv-test-xla-cache-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
     os.environ["JKV_TEST_XLA_CACHE_OWNER"] = str(os.getpid())
+# Likewise one directory of tiny-model parameters (models.model.TINY_PARAMS_CACHE_ENV): each new
+# process that builds a `tiny:` model paid ~6 CPU-s for flax's eager init; from the file ~0.2 s.
+_OWN_PARAMS = None
+if "JKV_TINY_PARAMS_CACHE" not in os.environ:
+    _OWN_PARAMS = tempfile.mkdtemp(prefix="jkv-test-tiny-params-")
+    os.environ["JKV_TINY_PARAMS_CACHE"] = _OWN_PARAMS
+    os.environ["JKV_TEST_PARAMS_OWNER"] = str(os.getpid())
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 if importlib.util.find_spec("filelock") is not None:  # jax refuses a size limit without it
@@ -62,6 +69,8 @@ def pytest_unconfigure(config):
     # Only the process that made the directory removes it (the xdist controller, after its workers).
     if _OWN_CACHE is not None and os.environ.get("JKV_TEST_XLA_CACHE_OWNER") == str(os.getpid()):
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+    if _OWN_PARAMS is not None and os.environ.get("JKV_TEST_PARAMS_OWNER") == str(os.getpid()):
+        shutil.rmtree(_OWN_PARAMS, ignore_errors=True)
 
 
 # Test files that take a minute or more of wall time in CI (the --durations of `make test`), longest
