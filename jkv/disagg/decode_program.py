@@ -1,7 +1,11 @@
 """The decode worker's per-layer device programs over the paged cache (SmartGen §4.2 on a device).
 
-One layer of a decode step, after `Model.qkv` and the new token's K, V write (`DecodePages.write_new`):
+One layer of a decode step, each part inside the layer's program:
 
+    project  the layer's q, k, v of its input x (`models.transformer.layer_qkv`, RoPE at the new
+             token's position) and the selection's query: q, or for InfiniGen's speculation the
+             same projection of the previous layer's input (`query_input`, `project_and_write`)
+    write    the new token's K, V into its page slot, its mask to 1 (`sparse.write_new_token`)
     land     rows that wait in host staging (pushed, speculated, prefetched, fetched) come in as the
              program's inputs, rows plus their page slots (`DecodePages.landing`), and are scattered
              into their pages with their mask flipping to 1 (`sparse.land_pieces`)
@@ -16,9 +20,11 @@ One layer of a decode step, after `Model.qkv` and the new token's K, V write (`D
 
 Programs (a layer runs one of the first two, plus `attend_landed` after a true miss):
 
-    fused          select → split → attend; everything local and nothing waiting in staging
-    landed         land → select → split → attend (`attend_now`; without it the program ends after
-                   split); a request still has rows to fetch, or rows wait in staging
+    fused          project → write → select → split → attend; everything local and nothing waiting
+                   in staging
+    landed         project → write → land → select → split → attend (`attend_now`; without it the
+                   program ends after split and returns q for the second program); a request still
+                   has rows to fetch, or rows wait in staging
     attend_landed  land → attend: a true miss's second program, after the synchronous fetch
     split          again after a fetch that failed (an owner died or refused a cancelled request)
 
@@ -33,8 +39,18 @@ to) is a true miss: its fetch sits between the split and the
 attention, so the first program's attention is discarded and `attend_landed` runs once the rows
 arrived. Without lookahead a miss is the rule, so `landed` stops before attention. All programs
 are built from the same functions, so a token's output does not depend on which path ran.
-`landed` and `attend_landed` donate the layer's pages and the mask and return them, pinned to
-the decode model's mesh (`_pinner`, as decode_pages pins its own programs).
+Every program donates the layer's pages and the mask and returns them, pinned to the decode
+model's mesh (`_pinner`, as decode_pages pins its own programs). `fused` and `landed` also return
+the layer's selected-entry count (`valid_rows`), which the worker stacks once a step.
+
+So a layer whose selected rows are all local or staged is one dispatch on the engine thread
+(before: `Model.qkv`, `DecodePages.write_new` and this program, each jitted on its own). With the
+layer lookahead the next layer's hint stays a separate `Model.qkv` + hint selection on the
+lookahead's helper thread, started before this layer's program: computed inside it, the hint
+would exist only after the layer's compute and the prefetch would no longer overlap it. The
+selection's speculative query is therefore projected twice (by the hint, and again inside the
+layer's program from the same input), a [B, hidden] x [hidden, H*D] product; in exchange the
+selection never depends on whether a hint ran (the mode invariant: `partial` has no lookahead).
 
 Attention goes through `pallas_kernels.dispatch`: on a GPU backend the sparse decode attention
 kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CPU) the model's
@@ -43,10 +59,12 @@ kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CP
 (see dispatch's docstring): choose it before the first step.
 
 Programs are jitted once per (model, selector, KV sharding) and shared by every layer (the layer's
-params, selector state and pages are arguments); `capacity`, `dense`, `drops` and `attend_now` are static.
+params, selector state and pages are arguments); `capacity`, `dense`, `drops` and `attend_now` are
+static, and so is whether the query is speculative (`x_query` None or an array).
 
 Warm-up (`LayerPrograms.warm_up`): a step compiles nothing. Each program's shapes follow the
-batch's shape class (B, N_cap) and the layer kind (dense or selected), so the worker compiles
+batch's shape class (B, N_cap) and the layer kind (dense, selected, selected with a speculative
+query), so the worker compiles
 every program a step of that class can run when the class first appears (requests handed in,
 a membership change), not on first use: smartgen's first step is the first to run `landed`,
 `attend_landed` and `split`, and compiling them there went straight into its time to second token.
