@@ -121,9 +121,9 @@ def test_landing_layer_programs_export_for_cuda(dtype, backend):
 
     with dispatch.backend(backend):
         exported = _export(layer, *args, _landing(cfg))
-        kv_index, q = exported.out_avals[-10], exported.out_avals[-4]
+        kv_index, q = exported.out_avals[-9], exported.out_avals[-4]  # after the metadata's leaves
         second = _export(miss, args[0], args[2], q, K, K, mask, args[9], table, kv_index, _landing(cfg))
-    selected, reordered, remote, x, q, K_out, V_out, mask_out = exported.out_avals[-9:]
+    selected, reordered, remote, x, q, K_out, V_out, mask_out = exported.out_avals[-8:]
     assert kv_index.shape == reordered.shape and kv_index.shape[0] == B * cfg.num_kv_heads
     assert remote.shape == selected.shape == (B * cfg.num_kv_heads,) and x.shape == (B, cfg.hidden_size)
     assert q.shape == (B, cfg.num_heads, cfg.head_dim)
