@@ -42,8 +42,9 @@ Tensor parallelism (`sharding=Model.kv_sharding`): the pages are split by KV hea
 model's mesh and the mask is replicated on it. Rows arrive in blocks of KV-head slices of the
 prefill's layout (global head order, jkv/disagg/head_slices.py: the prefill side may run any degree;
 a slice may span two of these shards or be part of one), a run's staging mask byte after its last
-slice, and `land`'s one program scatters each row into the shard that holds its head; `land` (and the layer
-programs, decode_program.py) pin their outputs to these layouts, so the cache never drifts to another (a drift would recompile the step programs and move the cache).
+slice, and `land`'s one program scatters each row into the shard that holds its head; `land` (and
+the layer programs, decode_program.py) pin their outputs to these layouts, so the cache never
+drifts to another (a drift would recompile the step programs and move the cache).
 
 Threads: everything runs on the decode worker's engine thread (plan, land, write, gather, free);
 the host shadows it reads (`LiveRequest.on_device`, `landed`) belong to that thread too.

@@ -211,9 +211,10 @@ class LayerPrograms:
     def warm_up(self, model, pages, batch: int, capacity: int, dense_below: int, *, remote: bool = True,
                 lookahead: bool = False, hint=None, drops: bool = False) -> bool:
         """Compile every program a decode step of `batch` requests at N_cap = `capacity` runs, for
-        each layer kind present (dense below `dense_below`, selected from it): the model's embed
-        and logits, `fused` and `landed` (each with its layer's q, k, v, the new token's page write
-        and the selected-row count inside); with `remote` (a member may still fetch) also attend_landed, split and (without `lookahead`)
+        each layer kind present (dense below `dense_below`, selected from it, with or without a
+        speculative query): the model's embed and logits, `fused` and `landed` (each with its
+        layer's q, k, v, the new token's page write and the selected-row count inside); with
+        `remote` (a member may still fetch) also attend_landed, split and (without `lookahead`)
         `landed` stopping before attention; with `lookahead` the next layer's hint (`Model.qkv` of
         the next layer, then `hint` or the selector's own select). The layer programs are compiled
         ahead of time from shapes; the rest runs once on zeros (reads only: pages and mask are
@@ -257,8 +258,8 @@ class LayerPrograms:
         meta = None if dense else decode_metadata.empty(sel, self.cfg, layer, batch, capacity)
         args = dict(capacity=capacity, dense=dense, state=None if dense else sel.layer_state(layer),
                     meta=meta, x_query=query_input(sel, layer, dense, x), pos=pos, now_cached=pos, drops=drops,
-                    params=model.layer_params(layer), x=x, K=K, V=V, mask=pages.mask, layer=np.int32(layer), table=table,
-                    fetchable=jax.ShapeDtypeStruct((batch,), jnp.bool_))
+                    params=model.layer_params(layer), x=x, K=K, V=V, mask=pages.mask, layer=np.int32(layer),
+                    table=table, fetchable=jax.ShapeDtypeStruct((batch,), jnp.bool_))
         fused = self.fused.lower(**args)
         fused.compile()
         kv_index = fused.out_info[1]
