@@ -1,9 +1,9 @@
 """The SmartGen decode worker's fused per-layer program (jkv/disagg/decode_program.py: the
 layer's q, k, v and the new token's page write → select on the device → split_reorder against
 the paged KV mask → gather of the selected rows from the pages → attention → MLP) lowers for
-CUDA on this CPU-only machine (`jax.export`, platforms=["cuda"]), with the selector inside it, not only the kernels; so do the programs of a layer with remote rows
-(`landed`: the arrived and prefetched rows scattered into their pages first; `attend_landed`:
-a true miss's second program).
+CUDA on this CPU-only machine (`jax.export`, platforms=["cuda"]), with the selector inside it,
+not only the kernels; so do the programs of a layer with remote rows (`landed`: the arrived and
+prefetched rows scattered into their pages first; `attend_landed`: a true miss's second program).
 
 Under dispatch backend "mosaic" (what "auto" picks on Hopper) a bf16 model with head dim 64 takes
 the Mosaic GPU sparse attention kernel and the Triton top-k, split and paged-gather kernels: the
