@@ -18,8 +18,8 @@ Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
   2. its "handoff" (first token) arrives. Prefill writes land in staging and flip staging mask
      bytes to LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
   3. at the next step boundary it joins the running set; every decode step, per layer (with
-     lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py): q, k, v →
-     the new k, v go into the device pages (mask 1) → one program: landing (staging rows not yet
+     lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py) one
+     program: q, k, v → the new k, v into the device pages (mask 1) → landing (staging rows not yet
      on the device are scattered into their pages, their device mask flips to 1) → select →
      `split_reorder` against the device mask → every selected row gathered from the pages →
      attention over the selected entries in selection order → MLP; only a true miss (a selected
