@@ -5,7 +5,6 @@ projected by `Model.qkv` (the colocated reference, jkv/selection/sparse_decode.p
 token's K, V land in its page slot with mask 1."""
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from jkv.disagg import decode_program
 from jkv.disagg.decode_pages import DecodePages
@@ -17,18 +16,9 @@ from models import tiny_model
 B, P, CAPACITY = 2, 16, 512
 
 
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("qwen2", 0)
-
-
-@pytest.fixture(scope="module")
-def infinigen(model):
-    return build_selector(model, "infinigen")
-
-
-def test_speculative_query_in_the_program_selects_as_the_reference(model, infinigen):
-    cfg, sel = model.cfg, infinigen
+def test_speculative_query_in_the_program_selects_as_the_reference():
+    model = tiny_model("qwen2", 0)
+    cfg, sel = model.cfg, build_selector(model, "infinigen")
     layer = cfg.num_layers - 1
     rng = np.random.default_rng(0)
     x, x_prev = (jnp.asarray(rng.standard_normal((B, cfg.hidden_size)), cfg.dtype) for _ in range(2))
