@@ -136,14 +136,13 @@ def program_cases() -> list[Case]:
     for backend in ("mosaic", "pallas", "xla"):
         cases.append(Case(f"sparse_decode_layer[{backend}]", f"{geometry} B=8 N=4096 k=20%",
                           sparse_fn, sparse_avals, backend=backend))
-    # the SmartGen decode worker's fused layer on the paged cache (jkv/disagg/decode_program.py),
-    # as a Hopper runs it: oracle select + Triton top-k, Triton split/reorder and paged gather,
-    # Mosaic attention
-    paged_sparse_fn, paged_sparse_avals = dp.sparse_paged_decode_layer_program(cfg, batch=8, page_size=16,
-                                                                               capacity=4096)
-    cases.append(Case("sparse_paged_decode_layer[mosaic]",
-                      f"{geometry} B=8 P=16 pages=2049 table=256 oracle k=20%",
-                      paged_sparse_fn, paged_sparse_avals, backend="mosaic"))
+    # the SmartGen decode worker's own layer programs on the paged cache (jkv/disagg/decode_program.py),
+    # as a Hopper runs them: oracle select + Triton top-k, Triton split/reorder and paged gather,
+    # Mosaic attention; `landed` and `attend_landed` also scatter the landing rows into the pages
+    for name, (fn, avals, donate) in dp.worker_layer_programs(cfg, batch=8, page_size=16, capacity=4096).items():
+        cases.append(Case(f"sparse_paged_decode_layer[{name} mosaic]",
+                          f"{geometry} B=8 P=16 pages=2049 table=256 oracle k=20%", fn, avals, backend="mosaic",
+                          donate=donate))
     return cases
 
 

@@ -6,15 +6,19 @@
                                         q/k/v -> top-k selection (InfiniGen partial scores) ->
                                         split/reorder by the remote/local mask -> gather -> sparse
                                         attention -> output projection + MLP
+    worker_layer_programs(cfg)       -> {name: (fn, avals, donated)}: the SmartGen decode worker's
+                                        own per-layer programs on the paged cache (`fused`,
+                                        `landed`, `attend_landed` of jkv/disagg/decode_program.py)
 
-Both take abstract shapes (jax.ShapeDtypeStruct) so they can be lowered for a GPU that is not
+All take abstract shapes (jax.ShapeDtypeStruct) so they can be lowered for a GPU that is not
 there; `small_config()` is a random-weight model with SmolLM2-135M's layer geometry (hidden 576,
 9 query / 3 KV heads, head dim 64, FFN 1536) but 4 layers and a 4,096-token vocabulary, small
 enough to travel to a GPU machine (weights ~40 MB in bf16) and to compile in seconds.
 
 The sparse layers read the ops through `pallas_kernels.dispatch`, so the backend active when they
-are traced (Mosaic / Triton / XLA) is what they compile. It attends over the selected prefix of the
-cache only (the step's own new k/v is written separately, as in jkv.selection.sparse_decode).
+are traced (Mosaic / Triton / XLA) is what they compile. `sparse_decode_layer_program` attends over
+the selected prefix of the cache only (the step's own new k/v is written separately, as in
+jkv.selection.sparse_decode); the worker's programs write it into its page themselves.
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jkv.disagg import decode_program
+from jkv.disagg import decode_pages, decode_program
 from jkv.kvcache import sparse
 from jkv.selection import get_selector
 from models import paged, transformer as tfm
@@ -135,37 +139,67 @@ def sparse_decode_layer_program(cfg: ModelConfig, batch: int = 8, n_max: int = 4
 
 
 
-def sparse_paged_decode_layer_program(cfg: ModelConfig, batch: int = 8, page_size: int = 16,
-                                      capacity: int = 4096, selector: str = "oracle"
-                                      ) -> tuple[Callable, tuple]:
-    """The decode worker's fused sparse layer on the paged cache (`decode_program.fused`, what
-    `LayerPrograms.fused` jits; a selected layer, not a dense one). Arguments, as the worker
-    passes them: (layer_params, metadata (the selector's, f32 [B, H_kv, capacity, D] keys for
-    oracle), x [B, hidden], q, query [B, H, D], k_new [B, H_kv, D], pos i32[B], now_cached i32[B],
-    K, V [num_pages, H_kv, P, D], mask i8[L, num_pages, H_kv, P], layer i32[], table
-    i32[B, capacity / P], fetchable bool[B]) -> (metadata, kv_index i32[B*H_kv, k], remote_count
-    i32[B*H_kv], x [B, hidden]). num_pages = B * capacity / P + 1 (the null page): every request
+def worker_layer_programs(cfg: ModelConfig, batch: int = 8, page_size: int = 16, capacity: int = 4096,
+                          selector: str = "oracle") -> dict[str, tuple[Callable, tuple, tuple[int, ...]]]:
+    """The decode worker's per-layer programs on the paged cache, for a selected (not dense) layer,
+    as `LayerPrograms` jits them (jkv/disagg/decode_program.py): name -> (fn, avals, donated
+    argument numbers: the layer's pages and the mask).
+
+        fused          (layer_params, metadata, x [B, hidden], x_query, pos i32[B], now_cached i32[B],
+                        K, V [num_pages, H_kv, P, D], mask i8[L, num_pages, H_kv, P], layer i32[],
+                        table i32[B, capacity / P], fetchable bool[B])
+                        -> (metadata, kv_index i32[B*H_kv, k], selected i32[B*H_kv], remote_count
+                        i32[B*H_kv], x, K, V, mask): q, k, v, the new token's page write, select,
+                        split, gather, attention, MLP
+        landed         fused's arguments + landing (DecodePages.landing's pieces of 1 .. 512 rows)
+                        -> (metadata, kv_index, selected, reordered, remote_count, x, q [B, H, D], K,
+                        V, mask): the same with the staged rows landed first
+        attend_landed  (layer_params, x, q, K, V, mask, layer, table, kv_index, landing) -> (x, K, V,
+                        mask): a true miss's second program
+
+    x_query is what the worker passes for `selector` (`decode_program.query_input`: None for
+    oracle, the previous layer's input for InfiniGen). metadata: the selector's (f32 [B, H_kv,
+    capacity, D] keys for oracle). num_pages = B * capacity / P + 1 (the null page): every request
     can hold `capacity` tokens. k = 20% of capacity (the selector's max_ratio)."""
     chosen = get_selector(selector)
     h_kv, head_dim = cfg.num_kv_heads, cfg.head_dim
     max_pages = capacity // page_size
     num_pages = batch * max_pages + 1
     dtype = jnp.dtype(cfg.dtype)
+    layer_i = cfg.num_layers - 1
 
     def aval(shape, dt=dtype):
         return jax.ShapeDtypeStruct(shape, jnp.dtype(dt))
 
-    def layer(params, meta, x, q, query, k_new, pos, now_cached, K, V, mask, layer_i, table, fetchable):
-        return decode_program.fused(cfg, chosen, capacity, False, params, None, meta, x, q, query, k_new, pos,
-                                    now_cached, K, V, mask, layer_i, table, fetchable)
+    def pin(K, V, mask):
+        return K, V, mask
 
-    layer_avals = jax.eval_shape(lambda p: p["layers"][0], param_avals(cfg))
-    meta = jax.eval_shape(lambda K, n: chosen.prepare(cfg.num_layers - 1, K, n),
+    def fused(params, meta, x, x_query, pos, now_cached, K, V, mask, layer, table, fetchable):
+        return decode_program.fused(cfg, chosen, pin, capacity, False, params, chosen.layer_state(layer_i), meta,
+                                    x, x_query, pos, now_cached, K, V, mask, layer, table, fetchable)
+
+    def landed(params, meta, x, x_query, pos, now_cached, K, V, mask, layer, table, fetchable, landing):
+        return decode_program.landed(cfg, chosen, pin, capacity, False, params, chosen.layer_state(layer_i), meta,
+                                     x, x_query, pos, now_cached, K, V, mask, layer, table, fetchable, landing)
+
+    def attend_landed(params, x, q, K, V, mask, layer, table, kv_index, landing):
+        return decode_program.attend_landed(cfg, pin, params, x, q, K, V, mask, layer, table, kv_index, landing)
+
+    params = jax.eval_shape(lambda p: p["layers"][layer_i], param_avals(cfg))
+    meta = jax.eval_shape(lambda K, n: chosen.prepare(layer_i, K, n),
                           aval((batch, h_kv, capacity, head_dim), jnp.float32), aval((batch,), jnp.int32))
     pages = aval((num_pages, h_kv, page_size, head_dim))
     mask = jax.eval_shape(lambda: sparse.init_mask(cfg.num_layers, num_pages, h_kv, page_size))
-    ids = aval((batch,), jnp.int32)
-    heads = aval((batch, cfg.num_heads, head_dim))
-    return layer, (layer_avals, meta, aval((batch, cfg.hidden_size)), heads, heads,
-                   aval((batch, h_kv, head_dim)), ids, ids, pages, pages, mask, aval((), jnp.int32),
-                   aval((batch, max_pages), jnp.int32), aval((batch,), jnp.bool_))
+    ids, x = aval((batch,), jnp.int32), aval((batch, cfg.hidden_size))
+    table = aval((batch, max_pages), jnp.int32)
+    x_query = decode_program.query_input(chosen, layer_i, False, x)
+    args = (params, meta, x, x_query, ids, ids, pages, pages, mask, aval((), jnp.int32), table,
+            aval((batch,), jnp.bool_))
+    landing = tuple((*[aval((1 << b,), jnp.int32)] * 3, *[aval((1 << b, head_dim))] * 2)
+                    for b in range(decode_pages.LANDING_BITS))
+    kv_index = jax.eval_shape(fused, *args)[1]
+    q = aval((batch, cfg.num_heads, head_dim))
+    return {"fused": (fused, args, (6, 7, 8)),
+            "landed": (landed, (*args, landing), (6, 7, 8)),
+            "attend_landed": (attend_landed, (params, x, q, pages, pages, mask, args[9], table, kv_index, landing),
+                              (3, 4, 5))}

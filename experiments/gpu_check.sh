@@ -17,7 +17,8 @@
 #             attention_f32.csv (on CPU: the XLA reference, and the Mosaic kernel interpreted
 #             where jax >= 0.11 has the interpreter; interpret mode is never timed)
 #   programs  experiments/gpu_programs.py: end-to-end generate (random-weight model, token-id
-#             prompts) and the decode programs' times vs XLA, GB/s vs the H200's 4.8 TB/s
+#             prompts) and the decode programs' times vs XLA (the dense step, a sparse layer, and
+#             the decode worker's own fused / landed / attend_landed), GB/s vs the H200's 4.8 TB/s
 # Then $OUT/summary.md: one table of the steps and the CSVs' contents.
 set -u
 cd "$(dirname "$0")/.."

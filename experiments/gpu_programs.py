@@ -6,8 +6,10 @@
    geometry, 4 layers) prefills token-id prompts and greedily decodes, densely (Model.decode_step)
    and through jkv's sparse decode with the Quest selector under every kernel backend; the
    tokens must be valid ids (same_tokens_as_xla says whether a backend matched XLA's).
-2. programs: median time of the dense decode step (XLA) and of the SmartGen sparse decode layer
-   under every kernel backend this device has (mosaic / pallas / xla), with the achieved
+2. programs: median time of the dense decode step (XLA), of the SmartGen sparse decode layer and
+   of the decode worker's own layer programs (`fused`, `landed`, `attend_landed`:
+   experiments/decode_programs.worker_layer_programs) under every kernel backend this device has
+   (mosaic / pallas / xla), with the achieved
    bandwidth over the bytes each program must read (weights + the KV it attends over), as a
    fraction of the H200's 4.8 TB/s.
 Writes DIR/programs.csv and DIR/generate.csv; --small shrinks every size (the CPU dry run).
@@ -145,13 +147,19 @@ def main(argv=None) -> int:
     sparse_bytes = (layer_bytes + batch * n_max * cfg.num_kv_heads * d_p * itemsize
                     + 2 * batch * k * kv_row)
     programs.append(("sparse_decode_layer", sparse_fn, sparse_avals, kernel_backends(), sparse_bytes))
+    # The decode worker's own layer programs (oracle: it scores every cached key, f32 metadata),
+    # on inputs of random 0/1 ids: every page id, slot and table entry is a valid one.
+    attend_bytes = layer_bytes + 2 * batch * k * kv_row
+    for name, (fn, avals, _) in dp.worker_layer_programs(cfg, batch, 16, n_max).items():
+        meta_bytes = 0 if name == "attend_landed" else batch * n_max * cfg.num_kv_heads * cfg.head_dim * 4
+        programs.append((f"worker_{name}", fn, avals, kernel_backends(), attend_bytes + meta_bytes))
     positions = jnp.full((batch,), n_max - 1, jnp.int32)
     for name, fn, avals, backends, nbytes in programs:
         inputs = [jax.tree_util.tree_map(lambda a: _random(a, rng), a) for a in avals]
         if name.startswith("decode"):  # (params, cache, tokens, positions)
             inputs[-2] = jnp.asarray(rng.integers(3, cfg.vocab_size, batch), jnp.int32)
             inputs[-1] = positions
-        else:  # (layer_params, x, K, V, positions, kv_mask: 2 remote / 1 local)
+        elif name == "sparse_decode_layer":  # (layer_params, x, K, V, positions, kv_mask: 2 remote / 1 local)
             inputs[-2] = positions
             inputs[-1] = jnp.asarray(rng.choice(np.array([1, 2], np.int8), (batch, n_max)))
         seconds = {}
@@ -167,7 +175,7 @@ def main(argv=None) -> int:
             s = seconds.get(backend)
             gbps = nbytes / s / 1e9 if s else None
             rows.append(dict(device=device, program=name, backend=backend, batch=batch, cache_tokens=n_max,
-                             k=k if name.startswith("sparse") else "", ms=f"{s * 1e3:.3f}" if s else "",
+                             k=k if not name.startswith("decode") else "", ms=f"{s * 1e3:.3f}" if s else "",
                              bytes=nbytes, gbps=f"{gbps:.1f}" if gbps else "",
                              hbm_fraction_of_4_8_tbs=f"{gbps * 1e9 / H200_HBM_BYTES_PER_S:.3f}" if gbps else "",
                              speedup_vs_xla="", error=error))

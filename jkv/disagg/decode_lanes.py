@@ -37,34 +37,36 @@ from transport import RemoteError, TransportError
 
 
 class FetchLanes:
-    def _layer_programs(self, st, layer, q, args):
-        """One layer of the running set after its new K, V is in the pages -> (meta, kv_index i32[B*H, k]
-        (device), x [B, hidden], remote i64[B*H]: entries fetched on demand). Everything local: `fused`,
-        or `landed` when rows wait in staging; otherwise `_gather`. args: the select arguments."""
+    def _layer_programs(self, st, layer, args):
+        """One layer of the running set -> (meta, kv_index i32[B*H, k], selected i32[B*H] (both on the
+        device), x [B, hidden], remote i64[B*H]: entries fetched on demand). Everything local:
+        `fused`, or `landed` when rows wait in staging; otherwise `_gather`. args: the layer's
+        select arguments; every program computes the layer's q, k, v and writes the new K, V."""
         B, H = len(st.lives), self.model.cfg.num_kv_heads
         if any(lv.fetchable for lv in st.lives):
-            return self._gather(st, layer, q, args)
+            return self._gather(st, layer, args)
         landing = self.pages.landing(st.lives, layer, st.table_np, self.phases)  # staging rows not yet in pages
         if landing is not None:
-            meta, kv_index, _, _, x = self._landed(st, layer, q, args, np.zeros(B, bool), landing, True)
+            meta, kv_index, selected, _, _, x, _ = self._landed(st, layer, args, np.zeros(B, bool), landing, True)
         else:
             K, V = self.pages.cache.kv[layer]
-            meta, kv_index, _, x = self.programs.fused(
-                **args, params=self.model.layer_params(layer), x=st.x, q=q, K=K, V=V, mask=self.pages.mask,
+            meta, kv_index, selected, _, x, K, V, mask = self.programs.fused(
+                **args, params=self.model.layer_params(layer), x=st.x, K=K, V=V, mask=self.pages.mask,
                 layer=np.int32(layer), table=st.table, fetchable=np.zeros(B, bool))
-        return meta, kv_index, x, np.zeros(B * H, np.int64)
+            self.pages.replace(layer, K, V, mask)
+        return meta, kv_index, selected, x, np.zeros(B * H, np.int64)
 
-    def _landed(self, st, layer, q, args, fetchable, landing, attend_now):
+    def _landed(self, st, layer, args, fetchable, landing, attend_now):
         """`programs.landed` on this layer's pages (replaced by the program's) -> (meta, kv_index,
-        reordered, remote_count, x), all on the device."""
+        selected, reordered, remote_count, x, q), all on the device."""
         K, V = self.pages.cache.kv[layer]
-        meta, kv_index, reordered, remote, x, K, V, mask = self.programs.landed(
-            **args, params=self.model.layer_params(layer), x=st.x, q=q, K=K, V=V, mask=self.pages.mask,
+        *out, K, V, mask = self.programs.landed(
+            **args, params=self.model.layer_params(layer), x=st.x, K=K, V=V, mask=self.pages.mask,
             layer=np.int32(layer), table=st.table, fetchable=fetchable, landing=landing, attend_now=attend_now)
         self.pages.replace(layer, K, V, mask)
-        return meta, kv_index, reordered, remote, x
+        return out
 
-    def _gather(self, st, layer, q, args):
+    def _gather(self, st, layer, args):
         """`_layer_programs` while a request has rows to fetch: one program lands what arrived or was
         prefetched, selects, splits and (with lookahead, where the prefetch supplied the remote rows)
         attends; a true miss (a selected row still remote) is fetched, then `attend_landed`."""
@@ -72,18 +74,19 @@ class FetchLanes:
         landing = self.pages.landing(lives, layer, st.table_np, self.phases) or self.pages.null_landing()
         self.phases.lap("land")
         expect_hits = st.lookahead is not None
-        meta, kv_index, reordered, remote_count, x = self._landed(
-            st, layer, q, args, np.asarray([lv.fetchable for lv in lives]), landing, expect_hits)
+        meta, kv_index, selected, reordered, remote_count, x, q = self._landed(
+            st, layer, args, np.asarray([lv.fetchable for lv in lives]), landing, expect_hits)
         remote_count = np.asarray(remote_count)
         self.phases.lap("landed")
         if expect_hits and not remote_count.any():
             self._lookahead.release(layer + 1)  # no synchronous fetch: the next prefetch may go
-            return meta, kv_index, x, remote_count
+            return meta, kv_index, selected, x, remote_count
         reordered = np.asarray(reordered)
         while True:
             fetchable = {id(lv) for lv in lives if lv.fetchable}
             try:
-                return (meta, kv_index, *self._fetch_and_attend(st, layer, kv_index, q, reordered, remote_count))
+                return (meta, kv_index, selected, *self._fetch_and_attend(st, layer, kv_index, q, reordered,
+                                                                          remote_count))
             except OwnerDown as e:
                 # A request cancelled (or freed) while its rows were being fetched makes the owner
                 # refuse the whole RPC; the owner is alive: fetch again without that request.

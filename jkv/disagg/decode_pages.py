@@ -30,7 +30,8 @@ ordered second WRITE flips the device mask byte; `land` then finds nothing to co
 Only these copies move KV host->device, and `land` / `landing` count them by cause into the step
 clock and `h2d_bytes` (totals): "arrived" (block writes and "ckv" frames), "fetched" (on-demand and
 lookahead replies), "other" (a prompt recomputed here after its owner failed). The step's own
-new K, V are computed on the device and written there (`write_new`): no host->device bytes.
+new K, V are computed on the device and written there, inside the layer's program
+(jkv/disagg/decode_program.py): no host->device bytes.
 Uploads go in power-of-two pieces of at most MAX_PIECE rows, so every byte counted is a row (no
 padding crosses) and a fixed set of compiled programs (one per piece size, 1 .. MAX_PIECE) serves
 every batch size. `warm_up` compiles them all before the first step: which sizes a step needs
@@ -41,8 +42,9 @@ Tensor parallelism (`sharding=Model.kv_sharding`): the pages are split by KV hea
 model's mesh and the mask is replicated on it. Rows arrive in blocks of KV-head slices of the
 prefill's layout (global head order, jkv/disagg/head_slices.py: the prefill side may run any degree;
 a slice may span two of these shards or be part of one), a run's staging mask byte after its last
-slice, and `land`'s one program scatters each row into the shard that holds its head; `land` and `write_new` pin their outputs to these layouts, so the
-cache never drifts to another (a drift would recompile the step programs and move the cache).
+slice, and `land`'s one program scatters each row into the shard that holds its head; `land` (and
+the layer programs, decode_program.py) pin their outputs to these layouts, so the cache never
+drifts to another (a drift would recompile the step programs and move the cache).
 
 Threads: everything runs on the decode worker's engine thread (plan, land, write, gather, free);
 the host shadows it reads (`LiveRequest.on_device`, `landed`) belong to that thread too.
@@ -95,14 +97,13 @@ _warm_landing: set = set()  # (K, V, mask) avals whose landing programs are comp
 
 @functools.lru_cache(maxsize=4)
 def _pinned_programs(sharding):
-    """(mask sharding, set_page_masks, land_rows, write_new_token) with their outputs pinned: the
+    """(mask sharding, set_page_masks, land_rows) with their outputs pinned: the
     pages to `sharding` (split by KV head), the mask replicated on its mesh. Cached per sharding, so
     a fresh decode worker on the same mesh reuses the compiled programs."""
     mask_sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
     pages_out = (sharding, sharding, mask_sharding)
     return (mask_sharding, jax.jit(sparse._set_page_masks, donate_argnums=(0,), out_shardings=mask_sharding),
-            jax.jit(sparse._land_rows, donate_argnums=(0, 1, 2), out_shardings=pages_out),
-            jax.jit(sparse._write_new_token, donate_argnums=(0, 1, 2), out_shardings=pages_out))
+            jax.jit(sparse._land_rows, donate_argnums=(0, 1, 2), out_shardings=pages_out))
 
 
 class DecodePages:
@@ -118,11 +119,10 @@ class DecodePages:
         self.num_kv_heads, self.head_dim = model_cfg.num_kv_heads, model_cfg.head_dim
         self.mask = sparse.init_mask(model_cfg.num_layers, page_cfg.num_pages, model_cfg.num_kv_heads,
                                      page_cfg.page_size)
-        self._set_masks, self._land_rows, self._write_new = (sparse.set_page_masks, sparse.land_rows,
-                                                             sparse.write_new_token)
+        self._set_masks, self._land_rows = sparse.set_page_masks, sparse.land_rows
         self._mask_sharding = None
         if sharding is not None:
-            self._mask_sharding, self._set_masks, self._land_rows, self._write_new = _pinned_programs(sharding)
+            self._mask_sharding, self._set_masks, self._land_rows = _pinned_programs(sharding)
             self.mask = jax.device_put(self.mask, self._mask_sharding)
         self.row_bytes = 2 * model_cfg.head_dim * self.cache.dtype.itemsize  # one K row and one V row
         self.h2d_bytes = self.cache.h2d_bytes  # the cache's counters (its stats and /metrics read them)
@@ -319,13 +319,6 @@ class DecodePages:
     def _set_layer(self, layer, K, V) -> None:
         kv = self.cache.kv
         self.cache.kv = kv[:layer] + ((K, V),) + kv[layer + 1:]
-
-    # ------------------------------------------------------------ the step's device work
-    def write_new(self, layer: int, table, positions, k, v) -> None:
-        """The step's new K, V (device [B, H_kv, D]) at positions i32[B]; their mask flips to 1."""
-        K, V = self.cache.kv[layer]
-        K, V, self.mask = self._write_new(K, V, self.mask, np.int32(layer), table, positions, k, v)
-        self._set_layer(layer, K, V)
 
     def stats(self) -> dict[str, int]:
         """The cache's page counters and its host->device KV bytes by cause (totals)."""

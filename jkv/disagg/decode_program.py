@@ -1,7 +1,11 @@
 """The decode worker's per-layer device programs over the paged cache (SmartGen §4.2 on a device).
 
-One layer of a decode step, after `Model.qkv` and the new token's K, V write (`DecodePages.write_new`):
+One layer of a decode step, each part inside the layer's program:
 
+    project  the layer's q, k, v of its input x (`models.transformer.layer_qkv`, RoPE at the new
+             token's position) and the selection's query: q, or for InfiniGen's speculation the
+             same projection of the previous layer's input (`query_input`, `project_and_write`)
+    write    the new token's K, V into its page slot, its mask to 1 (`sparse.write_new_token`)
     land     rows that wait in host staging (pushed, speculated, prefetched, fetched) come in as the
              program's inputs, rows plus their page slots (`DecodePages.landing`), and are scattered
              into their pages with their mask flipping to 1 (`sparse.land_pieces`)
@@ -16,9 +20,11 @@ One layer of a decode step, after `Model.qkv` and the new token's K, V write (`D
 
 Programs (a layer runs one of the first two, plus `attend_landed` after a true miss):
 
-    fused          select → split → attend; everything local and nothing waiting in staging
-    landed         land → select → split → attend (`attend_now`; without it the program ends after
-                   split); a request still has rows to fetch, or rows wait in staging
+    fused          project → write → select → split → attend; everything local and nothing waiting
+                   in staging
+    landed         project → write → land → select → split → attend (`attend_now`; without it the
+                   program ends after split and returns q for the second program); a request still
+                   has rows to fetch, or rows wait in staging
     attend_landed  land → attend: a true miss's second program, after the synchronous fetch
     split          again after a fetch that failed (an owner died or refused a cancelled request)
 
@@ -33,8 +39,18 @@ to) is a true miss: its fetch sits between the split and the
 attention, so the first program's attention is discarded and `attend_landed` runs once the rows
 arrived. Without lookahead a miss is the rule, so `landed` stops before attention. All programs
 are built from the same functions, so a token's output does not depend on which path ran.
-`landed` and `attend_landed` donate the layer's pages and the mask and return them, pinned to
-the decode model's mesh (`_pinner`, as decode_pages pins its own programs).
+Every program donates the layer's pages and the mask and returns them, pinned to the decode
+model's mesh (`_pinner`, as decode_pages pins its own programs). `fused` and `landed` also return
+the layer's selected-entry count (`valid_rows`), which the worker stacks once a step.
+
+So a layer whose selected rows are all local or staged is one dispatch on the engine thread
+(before: `Model.qkv`, `DecodePages.write_new` and this program, each jitted on its own). With the
+layer lookahead the next layer's hint stays a separate `Model.qkv` + hint selection on the
+lookahead's helper thread, started before this layer's program: computed inside it, the hint
+would exist only after the layer's compute and the prefetch would no longer overlap it. The
+selection's speculative query is therefore projected twice (by the hint, and again inside the
+layer's program from the same input), a [B, hidden] x [hidden, H*D] product; in exchange the
+selection never depends on whether a hint ran (the mode invariant: `partial` has no lookahead).
 
 Attention goes through `pallas_kernels.dispatch`: on a GPU backend the sparse decode attention
 kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CPU) the model's
@@ -43,10 +59,12 @@ kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CP
 (see dispatch's docstring): choose it before the first step.
 
 Programs are jitted once per (model, selector, KV sharding) and shared by every layer (the layer's
-params, selector state and pages are arguments); `capacity`, `dense`, `drops` and `attend_now` are static.
+params, selector state and pages are arguments); `capacity`, `dense`, `drops` and `attend_now` are
+static, and so is whether the query is speculative (`x_query` None or an array).
 
 Warm-up (`LayerPrograms.warm_up`): a step compiles nothing. Each program's shapes follow the
-batch's shape class (B, N_cap) and the layer kind (dense or selected), so the worker compiles
+batch's shape class (B, N_cap) and the layer kind (dense, selected, selected with a speculative
+query), so the worker compiles
 every program a step of that class can run when the class first appears (requests handed in,
 a membership change), not on first use: smartgen's first step is the first to run `landed`,
 `attend_landed` and `split`, and compiling them there went straight into its time to second token.
@@ -79,6 +97,11 @@ def attention_fn():
     return None if dispatch.resolved_backend() == "xla" else _dispatch_attention
 
 
+def valid_rows(kv_index) -> jax.Array:
+    """Selected entries per row: i32[B*H_kv] (-1 marks the unused tail)."""
+    return (kv_index >= 0).sum(axis=1).astype(jnp.int32)
+
+
 def select(selector, H: int, capacity: int, dense: bool, state, meta, query, k_new, pos, now_cached,
            mask=None, layer=None, table=None, drops: bool = False):
     """-> (meta, kv_index i32[B*H_kv, k]); a dense layer keeps meta (None) and takes every token.
@@ -105,30 +128,54 @@ def attend(cfg, params, x, q, K, V, table, kv_index):
     return tfm.layer_attend_and_mlp(cfg, params, x, q, K_sel, V_sel, valid, attention_fn=attention_fn())
 
 
-def fused(cfg, selector, capacity: int, dense: bool, params, state, meta, x, q, query, k_new, pos, now_cached,
+def query_input(selector, layer: int, dense: bool, x_prev):
+    """The hidden state the selection's query of `layer` is projected from, inside the layer's
+    program: x_prev (the previous layer's input: InfiniGen's speculation, `Selector.decode_query`)
+    or None, the layer's own q. `decode_query` returns its q or `speculate()`, so asking it with
+    q=None tells which."""
+    return None if dense else selector.decode_query(layer, None, lambda: x_prev)
+
+
+def project_and_write(cfg, params, x, x_query, pos, K, V, mask, layer, table):
+    """The layer's projections of its input x [B, hidden] at positions pos i32[B] and the new
+    token's k, v written into the pages (mask 1, `sparse.write_new_token`) -> (q [B, H, D],
+    k [B, H_kv, D], query [B, H, D] (q, or the projection of x_query: `query_input`), K, V, mask)."""
+    q, k, v = tfm.layer_qkv(cfg, params, x, pos)
+    query = q if x_query is None else tfm.layer_qkv(cfg, params, x_query, pos)[0]
+    return q, k, query, *sparse.write_new_token(K, V, mask, layer, table, pos, k, v)
+
+
+def fused(cfg, selector, pin, capacity: int, dense: bool, params, state, meta, x, x_query, pos, now_cached,
           K, V, mask, layer, table, fetchable, drops: bool = False):
-    """The whole layer: (meta, kv_index, remote_count, x)."""
-    meta, kv_index = select(selector, cfg.num_kv_heads, capacity, dense, state, meta, query, k_new, pos, now_cached,
+    """The whole layer: q, k, v and the new token's write, select, split, attend ->
+    (meta, kv_index, selected i32[B*H_kv] (`valid_rows`), remote_count, x, K, V, mask). K, V,
+    mask are donated; `pin` keeps their layouts."""
+    q, k, query, K, V, mask = project_and_write(cfg, params, x, x_query, pos, K, V, mask, layer, table)
+    K, V, mask = pin(K, V, mask)
+    meta, kv_index = select(selector, cfg.num_kv_heads, capacity, dense, state, meta, query, k, pos, now_cached,
                             mask, layer, table, drops)
     _, remote = split(mask, layer, table, fetchable, kv_index)
-    return meta, kv_index, remote, attend(cfg, params, x, q, K, V, table, kv_index)
+    x = attend(cfg, params, x, q, K, V, table, kv_index)
+    return meta, kv_index, valid_rows(kv_index), remote, x, K, V, mask
 
 
-def landed(cfg, selector, pin, capacity: int, dense: bool, params, state, meta, x, q, query, k_new, pos, now_cached,
+def landed(cfg, selector, pin, capacity: int, dense: bool, params, state, meta, x, x_query, pos, now_cached,
            K, V, mask, layer, table, fetchable, landing, drops: bool = False, attend_now: bool = True):
-    """The whole layer after landing rows: `sparse.land_pieces` of `landing` (pieces of rows with
-    their page slots: `DecodePages.landing`) into this layer's pages, their mask to 1, then select,
-    split against the updated mask, and with `attend_now` gather, attention and the MLP.
-    -> (meta, kv_index, reordered i32[B*H_kv, k], remote_count i32[B*H_kv], x, K, V, mask); without
-    `attend_now` x is the input (attention follows a fetch in `attend_landed`). K, V, mask are
-    donated; `pin` keeps their layouts (the decode model's mesh)."""
+    """The whole layer with rows to land: q, k, v and the new token's write, `sparse.land_pieces`
+    of `landing` (pieces of rows with their page slots: `DecodePages.landing`) into this layer's
+    pages with their mask to 1, then select, split against the updated mask, and with
+    `attend_now` gather, attention and the MLP.
+    -> (meta, kv_index, selected, reordered i32[B*H_kv, k], remote_count i32[B*H_kv], x, q, K, V,
+    mask); without `attend_now` x is the input (attention follows a fetch in `attend_landed`,
+    which takes q). K, V, mask are donated; `pin` keeps their layouts (the decode model's mesh)."""
+    q, k, query, K, V, mask = project_and_write(cfg, params, x, x_query, pos, K, V, mask, layer, table)
     K, V, mask = pin(*sparse.land_pieces(K, V, mask, layer, landing))
-    meta, kv_index = select(selector, cfg.num_kv_heads, capacity, dense, state, meta, query, k_new, pos, now_cached,
+    meta, kv_index = select(selector, cfg.num_kv_heads, capacity, dense, state, meta, query, k, pos, now_cached,
                             mask, layer, table, drops)
     reordered, remote = split(mask, layer, table, fetchable, kv_index)
     if attend_now:
         x = attend(cfg, params, x, q, K, V, table, kv_index)
-    return meta, kv_index, reordered, remote, x, K, V, mask
+    return meta, kv_index, valid_rows(kv_index), reordered, remote, x, q, K, V, mask
 
 
 def attend_landed(cfg, pin, params, x, q, K, V, mask, layer, table, kv_index, landing):
@@ -153,7 +200,8 @@ class LayerPrograms:
     def __init__(self, cfg, selector, sharding=None):
         self.cfg, self.selector = cfg, selector
         pin, pages = _pinner(sharding), ("K", "V", "mask")
-        self.fused = jax.jit(functools.partial(fused, cfg, selector), static_argnames=("capacity", "dense", "drops"))
+        self.fused = jax.jit(functools.partial(fused, cfg, selector, pin), donate_argnames=pages,
+                             static_argnames=("capacity", "dense", "drops"))
         self.landed = jax.jit(functools.partial(landed, cfg, selector, pin), donate_argnames=pages,
                               static_argnames=("capacity", "dense", "drops", "attend_now"))
         self.attend_landed = jax.jit(functools.partial(attend_landed, cfg, pin), donate_argnames=pages)
@@ -163,11 +211,12 @@ class LayerPrograms:
     def warm_up(self, model, pages, batch: int, capacity: int, dense_below: int, *, remote: bool = True,
                 lookahead: bool = False, hint=None, drops: bool = False) -> bool:
         """Compile every program a decode step of `batch` requests at N_cap = `capacity` runs, for
-        each layer kind present (dense below `dense_below`, selected from it): the model's embed,
-        qkv and logits, the new token's page write, `fused`, `landed` and the selected-row count;
-        with `remote` (a member may still fetch) also attend_landed, split and (without `lookahead`)
-        `landed` stopping before attention; with `lookahead` the next layer's hint (`hint`, or the
-        selector's own select). The layer programs are compiled
+        each layer kind present (dense below `dense_below`, selected from it, with or without a
+        speculative query): the model's embed and logits, `fused` and `landed` (each with its
+        layer's q, k, v, the new token's page write and the selected-row count inside); with
+        `remote` (a member may still fetch) also attend_landed, split and (without `lookahead`)
+        `landed` stopping before attention; with `lookahead` the next layer's hint (`Model.qkv` of
+        the next layer, then `hint` or the selector's own select). The layer programs are compiled
         ahead of time from shapes; the rest runs once on zeros (reads only: pages and mask are
         not written). False when this class was warm already. Dispatch backend: the one in force
         now (see the module docstring). `drops`: a member has a token-dropping profile (the
@@ -183,12 +232,12 @@ class LayerPrograms:
         q, k, v = model.qkv(0, x, i32)
         table = jnp.asarray(np.zeros((batch, -(-capacity // pages.page_size)), np.int32))  # host->device copies
         pos = jnp.asarray(i32)  # compile a small program per shape too
-        sparse.write_new_token.lower(K, V, pages.mask, np.int32(0), table, pos, k, v).compile()
-        step = dict(model=model, pages=pages, capacity=capacity, x=x, q=q, k=k, table=table, pos=pos, drops=drops)
-        if dense_below > 0:  # one layer of each kind: the programs are shared by every layer
-            self._warm_kind(0, True, remote, lookahead, **step)
+        step = dict(model=model, pages=pages, capacity=capacity, x=x, q=q, table=table, pos=pos, drops=drops)
+        kinds = {(layer < dense_below, query_input(self.selector, layer, layer < dense_below, x) is None): layer
+                 for layer in range(cfg.num_layers)}  # a kind compiles its own programs, shared by its layers
+        for (dense, _), layer in sorted(kinds.items()):
+            self._warm_kind(layer, dense, remote, lookahead, **step)
         if dense_below < cfg.num_layers:
-            self._warm_kind(dense_below, False, remote, lookahead, **step)
             if lookahead:  # the lookahead thread's selection of the next layer
                 meta, lengths = decode_metadata.empty(self.selector, cfg, dense_below, batch, capacity), i32 + 1
                 np.asarray(hint(dense_below, q, meta, lengths) if hint is not None
@@ -200,23 +249,20 @@ class LayerPrograms:
         self._warm.add(key)
         return True
 
-    def _warm_kind(self, layer: int, dense: bool, remote: bool, lookahead: bool, model, pages, capacity, x, q, k,
+    def _warm_kind(self, layer: int, dense: bool, remote: bool, lookahead: bool, model, pages, capacity, x, q,
                    table, pos, drops) -> None:
         """`warm_up`'s layer programs for the kind of `layer`, called as the decode worker calls them
         (jkv/disagg/decode_lanes.py)."""
         sel, batch = self.selector, x.shape[0]
         K, V = pages.cache.kv[layer]
         meta = None if dense else decode_metadata.empty(sel, self.cfg, layer, batch, capacity)
-        query = q if dense else sel.decode_query(layer, q, lambda: q)
         args = dict(capacity=capacity, dense=dense, state=None if dense else sel.layer_state(layer),
-                    meta=meta, query=query, k_new=k, pos=pos, now_cached=pos, drops=drops,
-                    params=model.layer_params(layer),
-                    x=x, q=q, K=K, V=V, mask=pages.mask, layer=np.int32(layer), table=table,
-                    fetchable=jax.ShapeDtypeStruct((batch,), jnp.bool_))
+                    meta=meta, x_query=query_input(sel, layer, dense, x), pos=pos, now_cached=pos, drops=drops,
+                    params=model.layer_params(layer), x=x, K=K, V=V, mask=pages.mask, layer=np.int32(layer),
+                    table=table, fetchable=jax.ShapeDtypeStruct((batch,), jnp.bool_))
         fused = self.fused.lower(**args)
         fused.compile()
         kv_index = fused.out_info[1]
-        selected_rows.lower(kv_index).compile()
         landing = pages.null_landing()
         self.landed.lower(**args, landing=landing, attend_now=True).compile()  # everything local, rows to land
         if remote:  # on-demand fetches: a true miss's second program, a failed fetch's split, and
@@ -236,10 +282,3 @@ def programs_for(cfg, selector, sharding=None) -> LayerPrograms:
     device), cached: a benchmark makes a worker per run and must not recompile each run's first step."""
     return LayerPrograms(cfg, selector, sharding)
 
-
-def valid_rows(kv_index) -> jax.Array:
-    """Selected entries per row: i32[B*H_kv] (-1 marks the unused tail)."""
-    return (kv_index >= 0).sum(axis=1).astype(jnp.int32)
-
-
-selected_rows = jax.jit(valid_rows)

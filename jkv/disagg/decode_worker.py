@@ -18,8 +18,8 @@ Per request (SmartGen §4; DESIGN.md "SmartGen transfer"):
   2. its "handoff" (first token) arrives. Prefill writes land in staging and flip staging mask
      bytes to LOCAL behind our back (transport reader threads); a LOCAL byte is always safe.
   3. at the next step boundary it joins the running set; every decode step, per layer (with
-     lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py): q, k, v →
-     the new k, v go into the device pages (mask 1) → one program: landing (staging rows not yet
+     lookahead, layer l+1's hinted remote rows are already on the wire, see lookahead.py) one
+     program: q, k, v → the new k, v into the device pages (mask 1) → landing (staging rows not yet
      on the device are scattered into their pages, their device mask flips to 1) → select →
      `split_reorder` against the device mask → every selected row gathered from the pages →
      attention over the selected entries in selection order → MLP; only a true miss (a selected
@@ -126,7 +126,6 @@ class _Step:
     x_prev: object  # the hidden state that entered the previous layer
     step_remote: np.ndarray  # i64[B]: selected entries fetched remotely this step
     step_selected: np.ndarray  # i64[B]
-    hint_q: dict = dataclasses.field(default_factory=dict)  # layer -> its speculative query
     selected: list = dataclasses.field(default_factory=list)  # per layer: i32[B*H_kv] selected entries (device)
     drops: bool = False  # a request of the batch has a token-dropping profile (DROPPED mask entries)
 
@@ -462,8 +461,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
             drops=any(lv.keep is not None for lv in lives))
 
     def _decode_layer(self, st: _Step, layer: int) -> None:
-        """One layer for the running set: triggers and prefetch, q k v, the new KV into its page,
-        then one program that lands, selects, splits and attends, unless a selected row is still
+        """One layer for the running set: triggers and prefetch, then one program (q k v, the new
+        KV into its page, landing, select, split, attention, MLP), unless a selected row is still
         remote (a true miss: fetched, then a second program; jkv/disagg/decode_lanes.py)."""
         model, clock, H = self.model, self.phases, self.model.cfg.num_kv_heads
         B = len(st.lives)
@@ -473,36 +472,29 @@ class DecodeWorker(OwnerSide, FetchLanes):
         if st.lookahead is not None and layer + 1 < model.cfg.num_layers:
             self._start_lookahead(st, layer + 1)
             clock.lap("lookahead")
-        q, k, v = model.qkv(layer, st.x, st.pos)
-        self.pages.write_new(layer, st.table, st.pos, k, v)  # on the device: no host bytes
-        clock.lap("qkv")
         delivered = self._lookahead.complete(st.lives, layer, st.capacity, clock)
         if delivered is not None:
             clock.lap("prefetch_wait")
-        args = self._layer_args(st, layer, q, k)  # reads st.x_prev: the previous layer's input
+        args = self._layer_args(st, layer)  # reads st.x_prev: the previous layer's input
         st.x_prev = st.x
-        st.metadata[layer], kv_index, st.x, remote_rows = self._layer_programs(st, layer, q, args)
+        st.metadata[layer], kv_index, selected, st.x, remote_rows = self._layer_programs(st, layer, args)
         if delivered is not None:  # selected rows the prefetch supplied are on-demand rows too
             hit = LayerLookahead.hits(delivered, np.asarray(kv_index))
             remote_rows = remote_rows + hit
             clock.count("prefetch_hit_n", hit.sum())
-        st.selected.append(decode_program.selected_rows(kv_index))
+        st.selected.append(selected)
         st.step_remote += remote_rows.reshape(B, H).sum(axis=1)
         clock.count("remote_n", remote_rows.sum())
         st.x.block_until_ready()
         clock.lap("attend")
 
-    def _layer_args(self, st: _Step, layer: int, q, k) -> dict:
-        """The select program's arguments for `layer` (its query: `Selector.decode_query`)."""
-        dense = layer < st.dense_below
-        sel, model, query = self.selector, self.model, q
-        if not dense:
-            x_in_prev, cached = st.x_prev, st.hint_q.pop(layer, None)  # cached: the same qkv of the same input
-            query = sel.decode_query(layer, q, cached if cached is not None
-                                     else (lambda: model.qkv(layer, x_in_prev, st.pos)[0]))
+    def _layer_args(self, st: _Step, layer: int) -> dict:
+        """The layer program's select arguments for `layer`; its query is projected inside the
+        program from the layer's input or the previous layer's (`decode_program.query_input`)."""
+        dense, sel = layer < st.dense_below, self.selector
         return dict(capacity=st.capacity, dense=dense, state=None if dense else sel.layer_state(layer),
-                    meta=st.metadata[layer], query=query, k_new=k, pos=st.pos, now_cached=st.lengths_now,
-                    drops=st.drops)
+                    meta=st.metadata[layer], x_query=decode_program.query_input(sel, layer, dense, st.x_prev),
+                    pos=st.pos, now_cached=st.lengths_now, drops=st.drops)
 
     def _all_cached(self, st: _Step, lengths) -> np.ndarray:
         """i32[B*H_kv, N_cap]: every slot below each request's length, -1 after (a dense selection)."""
@@ -512,7 +504,9 @@ class DecodeWorker(OwnerSide, FetchLanes):
     def _start_lookahead(self, st: _Step, nxt: int) -> None:
         """Layer lookahead: select layer `nxt` now from this layer's input and put its remote rows
         on the wire while this layer computes (jkv/disagg/lookahead.py). A dense layer's hint is
-        exact: every cached token."""
+        exact: every cached token. The hint's query is its own `Model.qkv` on the helper thread (the
+        layer program projects the selection's query again, so a selection never depends on
+        whether a hint ran)."""
         if nxt < st.dense_below:
             hint = self._all_cached(st, st.positions)
             st.lookahead.start(st.lives, nxt, lambda h=hint: (h, None), self.phases)
@@ -522,9 +516,9 @@ class DecodeWorker(OwnerSide, FetchLanes):
         def make_hint(nxt=nxt, x_in=st.x, meta=st.metadata[nxt]):
             q_hint = model.qkv(nxt, x_in, st.pos)[0]
             if self._hint is not None:  # the selected set only, no ordered top-k (hint.py)
-                return self._hint(nxt, q_hint, meta, st.lengths_now), q_hint
-            return np.asarray(sel.select(nxt, q_hint, meta, st.lengths_now)), q_hint
-        st.hint_q[nxt] = st.lookahead.start(st.lives, nxt, make_hint, self.phases)
+                return self._hint(nxt, q_hint, meta, st.lengths_now), None
+            return np.asarray(sel.select(nxt, q_hint, meta, st.lengths_now)), None
+        st.lookahead.start(st.lives, nxt, make_hint, self.phases)
 
     def _sample(self, st: _Step) -> tuple[np.ndarray, np.ndarray]:
         """(steps i32[B], next tokens i32[B]) from the last layer's hidden state."""

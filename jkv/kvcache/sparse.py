@@ -98,8 +98,8 @@ def drop_dropped(kv_index, mask, layer, table):
     return jnp.take_along_axis(index, order, axis=1)
 
 
-def _write_new_token(K, V, mask, layer, table, positions, k_new, v_new):
-    """The decode step's own K, V of one layer: k_new, v_new [B, H_kv, D] at positions: i32[B]
+def write_new_token(K, V, mask, layer, table, positions, k_new, v_new):
+    """The decode step's own K, V of one layer, inside its program (jkv/disagg/decode_program.py): k_new, v_new [B, H_kv, D] at positions: i32[B]
     (table: i32[B, max_pages]); every head's mask entry flips to LOCAL. Returns (K, V, mask)."""
     P = K.shape[2]
     B, H = k_new.shape[:2]
@@ -114,8 +114,6 @@ def _write_new_token(K, V, mask, layer, table, positions, k_new, v_new):
             V.at[page_h, head_h, slot_h].set(v_new.astype(V.dtype)),
             mask.at[layer, page_h, head_h, slot_h].set(value))
 
-
-write_new_token = jax.jit(_write_new_token, donate_argnums=(0, 1, 2))
 
 
 def mask_rows(mask, layer, table, fetchable):

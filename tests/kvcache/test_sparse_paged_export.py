@@ -1,9 +1,9 @@
-"""The SmartGen decode worker's fused per-layer program (jkv/disagg/decode_program.py: select on
-the device → split_reorder against the paged KV mask → gather of the selected rows from the pages
-→ attention → MLP) lowers for CUDA on this CPU-only machine (`jax.export`, platforms=["cuda"]),
-with the selector inside it, not only the kernels; so do the programs of a layer with remote rows
-(`landed`: the arrived and prefetched rows scattered into their pages first; `attend_landed`:
-a true miss's second program).
+"""The SmartGen decode worker's fused per-layer program (jkv/disagg/decode_program.py: the
+layer's q, k, v and the new token's page write → select on the device → split_reorder against
+the paged KV mask → gather of the selected rows from the pages → attention → MLP) lowers for
+CUDA on this CPU-only machine (`jax.export`, platforms=["cuda"]), with the selector inside it,
+not only the kernels; so do the programs of a layer with remote rows (`landed`: the arrived and
+prefetched rows scattered into their pages first; `attend_landed`: a true miss's second program).
 
 Under dispatch backend "mosaic" (what "auto" picks on Hopper) a bf16 model with head dim 64 takes
 the Mosaic GPU sparse attention kernel and the Triton top-k, split and paged-gather kernels: the
@@ -52,9 +52,21 @@ def _layer_args(cfg, selector):
     K, _ = jax.eval_shape(lambda: paged.init_pages(cfg, NUM_PAGES, P))[2]
     mask = jax.eval_shape(lambda: sparse.init_mask(cfg.num_layers, NUM_PAGES, H, P))
     i32 = lambda *shape: _aval(shape, "int32")
-    return (params, meta, _aval((B, cfg.hidden_size), cfg.dtype), _aval((B, G, D), cfg.dtype),
-            _aval((B, G, D), cfg.dtype), _aval((B, H, D), cfg.dtype), i32(B), i32(B), K, K, mask, i32(),
-            i32(B, CAPACITY // P), _aval((B,), "bool"))
+    x = _aval((B, cfg.hidden_size), cfg.dtype)
+    return (params, meta, x, x, i32(B), i32(B), K, K, mask, i32(), i32(B, CAPACITY // P), _aval((B,), "bool"))
+
+
+def _pin(K, V, mask):
+    return K, V, mask
+
+
+def _fused(cfg, selector):
+    """`decode_program.fused` of a selected layer whose query is projected from the previous layer's
+    input (x_query), as the worker runs it for InfiniGen."""
+    def layer(params, meta, x, x_query, pos, now_cached, K, V, mask, layer_i, table, fetchable):
+        return decode_program.fused(cfg, selector, _pin, CAPACITY, False, params, None, meta, x, x_query, pos,
+                                    now_cached, K, V, mask, layer_i, table, fetchable)
+    return layer
 
 
 @pytest.mark.parametrize("dtype,backend", [("bfloat16", "mosaic"), ("float32", "xla")])
@@ -63,17 +75,14 @@ def test_fused_sparse_paged_layer_exports_for_cuda(dtype, backend):
         pytest.skip(f"jax {jax.__version__} has no Mosaic GPU Pallas")
     cfg = tiny_config("llama", head_dim=64, dtype=dtype)
     selector = get_selector("oracle")
-
-    def layer(params, meta, x, q, query, k_new, pos, now_cached, K, V, mask, layer_i, table, fetchable):
-        return decode_program.fused(cfg, selector, CAPACITY, False, params, None, meta, x, q, query, k_new, pos,
-                                    now_cached, K, V, mask, layer_i, table, fetchable)
-
+    args = _layer_args(cfg, selector)
     with dispatch.backend(backend):  # read at trace time: _export jits afresh
-        exported = _export(layer, *_layer_args(cfg, selector))
+        exported = _export(_fused(cfg, selector), *args)
     assert exported.platforms == ("cuda",)
-    kv_index, remote, x = exported.out_avals[-3:]  # after the metadata's leaves
-    assert x.shape == (B, cfg.hidden_size) and remote.shape == (B * cfg.num_kv_heads,)
+    kv_index, selected, remote, x, K, V, mask = exported.out_avals[-7:]  # after the metadata's leaves
+    assert x.shape == (B, cfg.hidden_size) and remote.shape == selected.shape == (B * cfg.num_kv_heads,)
     assert kv_index.shape[0] == B * cfg.num_kv_heads
+    assert (K.shape, V.shape, mask.shape) == (args[6].shape, args[7].shape, args[8].shape)  # the new token written
     module = exported.mlir_module()
     if backend == "mosaic":  # one sparse attention launch; top-k, split_reorder, gather by Triton
         assert module.count(MOSAIC_CALL) == 1 and module.count(TRITON_CALL) >= 3
@@ -101,23 +110,23 @@ def test_landing_layer_programs_export_for_cuda(dtype, backend):
     cfg = tiny_config("llama", head_dim=64, dtype=dtype)
     selector = get_selector("oracle")
     args = _layer_args(cfg, selector)
-    K, mask, table = args[8], args[10], args[12]
-    pin = lambda *kv: kv
+    K, mask, table = args[6], args[8], args[10]
 
-    def layer(params, meta, x, q, query, k_new, pos, now_cached, K, V, mask, layer_i, table, fetchable, landing):
-        return decode_program.landed(cfg, selector, pin, CAPACITY, False, params, None, meta, x, q, query, k_new,
-                                     pos, now_cached, K, V, mask, layer_i, table, fetchable, landing)
+    def layer(params, meta, x, x_query, pos, now_cached, K, V, mask, layer_i, table, fetchable, landing):
+        return decode_program.landed(cfg, selector, _pin, CAPACITY, False, params, None, meta, x, x_query, pos,
+                                     now_cached, K, V, mask, layer_i, table, fetchable, landing)
 
     def miss(params, x, q, K, V, mask, layer_i, table, kv_index, landing):
-        return decode_program.attend_landed(cfg, pin, params, x, q, K, V, mask, layer_i, table, kv_index, landing)
+        return decode_program.attend_landed(cfg, _pin, params, x, q, K, V, mask, layer_i, table, kv_index, landing)
 
     with dispatch.backend(backend):
         exported = _export(layer, *args, _landing(cfg))
-        kv_index = exported.out_avals[-7]
-        second = _export(miss, args[0], args[2], args[3], K, K, mask, args[11], table, kv_index, _landing(cfg))
-    reordered, remote, x, K_out, V_out, mask_out = exported.out_avals[-6:]
+        kv_index, q = exported.out_avals[-9], exported.out_avals[-4]  # after the metadata's leaves
+        second = _export(miss, args[0], args[2], q, K, K, mask, args[9], table, kv_index, _landing(cfg))
+    selected, reordered, remote, x, q, K_out, V_out, mask_out = exported.out_avals[-8:]
     assert kv_index.shape == reordered.shape and kv_index.shape[0] == B * cfg.num_kv_heads
-    assert remote.shape == (B * cfg.num_kv_heads,) and x.shape == (B, cfg.hidden_size)
+    assert remote.shape == selected.shape == (B * cfg.num_kv_heads,) and x.shape == (B, cfg.hidden_size)
+    assert q.shape == (B, cfg.num_heads, cfg.head_dim)
     assert (K_out.shape, V_out.shape, mask_out.shape) == (K.shape, K.shape, mask.shape)
     x2, K2, _, mask2 = second.out_avals
     assert x2.shape == x.shape and K2.shape == K.shape and mask2.shape == mask.shape
@@ -141,12 +150,7 @@ def test_the_fused_topk_kernel_is_in_the_exported_layer_where_it_applies(group_s
     ranking cannot take it (the kernel computes only the summed scores) and keeps the jnp scores."""
     cfg = tiny_config("llama", head_dim=64, dtype="bfloat16")
     selector = Oracle(OracleConfig(group_score=group_score))
-
-    def layer(params, meta, x, q, query, k_new, pos, now_cached, K, V, mask, layer_i, table, fetchable):
-        return decode_program.fused(cfg, selector, CAPACITY, False, params, None, meta, x, q, query, k_new, pos,
-                                    now_cached, K, V, mask, layer_i, table, fetchable)
-
     with dispatch.backend("pallas"):
-        module = _export(layer, *_layer_args(cfg, selector)).mlir_module()
+        module = _export(_fused(cfg, selector), *_layer_args(cfg, selector)).mlir_module()
     assert module.count(SCORES_KERNEL) == (1 if group_score == "sum" else 0)
     assert module.count('name = "topk_select"') == 1 and module.count(GATHER_KERNEL) == 1

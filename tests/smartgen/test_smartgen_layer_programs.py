@@ -1,14 +1,18 @@
 """Programs per layer in a smartgen decode step with remote rows (jkv/disagg/decode_lanes.py): one
-program lands the rows that arrived or were prefetched, selects, splits and attends; only a true
-miss (a selected row still remote after that landing) adds a second program, after its synchronous
-fetch. Counted: every layer program of `LayerPrograms` and the landing programs of `DecodePages`
-(what runs between the new token's K, V write and the layer's output; `qkv` and that write are the
-model's own two and are not counted). Before this, such a layer ran select, split and attend (3)."""
+program computes q, k, v, writes the new token's K, V, lands the rows that arrived or were
+prefetched, selects, splits and attends; only a true miss (a selected row still remote after that
+landing) adds a second program, after its synchronous fetch. Counted on the engine thread: every
+jitted dispatch of a layer the worker can make (the model's qkv, the page write and landing
+programs of `DecodePages`, every `LayerPrograms` program, the selected-row count); the lookahead's
+hint for the next layer runs on its helper thread and is not the layer's. Before this, such a layer
+ran select, split and attend (3), then qkv, the page write and `landed` (3)."""
 import collections
+import threading
 
 import numpy as np
 import pytest
 
+from jkv.disagg import decode_program
 from jkv.disagg.decode_worker import DecodeWorker
 from jkv.transfer.plan import TransferConfig
 from tests.smartgen.smartgen_cases import SECRET, InProcessWorkers, make_requests
@@ -17,13 +21,16 @@ PROGRAMS = ("select", "split", "attend", "fused", "landed", "attend_landed")  # 
 
 
 class _Counted:
-    """A jitted callable that counts its calls into `counts[current key]` (`.lower` passes through)."""
+    """A jitted callable that counts its calls on the engine thread into `counts[current key]`
+    (`.lower` passes through)."""
 
     def __init__(self, fn, counts, key):
         self._fn, self._counts, self._key = fn, counts, key
+        self._engine = threading.get_ident()  # generate() runs the steps on the calling thread
 
     def __call__(self, *a, **kw):
-        self._counts[self._key()] += 1
+        if threading.get_ident() == self._engine and self._key() is not None:  # None: outside a layer
+            self._counts[self._key()] += 1
         return self._fn(*a, **kw)
 
     def __getattr__(self, name):
@@ -47,14 +54,20 @@ def test_a_layer_with_remote_rows_runs_one_program_unless_a_selected_row_misses(
         if hasattr(decode.programs, name):
             monkeypatch.setattr(decode.programs, name, _Counted(getattr(decode.programs, name), counts,
                                                                 lambda: where[0]))
-    monkeypatch.setattr(decode.pages, "_land_rows", _Counted(decode.pages._land_rows, counts, lambda: where[0]))
+    for owner, name in ((decode.pages, "_land_rows"), (decode.pages, "write_new"), (model, "qkv"),
+                        (decode_program, "selected_rows")):  # whichever exist
+        if hasattr(owner, name):
+            monkeypatch.setattr(owner, name, _Counted(getattr(owner, name), counts, lambda: where[0]))
     real_layer, real_call = DecodeWorker._decode_layer, DecodeWorker._call
 
     def decode_layer(self, st, layer):
         where[0] = (len(self.phases.steps), layer)
         if any(lv.fetchable for lv in st.lives):
             remote_layers.add(where[0])
-        return real_layer(self, st, layer)
+        try:
+            return real_layer(self, st, layer)
+        finally:
+            where[0] = None
 
     def call(self, owner, payload):  # the synchronous fetch of a true miss (the lookahead's go elsewhere)
         misses.add(where[0])
