@@ -129,8 +129,9 @@ def tiny_llm(tiny_dir):
 
 @pytest.fixture(scope="session")
 def server(tiny_dir, cache_env):
+    # The production start-up, warm-up included; that took over 120 s to ready at load average 26.
     s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0", "--max-slots", "6",
-                       "--max-model-len", "1024"], env=dict(cache_env, JKV_WARMUP="1"))
+                       "--max-model-len", "1024"], env=dict(cache_env, JKV_WARMUP="1"), ready_timeout=300)
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 
