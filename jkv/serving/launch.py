@@ -241,6 +241,20 @@ def _load_colocated(cfg: ServeConfig):
     return model, cfg.batcher_config(max_len)
 
 
+def warmup_enabled() -> bool:
+    """False when the environment sets JKV_WARMUP=0: the colocated engine then compiles each program
+    when a request first needs it instead of every (rows, width) decode program at start. For tests
+    (a tiny-model server's start-up: ~38 -> ~8 CPU-s, cold XLA cache), never for serving: the first
+    request of each shape stalls every stream for its compile. Any other value is refused."""
+    value = os.environ.get("JKV_WARMUP", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"JKV_WARMUP={value!r}: use 1 (compile every decode program at start, the default) "
+                         "or 0 (compile on first use; for tests)")
+    if value == "0":
+        log.warning("JKV_WARMUP=0: warm-up skipped, programs compile when first needed (a test setting)")
+    return value == "1"
+
+
 def build_all(cfg: ServeConfig, multihost: bool = False):
     """Model + engine + app for --role all (multihost: rank 0 of a replica spanning processes,
     jkv/serving/replica.py). Returns (app, engine)."""
@@ -257,7 +271,8 @@ def build_all(cfg: ServeConfig, multihost: bool = False):
         engine = LeaderBatcher(model, batcher_cfg, metrics)
     else:
         engine = create_batcher(model, batcher_cfg, metrics)
-    engine.warmup()
+    if multihost or warmup_enabled():  # a replica's ranks compile in step: never skipped there
+        engine.warmup()
     engine.start()
     if cfg.batcher.kv_layout == "paged":
         pc = engine.page_cfg

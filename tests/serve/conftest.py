@@ -31,6 +31,11 @@ class ServerProcess:
         e = dict(os.environ, **(env or {}))
         e.setdefault("PYTHONPATH", str(REPO))
         e.setdefault("JAX_PLATFORMS", "cpu")
+        # No start-up compile of every (rows, width) decode program (jkv/serving/launch.py
+        # warmup_enabled): a test server compiles only the programs its requests run, from the run's
+        # shared XLA cache where another process compiled them (a tiny server's start: ~38 -> ~8
+        # CPU-s, cold cache). The shared `server` below keeps the production start-up, warm-up included.
+        e.setdefault("JKV_WARMUP", "0")
         self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "jkv.cli", command, "--host", host, *args],
                                      cwd=REPO, env=e, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self._ready = threading.Event()
@@ -124,8 +129,9 @@ def tiny_llm(tiny_dir):
 
 @pytest.fixture(scope="session")
 def server(tiny_dir, cache_env):
+    # The production start-up, warm-up included; that took over 120 s to ready at load average 26.
     s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0", "--max-slots", "6",
-                       "--max-model-len", "1024"], env=cache_env)
+                       "--max-model-len", "1024"], env=dict(cache_env, JKV_WARMUP="1"), ready_timeout=300)
     yield s
     assert s.stop() == 0, "".join(s.log[-30:])
 

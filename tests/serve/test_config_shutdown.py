@@ -59,8 +59,8 @@ def test_serve_help_explains_every_flag(capsys):
 
 def test_config_file_server_logs_components_and_drains_on_sigterm(tmp_path, tiny_dir, cache_env):
     f = tmp_path / "serve.toml"
-    # The resulting shapes (6 slots, 1024 tokens) are the shared `server`'s: its warm-up programs come
-    # from the run's XLA cache (tests/conftest.py).
+    # The resulting shapes (6 slots, 1024 tokens) are the shared `server`'s: the programs this server's
+    # request runs come from the run's XLA cache (tests/conftest.py), where that server's warm-up put them.
     f.write_text(f'model = "{tiny_dir}"\nserved-model-name = "from-file"\nmax_slots = 2\nmax_model_len = 1024\n')
     s = ServerProcess(["--config", str(f), "--max-slots", "6", "--port", "0"], env=cache_env)
     try:

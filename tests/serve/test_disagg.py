@@ -268,21 +268,29 @@ def test_prefill_instance_dying_mid_request_is_an_error_event_and_service_stays_
     assert health(live.router.url)["status"] == "ok"
 
 
-def test_role_all_with_disaggregation_starts_local_prefill_workers(tiny_dir, cache_env, tiny_llm):
+@pytest.fixture(scope="module")
+def local_disagg(tiny_dir, cache_env):
+    """One `--role all --disaggregation smartgen` server with a local prefill worker for the two tests
+    below (one process start instead of two): the first sends its request, the second, last in the
+    file, kills the worker. --prefill-restarts 0: the killed worker stays dead (restarts:
+    tests/serve/test_supervision.py)."""
     s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0", *TRANSFER,
                        "--disaggregation", "smartgen", "--num-prefill-workers", "1", "--bandwidth", "1gbit",
-                       "--max-model-len", "512"], env=cache_env)
-    try:
-        assert "prefill-worker: local process prefill-0" in "".join(s.log)
-        want = tiny_llm.generate("lazy dog", SamplingParams(max_tokens=10, ignore_eos=True))[0].text
-        r = client(s.url).completions.create(model="tiny", prompt="lazy dog", max_tokens=10, temperature=0,
-                                             extra_body={"ignore_eos": True})
-        assert r.choices[0].text == want
-        assert metric(s.url, "jkv_kv_transfer_bytes_total", {"path": "proactive"}) > 0
-        h = health(s.url)
-        assert h["mode"] == "smartgen" and h["kv_host_requests"] == 0 and h["prefill_workers"][0]["alive"]
-    finally:
-        assert s.stop() == 0, "".join(s.log[-30:])
+                       "--max-model-len", "512", "--prefill-restarts", "0"], env=cache_env)
+    yield s
+    assert s.stop() == 0, "".join(s.log[-30:])
+
+
+def test_role_all_with_disaggregation_starts_local_prefill_workers(local_disagg, tiny_llm):
+    s = local_disagg
+    assert "prefill-worker: local process prefill-0" in "".join(s.log)
+    want = tiny_llm.generate("lazy dog", SamplingParams(max_tokens=10, ignore_eos=True))[0].text
+    r = client(s.url).completions.create(model="tiny", prompt="lazy dog", max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want
+    assert metric(s.url, "jkv_kv_transfer_bytes_total", {"path": "proactive"}) > 0
+    h = health(s.url)
+    assert h["mode"] == "smartgen" and h["kv_host_requests"] == 0 and h["prefill_workers"][0]["alive"]
 
 
 # ----------------------------------------------------------------------------- configuration (no servers)
@@ -343,11 +351,8 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def test_no_live_prefill_worker_is_unready_and_the_router_stops_routing_there(tiny_dir, cache_env):
-    # --prefill-restarts 0: the killed worker stays dead (restarts: tests/serve/test_supervision.py)
-    s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0", *TRANSFER,
-                       "--disaggregation", "smartgen", "--num-prefill-workers", "1", "--max-model-len", "256",
-                       "--prefill-restarts", "0"], env=cache_env)
+def test_no_live_prefill_worker_is_unready_and_the_router_stops_routing_there(local_disagg):
+    s = local_disagg
     router = None
     try:
         router = ServerProcess(["--role", "router", "--port", "0", "--upstream", s.url, "--health-interval", "0.2"])
@@ -368,7 +373,6 @@ def test_no_live_prefill_worker_is_unready_and_the_router_stops_routing_there(ti
     finally:
         if router is not None:
             assert router.stop() == 0, "".join(router.log[-30:])
-        assert s.stop() == 0, "".join(s.log[-30:])
 
 
 def test_serve_help_says_the_disaggregated_engine_batches_continuously():

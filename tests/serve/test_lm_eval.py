@@ -19,9 +19,10 @@ lm_eval = pytest.importorskip("lm_eval", reason="needs lm-eval (the compare extr
 pytest.importorskip("transformers", reason="needs transformers (the compare extra)")
 
 MODEL = "smollm2-135m-instruct"
-# Every request here is under 32 tokens. The server's warm-up compiles a SmolLM2 decode program per
-# page-table width up to --max-model-len's (x 2 batch shapes): 128 tokens needs widths 4 and 8, the
-# former 512 also 16 and 32, four more compiles of seconds of CPU each that no request here used.
+# Every request here is under 32 tokens. A server's warm-up compiles a SmolLM2 decode program per
+# page-table width up to --max-model-len's (x each row bucket); test servers skip it (JKV_WARMUP=0,
+# tests/serve/conftest.py) and compile on first use, but the prefill and decode shapes still follow
+# --max-model-len's pool: 128 tokens keeps them small.
 MAX_MODEL_LEN = 128
 PER_TOKEN_TOL = 1e-3
 SENTENCES = [
@@ -105,8 +106,8 @@ def hf_token_logprobs(hf, ids: list[int]) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def starting_server():
-    """The server process, started without waiting: its warm-up (~1 min of XLA compiles) overlaps
-    the transformers load below. Same flags as test_min_budget_http's single-process server (the
+    """The server process, started without waiting: its start-up (jax import, SmolLM2 load)
+    overlaps the transformers load below. Same flags as test_min_budget_http's single-process server (the
     default --max-slots), so the run's shared XLA cache (tests/conftest.py) serves one's programs
     to the other."""
     s = ServerProcess(["--model", MODEL, "--port", "0", "--max-model-len", str(MAX_MODEL_LEN)], ready_timeout=300,

@@ -40,7 +40,7 @@ def answers(url):
 def single(cache_env):
     # Not waited for here: the test starts the disaggregated server while this one warms up.
     # test_lm_eval.py's flags (--max-model-len 128 fits every chat here): the run's shared XLA cache
-    # then holds this server's warm-up programs when test_lm_eval.py ran first
+    # then holds the programs this server compiles on first use when test_lm_eval.py ran first
     s = ServerProcess(["--model", MODEL, "--port", "0", "--max-model-len", "128"], env=cache_env, ready_timeout=300,
                       wait=False)
     yield s

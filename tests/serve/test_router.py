@@ -13,7 +13,8 @@ from jkv import SamplingParams
 
 @pytest.fixture(scope="module")
 def upstream_b(tiny_dir, cache_env):
-    # The shared `server`'s flags: its warm-up programs then come from the run's XLA cache (tests/conftest.py).
+    # The shared `server`'s flags: the programs this one compiles on first use (JKV_WARMUP=0, conftest.py) then
+    # come from the run's XLA cache (tests/conftest.py), where the shared server's warm-up put them.
     s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0", "--max-slots", "6",
                        "--max-model-len", "1024"], env=cache_env)
     yield s

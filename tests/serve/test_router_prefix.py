@@ -22,7 +22,7 @@ INSTANCE = ["--served-model-name", "tiny", "--port", "0", "--max-slots", "2", "-
 @pytest.fixture(scope="module")
 def instances(tiny_dir, cache_env):
     procs = [ServerProcess(["--model", str(tiny_dir), *INSTANCE], env=cache_env, wait=False, ready_timeout=600)
-             for _ in range(2)]  # two warm-ups at once on a loaded box
+             for _ in range(2)]  # two start-ups at once on a loaded box
     try:
         yield [p.wait_ready() for p in procs]
     finally:
