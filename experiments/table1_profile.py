@@ -35,8 +35,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--table", default=os.path.join(RESULTS, "kvserve_table1_split.csv"))
     p.add_argument("--out", default=os.path.join(RESULTS, "kvserve_profile_table1_split.json"))
-    p.add_argument("--quality", choices=("task", "top1"), default="task",
-                   help="the profile's accuracy: min relative task score, or min top-1 agreement")
+    p.add_argument("--quality", choices=("task", "task_lo", "acc_lo", "top1"), default="task_lo",
+                   help="the profile's accuracy: min relative task score (point or 95%% lower bound), min "
+                        "lower bound of the relative next-token accuracy, or min top-1 agreement")
     args = p.parse_args(argv)
     profile = table_profile(args.table, SAMPLE_TOKENS * SMOLLM2_KV_FP16_PER_TOKEN, args.quality)
     save_profile(args.out, profile)

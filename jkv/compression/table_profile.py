@@ -1,8 +1,11 @@
 """The controller's profile file from a Table 1 CSV: each pipeline at its worst domain.
 
 A prompt in serving belongs to no single workload, so a profile point is one pipeline scored by
-the *minimum* over the CSV's domains: accuracy = the lowest relative task score (`quality="task"`)
-or the lowest top-1 agreement with uncompressed decoding (`quality="top1"`), cr = the lowest fp16
+the *minimum* over the CSV's domains: accuracy = the lowest relative task score (`quality="task"`),
+the lowest lower bound of its 95 % bootstrap interval (`"task_lo"`: what the evaluation samples
+guarantee, not what they happened to read), the lowest lower bound of the relative next-token
+accuracy against the true text (`"acc_lo"`: the per-token task metric, for task scores too coarse
+to bound), or the lowest top-1 agreement with uncompressed decoding (`"top1"`), cr = the lowest fp16
 CR, throughput = the slowest codec. With q_min 0.97 the controller (`policy.CompressionPolicy`)
 can then only choose a pipeline that kept 0.97 of the uncompressed quality on every domain.
 
@@ -21,7 +24,7 @@ from jkv.compression.dropping import servable
 from jkv.compression.profiling import ProfileFile, ProfilePoint
 
 EVAL_SPLITS = ("eval", "heldout")
-QUALITY_COLUMNS = {"task": "rel_task_accuracy", "top1": "top1"}
+QUALITY_COLUMNS = {"task": "rel_task_accuracy", "task_lo": "rel_task_lo", "acc_lo": "rel_acc_lo", "top1": "top1"}
 
 
 def read_rows(table_csv: str) -> list[dict]:
@@ -37,6 +40,9 @@ def table_points(rows: list[dict], probe_bytes: int, quality: str = "task") -> l
     if quality not in QUALITY_COLUMNS:
         raise ValueError(f"{quality=} must be one of {sorted(QUALITY_COLUMNS)}")
     column = QUALITY_COLUMNS[quality]
+    if rows and column not in rows[0]:
+        raise ValueError(f"{quality=} reads the column {column!r}, which this table lacks: rerun "
+                         "experiments/kvserve_table1_split.py (it writes the intervals) or use quality='task'")
     domains = {r["workload"] for r in rows}
     by_spec = defaultdict(list)
     for r in rows:
@@ -59,4 +65,5 @@ def table_profile(table_csv: str, probe_bytes: int, quality: str = "task", name:
     domains = sorted({r["workload"] for r in rows})
     return ProfileFile(name, 0.0, probe_bytes, tuple(table_points(rows, probe_bytes, quality)),
                        {"source": table_csv.rsplit("/", 1)[-1], "domains": domains,
-                        "accuracy": f"min {QUALITY_COLUMNS[quality]} over {', '.join(domains)} (evaluation rows)"})
+                        "accuracy": f"min {QUALITY_COLUMNS[quality]} over {', '.join(domains)} (evaluation rows)",
+                        "quality": quality})
