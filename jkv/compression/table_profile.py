@@ -3,9 +3,9 @@
 A prompt in serving belongs to no single workload, so a profile point is one pipeline scored by
 the *minimum* over the CSV's domains: accuracy = the lowest relative task score (`quality="task"`),
 the lowest lower bound of its 95 % bootstrap interval (`"task_lo"`: what the evaluation samples
-guarantee, not what they happened to read), the lowest lower bound of the relative next-token
-accuracy against the true text (`"acc_lo"`: the per-token task metric, for task scores too coarse
-to bound), or the lowest top-1 agreement with uncompressed decoding (`"top1"`), cr = the lowest fp16
+guarantee, not what they happened to read), the lowest relative next-token accuracy against the
+true text (`"acc"`, its lower bound `"acc_lo"`: the per-token task metric, for task scores too
+coarse or too noisy at the sizes measured), or the lowest top-1 agreement with uncompressed decoding (`"top1"`), cr = the lowest fp16
 CR, throughput = the slowest codec. With q_min 0.97 the controller (`policy.CompressionPolicy`)
 can then only choose a pipeline that kept 0.97 of the uncompressed quality on every domain.
 
@@ -24,7 +24,8 @@ from jkv.compression.dropping import servable
 from jkv.compression.profiling import ProfileFile, ProfilePoint
 
 EVAL_SPLITS = ("eval", "heldout")
-QUALITY_COLUMNS = {"task": "rel_task_accuracy", "task_lo": "rel_task_lo", "acc_lo": "rel_acc_lo", "top1": "top1"}
+QUALITY_COLUMNS = {"task": "rel_task_accuracy", "task_lo": "rel_task_lo", "acc": "rel_acc", "acc_lo": "rel_acc_lo",
+                   "top1": "top1"}
 
 
 def read_rows(table_csv: str) -> list[dict]:
