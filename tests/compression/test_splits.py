@@ -134,10 +134,14 @@ def test_profile_floor_on_the_lower_interval_bound(tmp_path):
     below it does not pass the floor; the profile records which quality it holds."""
     safe, lucky = "identity+tok8g64+zstd3", "hadamard+kivi4g128+zstdh3"
     fields = ["workload", "split", "method", "spec", "streaming", "cr_fp16", "top1", "rel_task_accuracy",
-              "rel_task_lo", "rel_acc_lo", "codec_MBps_fp16"]
-    rows = [(w, s, "m", spec, "", cr, 0.99, rel, lo, lo, 10) for w, s in
+              "rel_task_lo", "rel_task_hi", "rel_acc", "rel_acc_lo", "codec_MBps_fp16"]
+    rows = [(w, s, "m", spec, "", cr, 0.99, rel, lo, 1.05, rel, lo, 10) for w, s in
             (("code", "eval"), ("qa", "eval"), ("continuation", "eval"), ("heldout", "heldout"))
             for spec, cr, rel, lo in ((safe, 1.9, 1.0, 0.98), (lucky, 3.9, 0.99, 0.90))]
+    # next-token accuracy 0.99 on prose, but the task score's whole interval below the floor there
+    rows += [(w, s, "m", "identity+kivi4g128+zstdh3", "", 3.8, 0.95, task, task - 0.2, task + 0.15, 0.99, 0.9, 10)
+             for w, s, task in (("code", "eval", 1.3), ("qa", "eval", 1.0), ("continuation", "eval", 0.78),
+                                ("heldout", "heldout", 1.2))]
     table = tmp_path / "t.csv"
     with open(table, "w", newline="") as f:
         w = csv.DictWriter(f, fields)
@@ -150,7 +154,11 @@ def test_profile_floor_on_the_lower_interval_bound(tmp_path):
         policy = CompressionPolicy(CompressionConfig("auto", profiles=(str(path),), q_min=q_min), bandwidth_bps=1e6)
         assert policy.choose(kv_bytes=50 << 20).spec_id == chosen
     point = {p.spec_id: p.accuracy for p in table_points(read_rows(str(table)), 1000, "task")}
-    assert point == {safe: 1.0, lucky: 0.99}  # by the point estimate both would pass 0.97
+    assert point[safe] == 1.0 and point[lucky] == 0.99  # by the point estimate both would pass 0.97
+    by_acc = {p.spec_id: p.accuracy for p in table_points(read_rows(str(table)), 1000, "acc")}
+    both = {p.spec_id: p.accuracy for p in table_points(read_rows(str(table)), 1000, "acc_task")}
+    assert by_acc["identity+kivi4g128+zstdh3"] == 0.99 and both["identity+kivi4g128+zstdh3"] == pytest.approx(0.93)
+    assert both[safe] == 1.0 and both[lucky] == 0.99
     old = tmp_path / "old.csv"
     _write_table(old, [("code", "eval", "m", safe, "", 1.9, 0.99, 1.0, 10)])
     with pytest.raises(ValueError, match="rel_task_lo"):
