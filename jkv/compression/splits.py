@@ -16,7 +16,9 @@ evaluation:
 
 `split_samples(tokenizer, workload, split, ...)` builds one split's samples; `assert_disjoint`
 raises if a window (the scored positions and the context before them) appears in both, and
-`split_pair` builds both and checks them. Shapes: token ids are Python ints; a sample's
+`split_pair` builds both and checks them. `relative_interval` reads an evaluation split's relative
+score (compressed / uncompressed mean over the same samples) with its paired bootstrap interval:
+how far a few samples flipping could move it. Shapes: token ids are Python ints; a sample's
 continuation is i32[S]. No threads.
 """
 from __future__ import annotations
@@ -109,3 +111,24 @@ def split_pair(tokenizer, workload: str, calibration_count: int, eval_count: int
     evaluation = split_samples(tokenizer, workload, "eval", eval_count, length, continuation)
     assert_disjoint(calibration, evaluation)
     return calibration, evaluation
+
+
+def relative_interval(scores, base, level: float = 0.95, draws: int = 4000,
+                      seed: int = 0) -> tuple[float, float, float]:
+    """(mean(scores) / mean(base), lower, upper): the relative score of paired per-sample scores
+    f64[S] (a pipeline's and the uncompressed cache's on the same samples) and its percentile
+    bootstrap interval at `level` (samples resampled in pairs, `draws` times, fixed seed). Draws
+    whose base mean is 0 carry no ratio and are left out; NaN throughout when every one is."""
+    scores, base = np.asarray(scores, np.float64), np.asarray(base, np.float64)
+    if scores.shape != base.shape or scores.ndim != 1 or len(scores) < 1:
+        raise ValueError(f"need two equal 1-d score arrays, got {scores.shape} and {base.shape}")
+    if not 0 < level < 1:
+        raise ValueError(f"{level=} must lie in (0, 1), e.g. 0.95")
+    if base.mean() <= 0:
+        return float("nan"), float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, len(base), (draws, len(base)))
+    num, den = scores[idx].mean(1), base[idx].mean(1)
+    ratios = num[den > 0] / den[den > 0]
+    tail = (1 - level) / 2 * 100
+    lo, hi = np.percentile(ratios, [tail, 100 - tail])
+    return float(scores.mean() / base.mean()), float(lo), float(hi)

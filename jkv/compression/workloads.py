@@ -325,7 +325,7 @@ class ModelObjective:
 
     def figures(self, spec, streaming: StreamingConfig | None = None) -> "SpecFigures":
         """Every per-sample figure of one spec from ONE round trip (None: the uncompressed fp16 cache):
-        teacher-forced top-1 and KL, the task score, and — with `gen_tokens` — the agreement of
+        teacher-forced top-1, KL and next-token accuracy against the true text, the task score, and — with `gen_tokens` — the agreement of
         `gen_tokens` greedy tokens with the float32 cache's (`jkv.eval.fidelity.generation_agreement`)."""
         from jkv.eval.fidelity import generation_agreement
 
@@ -333,7 +333,7 @@ class ModelObjective:
             (decoded, keeps), cr, latency = self._original(), 1.0, 0.0
         else:
             decoded, keeps, cr, latency = self._decoded(spec, streaming)
-        out = {key: [] for key in ("top1", "kl", "task", "gen_prefix", "gen_fraction")}
+        out = {key: [] for key in ("top1", "kl", "task", "acc", "gen_prefix", "gen_fraction")}
         for i, (kv, keep) in enumerate(zip(decoded, keeps)):
             m = self._fidelity(i, kv, keep)
             task = self.samples[i].task
@@ -341,6 +341,7 @@ class ModelObjective:
             ids = self.generate(kv, i, budget, keep) if budget else None  # greedy: one decode serves both
             out["top1"].append(m["top1"])
             out["kl"].append(m["kl"])
+            out["acc"].append(m["acc"])
             out["task"].append(self._task_score(i, kv, keep, ids, m))
             if self.gen_tokens:
                 agree = generation_agreement(self.greedy_reference[i], ids[:self.gen_tokens])
@@ -357,6 +358,7 @@ class SpecFigures:
     top1: np.ndarray
     kl: np.ndarray
     task: np.ndarray
+    acc: np.ndarray  # teacher-forced next-token accuracy against the true continuation (per-token task metric)
     gen_prefix: np.ndarray  # leading generated tokens equal to the float32 cache's
     gen_fraction: np.ndarray  # equal positions / the longer of the two generations
     cr: float

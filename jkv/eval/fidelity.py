@@ -50,8 +50,8 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def fidelity_metrics(dense_logits: np.ndarray, sparse_logits: np.ndarray,
                      targets: np.ndarray) -> dict[str, float | str]:
-    """dense_logits, sparse_logits: f32[S, V]; targets: i32[S] -> {kl, top1, ppl_ratio, ppl_dense,
-    agree}; agree is one '1'/'0' per position (top-1 agreement per token, for paired comparisons
+    """dense_logits, sparse_logits: f32[S, V]; targets: i32[S] -> {kl, top1, ppl_ratio, acc, ppl_dense,
+    agree}; acc = the sparse side's next-token accuracy against targets (a task metric per token); agree is one '1'/'0' per position (top-1 agreement per token, for paired comparisons
     of two selectors on the same tokens)."""
     if dense_logits.shape != sparse_logits.shape or dense_logits.shape[0] != targets.shape[0]:
         raise ValueError(f"shape mismatch: dense {dense_logits.shape}, sparse {sparse_logits.shape}, "
@@ -63,6 +63,7 @@ def fidelity_metrics(dense_logits: np.ndarray, sparse_logits: np.ndarray,
     rows = np.arange(targets.shape[0])
     nll_dense, nll_sparse = -log_p[rows, targets].mean(), -log_q[rows, targets].mean()
     return {"kl": max(kl, 0.0), "top1": top1, "ppl_ratio": float(np.exp(nll_sparse - nll_dense)),
+            "acc": float((sparse_logits.argmax(-1) == targets).mean()),  # next-token accuracy vs the true text
             "ppl_dense": float(np.exp(nll_dense)), "agree": "".join("1" if a else "0" for a in same)}
 
 

@@ -72,6 +72,8 @@ def test_fidelity_metrics_by_hand(tokenizer):
     assert metrics["kl"] == pytest.approx(kl_first / 2)
     assert metrics["top1"] == 0.5
     assert metrics["agree"] == "01"  # per position, for paired comparisons of two selectors
+    assert metrics["acc"] == 0.5  # the sparse side's argmax [1, 1] against the true tokens [0, 1]
+    assert fidelity_metrics(sparse, dense, np.asarray([0, 1]))["acc"] == 1.0
     assert metrics["ppl_ratio"] == pytest.approx(math.exp((math.log(4) - math.log(2)) / 2))
     assert fidelity_metrics(dense, dense, np.asarray([0, 1]))["kl"] == 0.0
     prompt, targets = fidelity_sample(tokenizer, 300, 16, 2)
