@@ -51,13 +51,13 @@ sys.path.insert(0, str(REPO))
 
 from experiments.common import (RESULTS, add_model_arg, add_out_arg, machine_info, setup_logging,  # noqa: E402
                                 write_csv)
-from experiments.serve_load import Server  # noqa: E402
+from experiments.serve_load import Server, process_cpu_seconds, wait_for_start  # noqa: E402
 from jkv.xla_options import require_optimized  # noqa: E402
 
 log = logging.getLogger("bench_serve_mixed")
 FIELDS = ["target", "pass", "concurrency", "repeat", "requests", "failed", "output_tokens", "duration_s", "output_tok_s", "mean_ttft_ms",
           "p99_ttft_ms", "long_ttft_ms", "long_prompt_tokens", "mean_tbt_ms", "p99_tbt_ms", "p99_tbt_admit_ms",
-          "max_tbt_admit_ms", "admit_gaps", "server_cpu_s", "prompt_lens", "max_tokens", "prefill_chunk", "page_size", "model",
+          "max_tbt_admit_ms", "admit_gaps", "server_cpu_s", "compiles", "start_s", "start_cpu_s", "prompt_lens", "max_tokens", "prefill_chunk", "page_size", "model",
           "cpu_model", "vector_extensions", "cores", "loadavg_1m", "loadavg_1m_after", "quiet"]
 
 
@@ -128,18 +128,6 @@ async def steady_pass(url: str, bodies: list[dict], concurrency: int, timeout: f
         return list(await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), timeout))
 
 
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (and its reaped children), from /proc; nan
-    where /proc is missing. The server's own cost per pass, which the load of the box moves less
-    than its wall-clock figures."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
-    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
-
-
 def summarize(results: list[dict], long_last: bool = True) -> dict:
     ok = [r for r in results if r["ok"]]
     ms = lambda xs: np.asarray(xs, float) * 1e3  # noqa: E731
@@ -168,34 +156,45 @@ def summarize(results: list[dict], long_last: bool = True) -> dict:
 
 
 class TransformersServer:
-    """`transformers serve --continuous-batching` on a free loopback port, pinned to one model dir."""
+    """`transformers serve --continuous-batching` on a free loopback port, pinned to one model dir.
 
-    def __init__(self, model_dir: str, timeout: float = 900):
+    Its KV cache is sized like the jkv targets' (`num_blocks` pages of `page_size` tokens): left to
+    itself, continuous batching on a CPU takes 60 % of the machine's free memory for it."""
+
+    def __init__(self, model_dir: str, page_size: int, num_blocks: int, timeout: float = 900):
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         exe = Path(sys.executable).with_name("transformers")
-        self.model_id = model_dir
+        self.name, self.model_id = "transformers serve", model_dir
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="transformers-serve-", suffix=".log", delete=False)
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen([str(exe), "serve", "--continuous-batching", "--host", "127.0.0.1", "--port",
-                                      str(port), "--device", "cpu", "--dtype", "float32", model_dir],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + timeout
-        while True:
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"transformers serve did not start; see {self.log.name}:\n"
-                                   + Path(self.log.name).read_text()[-3000:])
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+                                      str(port), "--device", "cpu", "--dtype", "float32", "--cb-block-size",
+                                      str(page_size), "--cb-num-blocks", str(num_blocks), "--log-level", "info",
+                                      model_dir], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        try:
+            self.start_s = wait_for_start(self.name, self.proc, self._healthy, timeout, self._last_line)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{e}\nits log: {self.log.name}") from None
+        self.start_cpu_s = process_cpu_seconds(self.proc.pid)
+
+    def _healthy(self, wait: float) -> bool:
+        try:
+            if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(wait)
+        return False
+
+    def _last_line(self) -> str:
+        lines = Path(self.log.name).read_text(errors="replace").strip().splitlines()
+        return lines[-1][-300:] if lines else "(none yet)"
 
     def stop(self):
         if self.proc.poll() is None:
@@ -206,28 +205,44 @@ class TransformersServer:
                 self.proc.kill()
 
 
-def export_for_transformers(model_spec: str, out_dir: Path) -> str:
-    """The jkv model's weights as a plain transformers checkpoint `transformers serve` can load.
+def export_for_transformers(model_spec: str, cache: Path) -> str:
+    """The jkv model's weights as a plain transformers checkpoint `transformers serve` can load, made
+    once per model file under `cache` (a later run reuses it: ~40 CPU-s and 0.5 GB of writes).
 
     A GGUF-loaded model's config lacks `architectures` (transformers serve cannot load the GGUF
     offline) and `save_pretrained` refuses it, so its dequantized weights are copied into a fresh
-    model of the same class, which saves; logits are identical (issue 18's notes).
-    """
+    model of the same class, which saves; logits are identical (issue 18's notes). The GGUF's
+    `quantization_config` is dropped from the saved config: left in, transformers would load the
+    plain safetensors as a GGUF."""
+    import hashlib
+
+    from models import resolve_model_path
+
+    src = resolve_model_path(model_spec)
+    st = src.stat()
+    key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out_dir = cache / f"{src.stem}-{key}"
+    if (out_dir / "config.json").is_file() and (out_dir / "tokenizer_config.json").is_file():
+        log.info("transformers checkpoint of %s: %s (made earlier)", model_spec, out_dir)
+        return str(out_dir)
     from transformers import AutoTokenizer
 
     from jkv.compare import load_hf_reference
-    from models import resolve_model_path
 
     hf = load_hf_reference(model_spec)
     cfg = hf.config
     cfg.architectures = [type(hf).__name__]
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
     plain = type(hf)(cfg)
     plain.load_state_dict(hf.state_dict())
-    plain.save_pretrained(str(out_dir))
-    src = resolve_model_path(model_spec)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=cache))  # renamed into place once whole
+    plain.save_pretrained(str(tmp))
     tok = AutoTokenizer.from_pretrained(str(src), use_fast=True) if src.is_dir() else \
         AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    tok.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(tmp))
+    tmp.rename(out_dir)
+    log.info("transformers checkpoint of %s written to %s", model_spec, out_dir)
     return str(out_dir)
 
 
@@ -237,8 +252,9 @@ def jkv_body(ids, max_tokens):
 
 
 def hf_body(model_id, text, max_tokens):
-    # min_new_tokens stands in for ignore_eos, so both servers generate max_tokens tokens.
-    gen = {"do_sample": False, "max_new_tokens": max_tokens, "min_new_tokens": max_tokens}
+    # eos_token_id -1 stands in for ignore_eos (continuous batching passes each request only its
+    # max_new_tokens and eos_token_id, and -1 turns the stop off), so both generate max_tokens tokens.
+    gen = {"do_sample": False, "max_new_tokens": max_tokens, "eos_token_id": -1}
     return {"model": model_id, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "generation_config": json.dumps(gen), "stream_options": {"include_usage": True}}
 
@@ -264,8 +280,11 @@ def parse_args(argv=None):
                     help="smoke run: 4 prompts of 32-256 tokens, 12 output tokens, chunks of 64, 1 repeat; steady "
                          "passes of 6 requests of 32-128 tokens, 8 output tokens")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one pass may take")
-    ap.add_argument("--start-timeout", type=float, default=1200,
-                    help="seconds a server may take to load and compile (jkv warms up its programs)")
+    ap.add_argument("--start-timeout", type=float, default=3600,
+                    help="seconds a server may take to load and compile (jkv warms up its programs; each one logs "
+                         "its progress every 30 s while it starts)")
+    ap.add_argument("--hf-cache", default="~/.cache/jkv/hf-export",
+                    help="--transformers: where the model's transformers checkpoint is made once and reused")
     add_out_arg(ap, RESULTS)
     ap.add_argument("--csv", default="bench_serve_mixed.csv", help="CSV name under --out")
     args = ap.parse_args(argv)
@@ -279,22 +298,40 @@ def parse_args(argv=None):
     return args
 
 
-def start_targets(args, out: Path) -> dict:
+def start_targets(args) -> dict:
+    """The servers, started side by side (each start-up is mostly one compiling thread, so on 2
+    cores two of them take about as long as one): paged, slots and, with --transformers, transformers
+    serve on an exported checkpoint. All are stopped if one fails to start."""
+    from concurrent.futures import ThreadPoolExecutor
+
     max_len = max(args.prompt_lens) + args.max_tokens + 16
     common = ["--model", args.model, "--served-model-name", "m", "--max-slots", str(len(args.prompt_lens)),
               "--max-model-len", str(max_len)]
-    targets = {}
-    try:
-        targets["paged"] = Server([*common, "--kv-layout", "paged", "--prefill-chunk", str(args.prefill_chunk),
-                                   "--page-size", str(args.page_size)], timeout=args.start_timeout)
-        targets["slots"] = Server([*common, "--kv-layout", "slots"], timeout=args.start_timeout)
-        if args.transformers:
-            model_dir = export_for_transformers(args.model, Path(tempfile.mkdtemp(prefix="jkv-hf-export-")))
-            targets["transformers"] = TransformersServer(model_dir, timeout=args.start_timeout)
-    except BaseException:
-        for s in targets.values():
-            s.stop()
-        raise
+    log_compiles = {"JAX_LOG_COMPILES": "1"}  # names each program in the log: start-up progress, compiles mid-pass
+    jobs = {"paged": lambda: Server([*common, "--kv-layout", "paged", "--prefill-chunk", str(args.prefill_chunk),
+                                     "--page-size", str(args.page_size)], timeout=args.start_timeout,
+                                    env=log_compiles, name="jkv serve (paged)"),
+            "slots": lambda: Server([*common, "--kv-layout", "slots"], timeout=args.start_timeout, env=log_compiles,
+                                    name="jkv serve (slots)")}
+    if args.transformers:
+        cache = Path(args.hf_cache).expanduser()
+        cache.mkdir(parents=True, exist_ok=True)
+        # the same KV capacity as the jkv targets: every request at its longest, in pages
+        blocks = len(args.prompt_lens) * -(-max_len // args.page_size)
+        jobs["transformers"] = lambda: TransformersServer(export_for_transformers(args.model, cache), args.page_size,
+                                                          blocks, timeout=args.start_timeout)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+    targets, errors = {}, []
+    for name, f in futures.items():
+        if f.exception() is None:
+            targets[name] = f.result()
+        else:
+            errors.append(f"{name}: {f.exception()}")
+    if errors:
+        for srv in targets.values():
+            srv.stop()
+        raise RuntimeError("a server did not start:\n" + "\n".join(errors))
     return targets
 
 
@@ -336,10 +373,21 @@ def pass_plan(args, tokenizer) -> list[tuple[str, int | None, list[list[int]], i
     return plans
 
 
+def compiled(server) -> list[str]:
+    """The programs a jkv server has compiled so far (JAX_LOG_COMPILES lines in its log); [] for
+    transformers serve."""
+    if not isinstance(server, Server):
+        return []
+    return [line.split("Compiling ", 1)[1].split(" with global shapes", 1)[0] for line in list(server.log)
+            if "Compiling " in line and " with global shapes" in line]
+
+
 def run_pass(server, bodies: list[dict], concurrency: int | None, timeout: float) -> dict:
-    """One pass against one server: its summary, the server's CPU seconds and the load around it."""
+    """One pass against one server: its summary, the server's CPU seconds, the programs it compiled
+    during the pass (a compile mid-pass stalls every stream: such a row measures XLA, not serving)
+    and the load around it."""
     pid, load = server.proc.pid, os.getloadavg()[0]
-    cpu = process_cpu_seconds(pid)
+    cpu, before = process_cpu_seconds(pid), len(compiled(server))
     if concurrency is None:
         results = asyncio.run(mixed_pass(server.url, bodies, timeout))
     else:
@@ -347,14 +395,20 @@ def run_pass(server, bodies: list[dict], concurrency: int | None, timeout: float
     summary = summarize(results, long_last=concurrency is None)
     cores = os.cpu_count() or 1
     after = os.getloadavg()[0]
-    summary.update(server_cpu_s=process_cpu_seconds(pid) - cpu, loadavg_1m=round(load, 2),
-                   loadavg_1m_after=round(after, 2), quiet=max(load, after) < 0.5 * cores)
+    new = compiled(server)[before:]
+    if new:
+        log.warning("%s compiled %d programs during this pass (%s): its figures include XLA compile time",
+                    server.name, len(new), ", ".join(sorted(set(new))))
+    summary.update(server_cpu_s=process_cpu_seconds(pid) - cpu, compiles=len(new) if isinstance(server, Server) else "",
+                   loadavg_1m=round(load, 2), loadavg_1m_after=round(after, 2),
+                   quiet=max(load, after) < 0.5 * cores)
     return summary
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging()
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     require_optimized("bench_serve_mixed")  # the jkv servers inherit this environment
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -363,8 +417,9 @@ def main(argv=None) -> int:
     tokenizer = load_model(args.model).tokenizer
     plans = pass_plan(args, tokenizer)
     t = time.perf_counter()
-    targets = start_targets(args, out)
-    log.info("%s up in %.0fs; machine %s", list(targets), time.perf_counter() - t, machine_info())
+    targets = start_targets(args)
+    log.info("%s up in %.0fs (start-up CPU-s %s); machine %s", list(targets), time.perf_counter() - t,
+             {n: round(s.start_cpu_s) for n, s in targets.items()}, machine_info())
 
     def bodies(name, prompts, max_tokens):
         if name == "transformers":
@@ -386,7 +441,8 @@ def main(argv=None) -> int:
                 for name in order:
                     summary = run_pass(targets[name], bodies(name, prompts, max_tokens), conc, args.timeout)
                     row = {**machine_info(), **summary, "target": name, "pass": pass_name, "concurrency": conc or "",
-                           "repeat": rep, "prompt_lens": " ".join(str(len(p)) for p in prompts),
+                           "repeat": rep, "start_s": round(targets[name].start_s, 1),
+                           "start_cpu_s": round(targets[name].start_cpu_s, 1), "prompt_lens": " ".join(str(len(p)) for p in prompts),
                            "max_tokens": max_tokens, "model": args.model,
                            "prefill_chunk": args.prefill_chunk if name == "paged" else "",
                            "page_size": args.page_size if name == "paged" else ""}
