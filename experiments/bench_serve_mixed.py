@@ -2,11 +2,13 @@
 batcher (`--kv-layout slots`), optionally vs `transformers serve --continuous-batching`, side by
 side in one run.
 
-Each target is a real HTTP server on loopback (all started first, then measured in turn, the order
-alternating between repeats). One pass sends streaming /v1/completions requests, one per
-`--prompt-lens` entry (default 8 prompts of 64 to 4,096 tokens of real English text): all but the
-longest start together; the longest starts once every other one streams, so its prefill lands in
-the middle of running decodes. Per pass:
+Each target is a real HTTP server on loopback, all started side by side first (a jkv server
+compiles every decode program at start-up: minutes of one core; each logs its progress every
+30 s, and its programs go to a persistent XLA cache, `--xla-cache`, so a second run loads them),
+then measured in turn, the order alternating between repeats. One pass sends streaming
+/v1/completions requests, one per `--prompt-lens` entry (default 8 prompts of 64 to 4,096 tokens
+of real English text, 64 output tokens each): all but the longest start together; the longest
+starts once every other one streams, so its prefill lands in the middle of running decodes. Per pass:
 
   output tok/s       generated tokens / (last token - first request sent)
   TTFT               mean and p99 over the requests; the longest prompt's own TTFT
@@ -20,15 +22,21 @@ issue's comparison with `transformers serve` at concurrency 1 and 8 (its output 
 
 jkv gets token ids (every jkv target sees identical prompts); transformers gets their text (its
 tokenizer built from the GGUF splits digits differently, so its prompt lengths differ a little; its
-`usage` is recorded). Each target runs untimed warm-up passes first (jkv compiles its shapes).
-Writes experiments/results/bench_serve_mixed.csv (one row per target, pass and repeat, with each
-server's CPU seconds during the pass, the CPU model, vector extensions and the load average before
-and after; `quiet` is False when it reached half the cores: such a row is not a claim) and prints
-the ratios. Refuses to run with XLA_FLAGS at -O0 (the servers would inherit it).
+`usage` is recorded) and `eos_token_id: -1` as its ignore_eos. Before the timed passes every
+prompt goes through each target once, its stream closed after the second token (jkv compiles its
+prefill shapes there). Writes experiments/results/bench_serve_mixed.csv (one row per target, pass
+and repeat, with each server's CPU seconds during the pass, its start-up seconds and CPU seconds,
+the XLA programs it compiled during the pass (`compiles`: should be 0; a compile stalls every
+stream), the CPU model, vector extensions and the load average before and after; `quiet` is False
+when it reached half the cores: such a row is not a claim) and prints the ratios with the issue's
+goals, then the run's wall and CPU seconds per phase. Refuses to run with XLA_FLAGS at -O0.
 
-    PYTHONPATH=. python experiments/bench_serve_mixed.py                     # the full run, quiet box
-    PYTHONPATH=. python experiments/bench_serve_mixed.py --transformers --concurrency 1 8
-    PYTHONPATH=. python experiments/bench_serve_mixed.py --quick             # smoke run, tiny sizes
+The two runs for issue 18, each sized for about 12 minutes on a quiet 2-core box
+(docs/performance.md, "bench_serve_mixed: what a run costs"):
+
+    PYTHONPATH=. python experiments/bench_serve_mixed.py        # paged vs slots, mixed pass, 1 repeat
+    PYTHONPATH=. python experiments/bench_serve_mixed.py --targets paged transformers --no-mixed --concurrency 1 8
+    PYTHONPATH=. python experiments/bench_serve_mixed.py --quick   # smoke run, tiny sizes (add --transformers --concurrency 1 2)
 """
 from __future__ import annotations
 
@@ -76,8 +84,9 @@ def corpus_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
     return out
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first) -> dict:
-    """One streaming completion; `times` are absolute perf_counter seconds of each content chunk."""
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first, stop_after: int | None = None) -> dict:
+    """One streaming completion; `times` are absolute perf_counter seconds of each content chunk.
+    With `stop_after`, the stream is closed after that many chunks (the server cancels the request)."""
     start = time.perf_counter()
     times, usage, error = [], None, None
     try:
@@ -97,6 +106,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first) 
                         times.append(time.perf_counter())
                         if len(times) == 1:
                             on_first()
+                        if stop_after is not None and len(times) >= stop_after:
+                            break
                     if obj.get("usage"):
                         usage = obj["usage"]
     except httpx.HTTPError as e:
@@ -108,23 +119,24 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first) 
             "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
-async def mixed_pass(url: str, bodies: list[dict], timeout: float) -> list[dict]:
+async def mixed_pass(url: str, bodies: list[dict], timeout: float, stop_after: int | None = None) -> list[dict]:
     """All bodies but the last at once; the last once every other one streams. Results in order."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10)) as client:
         started = [asyncio.Event() for _ in bodies[:-1]]
-        tasks = [asyncio.create_task(stream_one(client, url, b, ev.set)) for b, ev in zip(bodies, started)]
+        tasks = [asyncio.create_task(stream_one(client, url, b, ev.set, stop_after)) for b, ev in zip(bodies, started)]
         await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), timeout)
-        tasks.append(asyncio.create_task(stream_one(client, url, bodies[-1], lambda: None)))
+        tasks.append(asyncio.create_task(stream_one(client, url, bodies[-1], lambda: None, stop_after)))
         return list(await asyncio.gather(*tasks))
 
 
-async def steady_pass(url: str, bodies: list[dict], concurrency: int, timeout: float) -> list[dict]:
+async def steady_pass(url: str, bodies: list[dict], concurrency: int, timeout: float,
+                      stop_after: int | None = None) -> list[dict]:
     """The bodies in order, at most `concurrency` in flight (a new one as soon as one ends)."""
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10)) as client:
         async def one(body):
             async with gate:
-                return await stream_one(client, url, body, lambda: None)
+                return await stream_one(client, url, body, lambda: None, stop_after)
         return list(await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), timeout))
 
 
@@ -264,12 +276,16 @@ def parse_args(argv=None):
     add_model_arg(ap)
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 3072, 4096],
                     help="one request per length; the longest is sent once the others stream")
-    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="paged target: --prefill-chunk")
     ap.add_argument("--page-size", type=int, default=16, help="paged target: --page-size")
-    ap.add_argument("--repeats", type=int, default=2, help="timed passes per target (order alternates)")
-    ap.add_argument("--transformers", action="store_true",
-                    help="also drive `transformers serve --continuous-batching` on the same weights")
+    ap.add_argument("--repeats", type=int, default=1, help="timed passes per target (order alternates)")
+    ap.add_argument("--targets", nargs="+", choices=["paged", "slots", "transformers"], default=["paged", "slots"],
+                    help="servers to compare (paged: jkv serve's paged cache with chunked prefill; slots: its "
+                         "per-slot batcher, --kv-layout slots; transformers: transformers serve --continuous-batching)")
+    ap.add_argument("--transformers", action="store_true", help="add the transformers target")
+    ap.add_argument("--no-mixed", action="store_true",
+                    help="only the steady passes of --concurrency (the comparison with transformers serve)")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[],
                     help="also one steady pass per level: --steady-requests requests, at most this many in flight")
     ap.add_argument("--steady-requests", type=int, default=24, help="requests of a steady pass")
@@ -283,6 +299,8 @@ def parse_args(argv=None):
     ap.add_argument("--start-timeout", type=float, default=3600,
                     help="seconds a server may take to load and compile (jkv warms up its programs; each one logs "
                          "its progress every 30 s while it starts)")
+    ap.add_argument("--xla-cache", default="~/.cache/jkv/xla-bench-serve",
+                    help="the jkv servers' persistent XLA compilation cache ('' for none): start-up compiles once")
     ap.add_argument("--hf-cache", default="~/.cache/jkv/hf-export",
                     help="--transformers: where the model's transformers checkpoint is made once and reused")
     add_out_arg(ap, RESULTS)
@@ -294,26 +312,34 @@ def parse_args(argv=None):
     if any(c < 1 or c > len(args.prompt_lens) for c in args.concurrency):
         ap.error(f"--concurrency {args.concurrency}: each level must be 1 to {len(args.prompt_lens)} (the jkv "
                  "servers' --max-slots is the number of --prompt-lens)")
+    if args.no_mixed and not args.concurrency:
+        ap.error("--no-mixed leaves no pass to run: give --concurrency levels")
+    if args.transformers and "transformers" not in args.targets:
+        args.targets.append("transformers")
     args.prompt_lens = sorted(args.prompt_lens)
     return args
 
 
-def start_targets(args) -> dict:
-    """The servers, started side by side (each start-up is mostly one compiling thread, so on 2
-    cores two of them take about as long as one): paged, slots and, with --transformers, transformers
-    serve on an exported checkpoint. All are stopped if one fails to start."""
+def start_targets(args, max_len: int) -> dict:
+    """The servers of --targets, started side by side (each start-up is mostly one compiling thread,
+    so on 2 cores two of them take about as long as one), each with room for `max_len` tokens per
+    request; transformers serve on an exported checkpoint. All are stopped if one fails to start."""
     from concurrent.futures import ThreadPoolExecutor
 
-    max_len = max(args.prompt_lens) + args.max_tokens + 16
     common = ["--model", args.model, "--served-model-name", "m", "--max-slots", str(len(args.prompt_lens)),
               "--max-model-len", str(max_len)]
-    log_compiles = {"JAX_LOG_COMPILES": "1"}  # names each program in the log: start-up progress, compiles mid-pass
+    env = {"JAX_LOG_COMPILES": "1"}  # names each program in the log: start-up progress, compiles mid-pass
+    if args.xla_cache:
+        # XLA's persistent cache: a second run loads the ~40 programs a server compiles at start-up
+        # (minutes of one core) instead of compiling them; the programs, and so the figures, are the same
+        env["JAX_COMPILATION_CACHE_DIR"] = str(Path(args.xla_cache).expanduser())
     jobs = {"paged": lambda: Server([*common, "--kv-layout", "paged", "--prefill-chunk", str(args.prefill_chunk),
                                      "--page-size", str(args.page_size)], timeout=args.start_timeout,
-                                    env=log_compiles, name="jkv serve (paged)"),
-            "slots": lambda: Server([*common, "--kv-layout", "slots"], timeout=args.start_timeout, env=log_compiles,
+                                    env=env, name="jkv serve (paged)"),
+            "slots": lambda: Server([*common, "--kv-layout", "slots"], timeout=args.start_timeout, env=env,
                                     name="jkv serve (slots)")}
-    if args.transformers:
+    jobs = {name: job for name, job in jobs.items() if name in args.targets}
+    if "transformers" in args.targets:
         cache = Path(args.hf_cache).expanduser()
         cache.mkdir(parents=True, exist_ok=True)
         # the same KV capacity as the jkv targets: every request at its longest, in pages
@@ -349,23 +375,25 @@ def print_table(rows: list[dict], targets: list[str], admission: bool = True):
     print(f"{'':<20}" + "".join(f"{t:>16}" for t in targets))
     for key, label, fmt in cols:
         print(f"{label:<20}" + "".join(f"{fmt.format(med[t][key]):>16}" for t in targets))
-    print("ratios (median over repeats):")
+    print("ratios (median over repeats; issue 18's goals in brackets):")
     if "slots" in med:
         for t in [t for t in targets if t != "slots"]:
             stall = (f"p99 TBT during the long admission "
-                     f"{med[t]['p99_tbt_admit_ms'] / med['slots']['p99_tbt_admit_ms']:.2f}x, " if admission else "")
-            print(f"  {t} / slots: output tok/s {med[t]['output_tok_s'] / med['slots']['output_tok_s']:.2f}x, {stall}"
-                  f"mean TTFT {med[t]['mean_ttft_ms'] / med['slots']['mean_ttft_ms']:.2f}x")
-    if "transformers" in med:
+                     f"{med[t]['p99_tbt_admit_ms'] / med['slots']['p99_tbt_admit_ms']:.2f}x [paged <= 0.5x], "
+                     if admission else "")
+            print(f"  {t} / slots: output tok/s {med[t]['output_tok_s'] / med['slots']['output_tok_s']:.2f}x "
+                  f"[paged >= 1.5x], {stall}mean TTFT {med[t]['mean_ttft_ms'] / med['slots']['mean_ttft_ms']:.2f}x")
+    if "transformers" in med and "paged" in med:
         p, h = med["paged"], med["transformers"]
-        print(f"  paged / transformers: output tok/s {p['output_tok_s'] / h['output_tok_s']:.2f}x, "
-              f"mean TTFT {p['mean_ttft_ms'] / h['mean_ttft_ms']:.2f}x, mean TBT {p['mean_tbt_ms'] / h['mean_tbt_ms']:.2f}x, "
-              f"p99 TBT {p['p99_tbt_ms'] / h['p99_tbt_ms']:.2f}x, server CPU-s {p['server_cpu_s'] / h['server_cpu_s']:.2f}x")
+        print(f"  paged / transformers: output tok/s {p['output_tok_s'] / h['output_tok_s']:.2f}x [steady passes: "
+              f">= 1.5x at c=8, >= 1.0x at c=1], mean TTFT {p['mean_ttft_ms'] / h['mean_ttft_ms']:.2f}x [<= 1.0x], "
+              f"mean TBT {p['mean_tbt_ms'] / h['mean_tbt_ms']:.2f}x, p99 TBT {p['p99_tbt_ms'] / h['p99_tbt_ms']:.2f}x, "
+              f"server CPU-s {p['server_cpu_s'] / h['server_cpu_s']:.2f}x")
 
 
 def pass_plan(args, tokenizer) -> list[tuple[str, int | None, list[list[int]], int]]:
     """(pass, concurrency or None for the mixed pass, prompts, max_tokens) of every timed pass."""
-    plans = [("mixed", None, corpus_prompts(tokenizer, args.prompt_lens), args.max_tokens)]
+    plans = [] if args.no_mixed else [("mixed", None, corpus_prompts(tokenizer, args.prompt_lens), args.max_tokens)]
     if args.concurrency:
         lo, hi = args.steady_prompt_range
         steady = corpus_prompts(tokenizer, [int(n) for n in np.linspace(lo, hi, args.steady_requests)])
@@ -382,27 +410,88 @@ def compiled(server) -> list[str]:
             if "Compiling " in line and " with global shapes" in line]
 
 
-def run_pass(server, bodies: list[dict], concurrency: int | None, timeout: float) -> dict:
+def wait_idle(server, timeout: float = 120.0):
+    """Until a jkv server runs and queues no request (a warm-up's closed streams are cancelled at
+    its next step, which must not land in the next target's timed pass); transformers serve cancels
+    on disconnect too but has no such gauge: a 2 s grace."""
+    if not isinstance(server, Server):
+        time.sleep(2)
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        busy = sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(("jkv_num_requests_running ", "jkv_num_requests_waiting ")))
+        if busy == 0:
+            return
+        time.sleep(0.5)
+    log.warning("%s still has requests %.0fs after the warm-up", server.name, timeout)
+
+
+def run_pass(server, bodies: list[dict], concurrency: int | None, timeout: float, stop_after: int | None = None) -> dict:
     """One pass against one server: its summary, the server's CPU seconds, the programs it compiled
     during the pass (a compile mid-pass stalls every stream: such a row measures XLA, not serving)
     and the load around it."""
     pid, load = server.proc.pid, os.getloadavg()[0]
     cpu, before = process_cpu_seconds(pid), len(compiled(server))
     if concurrency is None:
-        results = asyncio.run(mixed_pass(server.url, bodies, timeout))
+        results = asyncio.run(mixed_pass(server.url, bodies, timeout, stop_after))
     else:
-        results = asyncio.run(steady_pass(server.url, bodies, concurrency, timeout))
+        results = asyncio.run(steady_pass(server.url, bodies, concurrency, timeout, stop_after))
     summary = summarize(results, long_last=concurrency is None)
     cores = os.cpu_count() or 1
     after = os.getloadavg()[0]
     new = compiled(server)[before:]
-    if new:
-        log.warning("%s compiled %d programs during this pass (%s): its figures include XLA compile time",
-                    server.name, len(new), ", ".join(sorted(set(new))))
-    summary.update(server_cpu_s=process_cpu_seconds(pid) - cpu, compiles=len(new) if isinstance(server, Server) else "",
+    summary.update(compiled=sorted(set(new)), server_cpu_s=process_cpu_seconds(pid) - cpu, compiles=len(new) if isinstance(server, Server) else "",
                    loadavg_1m=round(load, 2), loadavg_1m_after=round(after, 2),
                    quiet=max(load, after) < 0.5 * cores)
     return summary
+
+
+def warm_up(targets: dict, plans, bodies, timeout: float) -> dict:
+    """Every prompt of the mixed pass and of the widest steady pass through each target, each
+    stream closed after its second token: every prompt is prefilled (jkv compiles its prefill
+    shapes; a prompt's chunk and page-table shapes depend on its own length and max_tokens only, and
+    the decode programs were compiled at start-up) without paying for the decode of a whole pass.
+    Returns each target's server CPU seconds in it."""
+    steady = [p for p in plans if p[1] is not None]
+    warm = [p for p in plans if p[1] is None] + ([max(steady, key=lambda p: p[1])] if steady else [])
+    cpu = {}
+    for name, srv in targets.items():
+        cpu[name] = 0.0
+        for pass_name, conc, prompts, max_tokens in warm:
+            summary = run_pass(srv, bodies(name, prompts, max_tokens), conc, timeout, stop_after=2)
+            wait_idle(srv)
+            cpu[name] += summary["server_cpu_s"]
+            log.info("warm-up %s %s: %d/%d ok %s, %.1f server CPU-s, %s programs compiled", name, pass_name,
+                     summary["requests"] - summary["failed"], summary["requests"], summary["errors"],
+                     summary["server_cpu_s"], summary["compiles"])
+    return cpu
+
+
+def timed_passes(args, targets: dict, plans, bodies) -> list[dict]:
+    """`--repeats` rounds of every pass through every target (the order reversed every other
+    round): one CSV row each."""
+    rows = []
+    for rep in range(args.repeats):
+        order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
+        for pass_name, conc, prompts, max_tokens in plans:
+            for name in order:
+                srv = targets[name]
+                summary = run_pass(srv, bodies(name, prompts, max_tokens), conc, args.timeout)
+                row = {**machine_info(), **summary, "target": name, "pass": pass_name, "concurrency": conc or "",
+                       "repeat": rep, "start_s": round(srv.start_s, 1), "start_cpu_s": round(srv.start_cpu_s, 1),
+                       "prompt_lens": " ".join(str(len(p)) for p in prompts), "max_tokens": max_tokens,
+                       "model": args.model, "prefill_chunk": args.prefill_chunk if name == "paged" else "",
+                       "page_size": args.page_size if name != "slots" else ""}
+                rows.append(row)
+                if row["compiled"]:
+                    log.warning("%s compiled %d programs during this timed pass (%s): its figures include XLA "
+                                "compile time", srv.name, row["compiles"], ", ".join(row["compiled"]))
+                log.info("%s %s #%d: %.1f output tok/s, mean TTFT %.0f ms, %.1f server CPU-s, failed %d %s", name,
+                         pass_name, rep, row.get("output_tok_s", float("nan")), row.get("mean_ttft_ms", float("nan")),
+                         row["server_cpu_s"], row["failed"], row["errors"])
+    return rows
 
 
 def main(argv=None) -> int:
@@ -414,49 +503,38 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from models import load_model
 
+    t0 = time.perf_counter()
     tokenizer = load_model(args.model).tokenizer
     plans = pass_plan(args, tokenizer)
-    t = time.perf_counter()
-    targets = start_targets(args)
-    log.info("%s up in %.0fs (start-up CPU-s %s); machine %s", list(targets), time.perf_counter() - t,
-             {n: round(s.start_cpu_s) for n, s in targets.items()}, machine_info())
+    targets = start_targets(args, max(len(p) + mt for _, _, prompts, mt in plans for p in prompts) + 16)
+    log.info("%s up in %.0fs; machine %s", list(targets), time.perf_counter() - t0, machine_info())
 
     def bodies(name, prompts, max_tokens):
         if name == "transformers":
             return [hf_body(targets[name].model_id, tokenizer.decode(p), max_tokens) for p in prompts]
         return [jkv_body(p, max_tokens) for p in prompts]
 
-    # warm-up: the mixed pass and the widest steady pass compile every shape the timed passes use
-    warm = [plans[0]] + ([max(plans[1:], key=lambda p: p[1])] if len(plans) > 1 else [])
-    rows = []
     try:
-        for name, s in targets.items():
-            for pass_name, conc, prompts, max_tokens in warm:
-                summary = run_pass(s, bodies(name, prompts, max_tokens), conc, args.timeout)
-                log.info("warm-up %s %s: %d/%d ok %s", name, pass_name, summary["requests"] - summary["failed"],
-                         summary["requests"], summary["errors"])
-        for rep in range(args.repeats):
-            order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
-            for pass_name, conc, prompts, max_tokens in plans:
-                for name in order:
-                    summary = run_pass(targets[name], bodies(name, prompts, max_tokens), conc, args.timeout)
-                    row = {**machine_info(), **summary, "target": name, "pass": pass_name, "concurrency": conc or "",
-                           "repeat": rep, "start_s": round(targets[name].start_s, 1),
-                           "start_cpu_s": round(targets[name].start_cpu_s, 1), "prompt_lens": " ".join(str(len(p)) for p in prompts),
-                           "max_tokens": max_tokens, "model": args.model,
-                           "prefill_chunk": args.prefill_chunk if name == "paged" else "",
-                           "page_size": args.page_size if name == "paged" else ""}
-                    rows.append(row)
-                    log.info("%s %s #%d: %.1f output tok/s, mean TTFT %.0f ms, %.1f server CPU-s, failed %d %s", name,
-                             pass_name, rep, row.get("output_tok_s", float("nan")),
-                             row.get("mean_ttft_ms", float("nan")), row["server_cpu_s"], row["failed"], row["errors"])
+        t_warm = time.perf_counter()
+        warm_cpu = warm_up(targets, plans, bodies, args.timeout)
+        t_timed = time.perf_counter()
+        rows = timed_passes(args, targets, plans, bodies)
     finally:
-        for s in targets.values():
-            s.stop()
+        for srv in targets.values():
+            srv.stop()
+    t_end = time.perf_counter()
     write_csv(out / args.csv, rows, fields=FIELDS)
     for pass_name, conc, _, _ in plans:
         print(f"\npass {pass_name}" + (f" ({conc} in flight)" if conc else " (mixed lengths, the longest sent last)"))
         print_table([r for r in rows if r["pass"] == pass_name], list(targets), admission=conc is None)
+    # What the run cost, to size a run for a time budget: on a quiet box each server's phases run
+    # at about its CPU seconds (one engine thread; start-ups overlap, one per core)
+    print(f"\nwall s: start-up {t_warm - t0:.0f}, warm-up {t_timed - t_warm:.0f}, timed passes {t_end - t_timed:.0f}, "
+          f"total {t_end - t0:.0f}")
+    for name, srv in targets.items():
+        timed = sum(r["server_cpu_s"] for r in rows if r["target"] == name)
+        print(f"server CPU-s {name}: start-up {srv.start_cpu_s:.0f}, warm-up {warm_cpu[name]:.0f}, "
+              f"timed passes {timed:.0f}")
     if not all(r["quiet"] for r in rows):
         print("the load average reached half the cores or more during a pass: these figures are not claims "
               "(quiet=False in the CSV)")
