@@ -45,6 +45,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,7 +60,8 @@ sys.path.insert(0, str(REPO))
 
 from experiments.common import (RESULTS, add_model_arg, add_out_arg, machine_info, setup_logging,  # noqa: E402
                                 write_csv)
-from experiments.serve_load import Server, process_cpu_seconds, wait_for_start  # noqa: E402
+from experiments.serve_load import (LIVE, Server, process_cpu_seconds, stop_all, stop_process,  # noqa: E402
+                                   wait_for_start)
 from jkv.xla_options import require_optimized  # noqa: E402
 
 log = logging.getLogger("bench_serve_mixed")
@@ -188,6 +190,7 @@ class TransformersServer:
                                       str(port), "--device", "cpu", "--dtype", "float32", "--cb-block-size",
                                       str(page_size), "--cb-num-blocks", str(num_blocks), "--log-level", "info",
                                       model_dir], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        LIVE.add(self.proc)
         try:
             self.start_s = wait_for_start(self.name, self.proc, self._healthy, timeout, self._last_line)
         except RuntimeError as e:
@@ -209,12 +212,7 @@ class TransformersServer:
         return lines[-1][-300:] if lines else "(none yet)"
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
 
 def export_for_transformers(model_spec: str, cache: Path) -> str:
@@ -315,7 +313,7 @@ def parse_args(argv=None):
     if args.no_mixed and not args.concurrency:
         ap.error("--no-mixed leaves no pass to run: give --concurrency levels")
     if args.transformers and "transformers" not in args.targets:
-        args.targets.append("transformers")
+        args.targets = [*args.targets, "transformers"]
     args.prompt_lens = sorted(args.prompt_lens)
     return args
 
@@ -497,6 +495,12 @@ def timed_passes(args, targets: dict, plans, bodies) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging()
+
+    def on_term(signum, frame):  # stop the servers (and so the threads waiting for them to start), then exit
+        stop_all()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     require_optimized("bench_serve_mixed")  # the jkv servers inherit this environment
     out = Path(args.out)
@@ -520,8 +524,12 @@ def main(argv=None) -> int:
         t_timed = time.perf_counter()
         rows = timed_passes(args, targets, plans, bodies)
     finally:
-        for srv in targets.values():
+        for name, srv in targets.items():
             srv.stop()
+            if isinstance(srv, Server):  # its compile lines and warnings, for a row that looks wrong
+                path = Path(tempfile.mkstemp(prefix=f"bench-serve-mixed-{name}-", suffix=".log")[1])
+                path.write_text("".join(srv.log))
+                log.info("%s's log: %s", srv.name, path)
     t_end = time.perf_counter()
     write_csv(out / args.csv, rows, fields=FIELDS)
     for pass_name, conc, _, _ in plans:

@@ -68,6 +68,28 @@ def process_cpu_seconds(pid: int) -> float:
     return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
 
 
+LIVE: set[subprocess.Popen] = set()  # server processes started here and not stopped yet (stop_all's list)
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 60.0):
+    """SIGTERM, then SIGKILL after `grace` seconds; forgets it in LIVE."""
+    LIVE.discard(proc)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def stop_all():
+    """Stop every server process started here: a script's SIGTERM handler calls it, so no server
+    outlives the script (Python runs no `finally` on SIGTERM by itself)."""
+    for proc in list(LIVE):
+        stop_process(proc, grace=10.0)
+
+
 def wait_for_start(name: str, proc: subprocess.Popen, up, timeout: float, last_line, progress_s: float = 30.0) -> float:
     """Wait until `up(seconds)` (which may block that long) says the server `proc` serves; returns
     the seconds it took. Every `progress_s` seconds one log line says how long it has run, its CPU
@@ -102,6 +124,7 @@ class Server:
         self.name = name
         self.proc = subprocess.Popen([sys.executable, "-m", "jkv.cli", "serve", "--port", "0", *args], cwd=REPO,
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        LIVE.add(self.proc)
         self.url, ready, self.log = None, threading.Event(), []
 
         def read():
@@ -122,12 +145,7 @@ class Server:
         self.start_cpu_s = process_cpu_seconds(self.proc.pid)  # its start-up's cost (load, compiles, warm-up)
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, path: str, body: dict, piece) -> dict:
