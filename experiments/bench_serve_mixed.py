@@ -71,19 +71,23 @@ FIELDS = ["target", "pass", "concurrency", "repeat", "requests", "failed", "outp
           "cpu_model", "vector_extensions", "cores", "loadavg_1m", "loadavg_1m_after", "quiet"]
 
 
-def corpus_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
-    """One prompt of each length, cut from different places of real text on this machine."""
+def corpus_prompts(tokenizer, lengths: list[int]):
+    """`make(round)`: one prompt of each length, cut from different places of real text on this
+    machine, a different place for every round. A warm-up or an earlier pass must not send the
+    same prompts as a timed pass: `jkv serve --kv-layout paged` would find them in its prefix cache
+    and prefill only the rest (the first quick runs did: their paged rows measured cached prompts
+    and compiled the shorter chunks' programs mid-pass), while the slots batcher prefills them whole."""
     texts = [p.read_text(errors="ignore") for p in sorted(Path("/usr/share/common-licenses").glob("*"))[:8]
              if p.is_file()]
-    ids = tokenizer.encode("\n".join(texts) or "The quick brown fox jumps over the lazy dog. " * 2000)
-    need = sum(lengths)
-    while len(ids) < need:
-        ids = ids + ids
-    out, at = [], 0
-    for n in lengths:
-        out.append([int(t) for t in ids[at:at + n]])
-        at += n
-    return out
+    ids = [int(t) for t in tokenizer.encode("\n".join(texts) or "The quick brown fox jumps over the lazy dog. " * 2000)]
+
+    def make(round_: int) -> list[list[int]]:
+        out, at = [], round_ * sum(lengths) + 7 * round_  # the odd shift: no round starts where another did
+        for n in lengths:
+            out.append([ids[(at + i) % len(ids)] for i in range(n)])
+            at += n
+        return out
+    return make
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first, stop_after: int | None = None) -> dict:
@@ -390,7 +394,8 @@ def print_table(rows: list[dict], targets: list[str], admission: bool = True):
 
 
 def pass_plan(args, tokenizer) -> list[tuple[str, int | None, list[list[int]], int]]:
-    """(pass, concurrency or None for the mixed pass, prompts, max_tokens) of every timed pass."""
+    """(pass, concurrency or None for the mixed pass, make(round) -> prompts, max_tokens) of every
+    timed pass."""
     plans = [] if args.no_mixed else [("mixed", None, corpus_prompts(tokenizer, args.prompt_lens), args.max_tokens)]
     if args.concurrency:
         lo, hi = args.steady_prompt_range
@@ -457,13 +462,13 @@ def warm_up(targets: dict, plans, bodies, timeout: float) -> dict:
     cpu = {}
     for name, srv in targets.items():
         cpu[name] = 0.0
-        for pass_name, conc, prompts, max_tokens in warm:
-            summary = run_pass(srv, bodies(name, prompts, max_tokens), conc, timeout, stop_after=2)
+        for pass_name, conc, make, max_tokens in warm:
+            summary = run_pass(srv, bodies(name, make(0), max_tokens), conc, timeout, stop_after=2)
             wait_idle(srv)
             cpu[name] += summary["server_cpu_s"]
-            log.info("warm-up %s %s: %d/%d ok %s, %.1f server CPU-s, %s programs compiled", name, pass_name,
+            log.info("warm-up %s %s: %d/%d ok %s, %.1f server CPU-s, %s XLA programs compiled", name, pass_name,
                      summary["requests"] - summary["failed"], summary["requests"], summary["errors"],
-                     summary["server_cpu_s"], summary["compiles"])
+                     summary["server_cpu_s"], summary["compiles"] if summary["compiles"] != "" else "no")
     return cpu
 
 
@@ -473,7 +478,8 @@ def timed_passes(args, targets: dict, plans, bodies) -> list[dict]:
     rows = []
     for rep in range(args.repeats):
         order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
-        for pass_name, conc, prompts, max_tokens in plans:
+        for i, (pass_name, conc, make, max_tokens) in enumerate(plans):
+            prompts = make(1 + rep * len(plans) + i)  # the same for every target, new for every pass
             for name in order:
                 srv = targets[name]
                 summary = run_pass(srv, bodies(name, prompts, max_tokens), conc, args.timeout)
@@ -510,7 +516,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     tokenizer = load_model(args.model).tokenizer
     plans = pass_plan(args, tokenizer)
-    targets = start_targets(args, max(len(p) + mt for _, _, prompts, mt in plans for p in prompts) + 16)
+    targets = start_targets(args, max(len(p) + mt for _, _, make, mt in plans for p in make(0)) + 16)
     log.info("%s up in %.0fs; machine %s", list(targets), time.perf_counter() - t0, machine_info())
 
     def bodies(name, prompts, max_tokens):
