@@ -22,9 +22,10 @@ issue's comparison with `transformers serve` at concurrency 1 and 8 (its output 
 
 jkv gets token ids (every jkv target sees identical prompts); transformers gets their text (its
 tokenizer built from the GGUF splits digits differently, so its prompt lengths differ a little; its
-`usage` is recorded) and `eos_token_id: -1` as its ignore_eos. Before the timed passes every
-prompt goes through each target once, its stream closed after the second token (jkv compiles its
-prefill shapes there). Writes experiments/results/bench_serve_mixed.csv (one row per target, pass
+`usage` is recorded) and `eos_token_id: -1` as its ignore_eos. Before the timed passes prompts of
+every length go through each target once, each stream closed after its second token (jkv compiles
+its prefill shapes there); every pass gets new text of the same lengths (a prompt seen before would
+be a prefix-cache hit on the paged server). Writes experiments/results/bench_serve_mixed.csv (one row per target, pass
 and repeat, with each server's CPU seconds during the pass, its start-up seconds and CPU seconds,
 the XLA programs it compiled during the pass (`compiles`: should be 0; a compile stalls every
 stream), the CPU model, vector extensions and the load average before and after; `quiet` is False
