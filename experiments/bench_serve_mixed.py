@@ -2,11 +2,13 @@
 batcher (`--kv-layout slots`), optionally vs `transformers serve --continuous-batching`, side by
 side in one run.
 
-Each target is a real HTTP server on loopback (all started first, then measured in turn, the order
-alternating between repeats). One pass sends streaming /v1/completions requests, one per
-`--prompt-lens` entry (default 8 prompts of 64 to 4,096 tokens of real English text): all but the
-longest start together; the longest starts once every other one streams, so its prefill lands in
-the middle of running decodes. Per pass:
+Each target is a real HTTP server on loopback, all started side by side first (a jkv server
+compiles every decode program at start-up: minutes of one core; each logs its progress every
+30 s, and its programs go to a persistent XLA cache, `--xla-cache`, so a second run loads them),
+then measured in turn, the order alternating between repeats. One pass sends streaming
+/v1/completions requests, one per `--prompt-lens` entry (default 8 prompts of 64 to 4,096 tokens
+of real English text, 64 output tokens each): all but the longest start together; the longest
+starts once every other one streams, so its prefill lands in the middle of running decodes. Per pass:
 
   output tok/s       generated tokens / (last token - first request sent)
   TTFT               mean and p99 over the requests; the longest prompt's own TTFT
@@ -20,15 +22,22 @@ issue's comparison with `transformers serve` at concurrency 1 and 8 (its output 
 
 jkv gets token ids (every jkv target sees identical prompts); transformers gets their text (its
 tokenizer built from the GGUF splits digits differently, so its prompt lengths differ a little; its
-`usage` is recorded). Each target runs untimed warm-up passes first (jkv compiles its shapes).
-Writes experiments/results/bench_serve_mixed.csv (one row per target, pass and repeat, with each
-server's CPU seconds during the pass, the CPU model, vector extensions and the load average before
-and after; `quiet` is False when it reached half the cores: such a row is not a claim) and prints
-the ratios. Refuses to run with XLA_FLAGS at -O0 (the servers would inherit it).
+`usage` is recorded) and `eos_token_id: -1` as its ignore_eos. Before the timed passes prompts of
+every length go through each target once, each stream closed after its second token (jkv compiles
+its prefill shapes there); every pass gets new text of the same lengths (a prompt seen before would
+be a prefix-cache hit on the paged server). Writes experiments/results/bench_serve_mixed.csv (one row per target, pass
+and repeat, with each server's CPU seconds during the pass, its start-up seconds and CPU seconds,
+the XLA programs it compiled during the pass (`compiles`: should be 0; a compile stalls every
+stream), the CPU model, vector extensions and the load average before and after; `quiet` is False
+when it reached half the cores: such a row is not a claim) and prints the ratios with the issue's
+goals, then the run's wall and CPU seconds per phase. Refuses to run with XLA_FLAGS at -O0.
 
-    PYTHONPATH=. python experiments/bench_serve_mixed.py                     # the full run, quiet box
-    PYTHONPATH=. python experiments/bench_serve_mixed.py --transformers --concurrency 1 8
-    PYTHONPATH=. python experiments/bench_serve_mixed.py --quick             # smoke run, tiny sizes
+The two runs for issue 18, each sized for about 12 minutes on a quiet 2-core box
+(docs/performance.md, "bench_serve_mixed: what a run costs"):
+
+    PYTHONPATH=. python experiments/bench_serve_mixed.py        # paged vs slots, mixed pass, 1 repeat
+    PYTHONPATH=. python experiments/bench_serve_mixed.py --targets paged transformers --no-mixed --concurrency 1 8
+    PYTHONPATH=. python experiments/bench_serve_mixed.py --quick   # smoke run, tiny sizes (add --transformers --concurrency 1 2)
 """
 from __future__ import annotations
 
@@ -37,6 +46,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,33 +61,39 @@ sys.path.insert(0, str(REPO))
 
 from experiments.common import (RESULTS, add_model_arg, add_out_arg, machine_info, setup_logging,  # noqa: E402
                                 write_csv)
-from experiments.serve_load import Server  # noqa: E402
+from experiments.serve_load import (LIVE, Server, process_cpu_seconds, stop_all, stop_process,  # noqa: E402
+                                   wait_for_start)
 from jkv.xla_options import require_optimized  # noqa: E402
 
 log = logging.getLogger("bench_serve_mixed")
 FIELDS = ["target", "pass", "concurrency", "repeat", "requests", "failed", "output_tokens", "duration_s", "output_tok_s", "mean_ttft_ms",
           "p99_ttft_ms", "long_ttft_ms", "long_prompt_tokens", "mean_tbt_ms", "p99_tbt_ms", "p99_tbt_admit_ms",
-          "max_tbt_admit_ms", "admit_gaps", "server_cpu_s", "prompt_lens", "max_tokens", "prefill_chunk", "page_size", "model",
+          "max_tbt_admit_ms", "admit_gaps", "server_cpu_s", "compiles", "start_s", "start_cpu_s", "prompt_lens", "max_tokens", "prefill_chunk", "page_size", "model",
           "cpu_model", "vector_extensions", "cores", "loadavg_1m", "loadavg_1m_after", "quiet"]
 
 
-def corpus_prompts(tokenizer, lengths: list[int]) -> list[list[int]]:
-    """One prompt of each length, cut from different places of real text on this machine."""
+def corpus_prompts(tokenizer, lengths: list[int]):
+    """`make(round)`: one prompt of each length, cut from different places of real text on this
+    machine, a different place for every round. A warm-up or an earlier pass must not send the
+    same prompts as a timed pass: `jkv serve --kv-layout paged` would find them in its prefix cache
+    and prefill only the rest (the first quick runs did: their paged rows measured cached prompts
+    and compiled the shorter chunks' programs mid-pass), while the slots batcher prefills them whole."""
     texts = [p.read_text(errors="ignore") for p in sorted(Path("/usr/share/common-licenses").glob("*"))[:8]
              if p.is_file()]
-    ids = tokenizer.encode("\n".join(texts) or "The quick brown fox jumps over the lazy dog. " * 2000)
-    need = sum(lengths)
-    while len(ids) < need:
-        ids = ids + ids
-    out, at = [], 0
-    for n in lengths:
-        out.append([int(t) for t in ids[at:at + n]])
-        at += n
-    return out
+    ids = [int(t) for t in tokenizer.encode("\n".join(texts) or "The quick brown fox jumps over the lazy dog. " * 2000)]
+
+    def make(round_: int) -> list[list[int]]:
+        out, at = [], round_ * sum(lengths) + 7 * round_  # the odd shift: no round starts where another did
+        for n in lengths:
+            out.append([ids[(at + i) % len(ids)] for i in range(n)])
+            at += n
+        return out
+    return make
 
 
-async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first) -> dict:
-    """One streaming completion; `times` are absolute perf_counter seconds of each content chunk."""
+async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first, stop_after: int | None = None) -> dict:
+    """One streaming completion; `times` are absolute perf_counter seconds of each content chunk.
+    With `stop_after`, the stream is closed after that many chunks (the server cancels the request)."""
     start = time.perf_counter()
     times, usage, error = [], None, None
     try:
@@ -97,6 +113,8 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first) 
                         times.append(time.perf_counter())
                         if len(times) == 1:
                             on_first()
+                        if stop_after is not None and len(times) >= stop_after:
+                            break
                     if obj.get("usage"):
                         usage = obj["usage"]
     except httpx.HTTPError as e:
@@ -108,36 +126,25 @@ async def stream_one(client: httpx.AsyncClient, url: str, body: dict, on_first) 
             "prompt_tokens": (usage or {}).get("prompt_tokens")}
 
 
-async def mixed_pass(url: str, bodies: list[dict], timeout: float) -> list[dict]:
+async def mixed_pass(url: str, bodies: list[dict], timeout: float, stop_after: int | None = None) -> list[dict]:
     """All bodies but the last at once; the last once every other one streams. Results in order."""
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10)) as client:
         started = [asyncio.Event() for _ in bodies[:-1]]
-        tasks = [asyncio.create_task(stream_one(client, url, b, ev.set)) for b, ev in zip(bodies, started)]
+        tasks = [asyncio.create_task(stream_one(client, url, b, ev.set, stop_after)) for b, ev in zip(bodies, started)]
         await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), timeout)
-        tasks.append(asyncio.create_task(stream_one(client, url, bodies[-1], lambda: None)))
+        tasks.append(asyncio.create_task(stream_one(client, url, bodies[-1], lambda: None, stop_after)))
         return list(await asyncio.gather(*tasks))
 
 
-async def steady_pass(url: str, bodies: list[dict], concurrency: int, timeout: float) -> list[dict]:
+async def steady_pass(url: str, bodies: list[dict], concurrency: int, timeout: float,
+                      stop_after: int | None = None) -> list[dict]:
     """The bodies in order, at most `concurrency` in flight (a new one as soon as one ends)."""
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10)) as client:
         async def one(body):
             async with gate:
-                return await stream_one(client, url, body, lambda: None)
+                return await stream_one(client, url, body, lambda: None, stop_after)
         return list(await asyncio.wait_for(asyncio.gather(*(one(b) for b in bodies)), timeout))
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a live process (and its reaped children), from /proc; nan
-    where /proc is missing. The server's own cost per pass, which the load of the box moves less
-    than its wall-clock figures."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return float("nan")
-    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
-    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
 
 
 def summarize(results: list[dict], long_last: bool = True) -> dict:
@@ -168,66 +175,89 @@ def summarize(results: list[dict], long_last: bool = True) -> dict:
 
 
 class TransformersServer:
-    """`transformers serve --continuous-batching` on a free loopback port, pinned to one model dir."""
+    """`transformers serve --continuous-batching` on a free loopback port, pinned to one model dir.
 
-    def __init__(self, model_dir: str, timeout: float = 900):
+    Its KV cache is sized like the jkv targets' (`num_blocks` pages of `page_size` tokens): left to
+    itself, continuous batching on a CPU takes 60 % of the machine's free memory for it."""
+
+    def __init__(self, model_dir: str, page_size: int, num_blocks: int, timeout: float = 900):
         import socket
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         exe = Path(sys.executable).with_name("transformers")
-        self.model_id = model_dir
+        self.name, self.model_id = "transformers serve", model_dir
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="transformers-serve-", suffix=".log", delete=False)
         env = dict(os.environ, HF_HUB_OFFLINE="1")
         self.proc = subprocess.Popen([str(exe), "serve", "--continuous-batching", "--host", "127.0.0.1", "--port",
-                                      str(port), "--device", "cpu", "--dtype", "float32", model_dir],
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.time() + timeout
-        while True:
-            if self.proc.poll() is not None or time.time() > deadline:
-                self.stop()
-                raise RuntimeError(f"transformers serve did not start; see {self.log.name}:\n"
-                                   + Path(self.log.name).read_text()[-3000:])
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+                                      str(port), "--device", "cpu", "--dtype", "float32", "--cb-block-size",
+                                      str(page_size), "--cb-num-blocks", str(num_blocks), "--log-level", "info",
+                                      model_dir], stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        LIVE.add(self.proc)
+        try:
+            self.start_s = wait_for_start(self.name, self.proc, self._healthy, timeout, self._last_line)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{e}\nits log: {self.log.name}") from None
+        self.start_cpu_s = process_cpu_seconds(self.proc.pid)
+
+    def _healthy(self, wait: float) -> bool:
+        try:
+            if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(wait)
+        return False
+
+    def _last_line(self) -> str:
+        lines = Path(self.log.name).read_text(errors="replace").strip().splitlines()
+        return lines[-1][-300:] if lines else "(none yet)"
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
 
-def export_for_transformers(model_spec: str, out_dir: Path) -> str:
-    """The jkv model's weights as a plain transformers checkpoint `transformers serve` can load.
+def export_for_transformers(model_spec: str, cache: Path) -> str:
+    """The jkv model's weights as a plain transformers checkpoint `transformers serve` can load, made
+    once per model file under `cache` (a later run reuses it: ~40 CPU-s and 0.5 GB of writes).
 
     A GGUF-loaded model's config lacks `architectures` (transformers serve cannot load the GGUF
     offline) and `save_pretrained` refuses it, so its dequantized weights are copied into a fresh
-    model of the same class, which saves; logits are identical (issue 18's notes).
-    """
+    model of the same class, which saves; logits are identical (issue 18's notes). The GGUF's
+    `quantization_config` is dropped from the saved config: left in, transformers would load the
+    plain safetensors as a GGUF."""
+    import hashlib
+
+    from models import resolve_model_path
+
+    src = resolve_model_path(model_spec)
+    st = src.stat()
+    key = hashlib.sha256(f"{src.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    out_dir = cache / f"{src.stem}-{key}"
+    if (out_dir / "config.json").is_file() and (out_dir / "tokenizer_config.json").is_file():
+        log.info("transformers checkpoint of %s: %s (made earlier)", model_spec, out_dir)
+        return str(out_dir)
     from transformers import AutoTokenizer
 
     from jkv.compare import load_hf_reference
-    from models import resolve_model_path
 
     hf = load_hf_reference(model_spec)
     cfg = hf.config
     cfg.architectures = [type(hf).__name__]
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
     plain = type(hf)(cfg)
     plain.load_state_dict(hf.state_dict())
-    plain.save_pretrained(str(out_dir))
-    src = resolve_model_path(model_spec)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=cache))  # renamed into place once whole
+    plain.save_pretrained(str(tmp))
     tok = AutoTokenizer.from_pretrained(str(src), use_fast=True) if src.is_dir() else \
         AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-    tok.save_pretrained(str(out_dir))
+    tok.save_pretrained(str(tmp))
+    tmp.rename(out_dir)
+    log.info("transformers checkpoint of %s written to %s", model_spec, out_dir)
     return str(out_dir)
 
 
@@ -237,8 +267,9 @@ def jkv_body(ids, max_tokens):
 
 
 def hf_body(model_id, text, max_tokens):
-    # min_new_tokens stands in for ignore_eos, so both servers generate max_tokens tokens.
-    gen = {"do_sample": False, "max_new_tokens": max_tokens, "min_new_tokens": max_tokens}
+    # eos_token_id -1 stands in for ignore_eos (continuous batching passes each request only its
+    # max_new_tokens and eos_token_id, and -1 turns the stop off), so both generate max_tokens tokens.
+    gen = {"do_sample": False, "max_new_tokens": max_tokens, "eos_token_id": -1}
     return {"model": model_id, "prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "generation_config": json.dumps(gen), "stream_options": {"include_usage": True}}
 
@@ -248,12 +279,16 @@ def parse_args(argv=None):
     add_model_arg(ap)
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 2048, 3072, 4096],
                     help="one request per length; the longest is sent once the others stream")
-    ap.add_argument("--max-tokens", type=int, default=128, help="output tokens per request (ignore_eos)")
+    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (ignore_eos)")
     ap.add_argument("--prefill-chunk", type=int, default=512, help="paged target: --prefill-chunk")
     ap.add_argument("--page-size", type=int, default=16, help="paged target: --page-size")
-    ap.add_argument("--repeats", type=int, default=2, help="timed passes per target (order alternates)")
-    ap.add_argument("--transformers", action="store_true",
-                    help="also drive `transformers serve --continuous-batching` on the same weights")
+    ap.add_argument("--repeats", type=int, default=1, help="timed passes per target (order alternates)")
+    ap.add_argument("--targets", nargs="+", choices=["paged", "slots", "transformers"], default=["paged", "slots"],
+                    help="servers to compare (paged: jkv serve's paged cache with chunked prefill; slots: its "
+                         "per-slot batcher, --kv-layout slots; transformers: transformers serve --continuous-batching)")
+    ap.add_argument("--transformers", action="store_true", help="add the transformers target")
+    ap.add_argument("--no-mixed", action="store_true",
+                    help="only the steady passes of --concurrency (the comparison with transformers serve)")
     ap.add_argument("--concurrency", type=int, nargs="*", default=[],
                     help="also one steady pass per level: --steady-requests requests, at most this many in flight")
     ap.add_argument("--steady-requests", type=int, default=24, help="requests of a steady pass")
@@ -264,8 +299,13 @@ def parse_args(argv=None):
                     help="smoke run: 4 prompts of 32-256 tokens, 12 output tokens, chunks of 64, 1 repeat; steady "
                          "passes of 6 requests of 32-128 tokens, 8 output tokens")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds one pass may take")
-    ap.add_argument("--start-timeout", type=float, default=1200,
-                    help="seconds a server may take to load and compile (jkv warms up its programs)")
+    ap.add_argument("--start-timeout", type=float, default=3600,
+                    help="seconds a server may take to load and compile (jkv warms up its programs; each one logs "
+                         "its progress every 30 s while it starts)")
+    ap.add_argument("--xla-cache", default="~/.cache/jkv/xla-bench-serve",
+                    help="the jkv servers' persistent XLA compilation cache ('' for none): start-up compiles once")
+    ap.add_argument("--hf-cache", default="~/.cache/jkv/hf-export",
+                    help="--transformers: where the model's transformers checkpoint is made once and reused")
     add_out_arg(ap, RESULTS)
     ap.add_argument("--csv", default="bench_serve_mixed.csv", help="CSV name under --out")
     args = ap.parse_args(argv)
@@ -275,26 +315,52 @@ def parse_args(argv=None):
     if any(c < 1 or c > len(args.prompt_lens) for c in args.concurrency):
         ap.error(f"--concurrency {args.concurrency}: each level must be 1 to {len(args.prompt_lens)} (the jkv "
                  "servers' --max-slots is the number of --prompt-lens)")
+    if args.no_mixed and not args.concurrency:
+        ap.error("--no-mixed leaves no pass to run: give --concurrency levels")
+    if args.transformers and "transformers" not in args.targets:
+        args.targets = [*args.targets, "transformers"]
     args.prompt_lens = sorted(args.prompt_lens)
     return args
 
 
-def start_targets(args, out: Path) -> dict:
-    max_len = max(args.prompt_lens) + args.max_tokens + 16
+def start_targets(args, max_len: int) -> dict:
+    """The servers of --targets, started side by side (each start-up is mostly one compiling thread,
+    so on 2 cores two of them take about as long as one), each with room for `max_len` tokens per
+    request; transformers serve on an exported checkpoint. All are stopped if one fails to start."""
+    from concurrent.futures import ThreadPoolExecutor
+
     common = ["--model", args.model, "--served-model-name", "m", "--max-slots", str(len(args.prompt_lens)),
               "--max-model-len", str(max_len)]
-    targets = {}
-    try:
-        targets["paged"] = Server([*common, "--kv-layout", "paged", "--prefill-chunk", str(args.prefill_chunk),
-                                   "--page-size", str(args.page_size)], timeout=args.start_timeout)
-        targets["slots"] = Server([*common, "--kv-layout", "slots"], timeout=args.start_timeout)
-        if args.transformers:
-            model_dir = export_for_transformers(args.model, Path(tempfile.mkdtemp(prefix="jkv-hf-export-")))
-            targets["transformers"] = TransformersServer(model_dir, timeout=args.start_timeout)
-    except BaseException:
-        for s in targets.values():
-            s.stop()
-        raise
+    env = {"JAX_LOG_COMPILES": "1"}  # names each program in the log: start-up progress, compiles mid-pass
+    if args.xla_cache:
+        # XLA's persistent cache: a second run loads the ~40 programs a server compiles at start-up
+        # (minutes of one core) instead of compiling them; the programs, and so the figures, are the same
+        env["JAX_COMPILATION_CACHE_DIR"] = str(Path(args.xla_cache).expanduser())
+    jobs = {"paged": lambda: Server([*common, "--kv-layout", "paged", "--prefill-chunk", str(args.prefill_chunk),
+                                     "--page-size", str(args.page_size)], timeout=args.start_timeout,
+                                    env=env, name="jkv serve (paged)"),
+            "slots": lambda: Server([*common, "--kv-layout", "slots"], timeout=args.start_timeout, env=env,
+                                    name="jkv serve (slots)")}
+    jobs = {name: job for name, job in jobs.items() if name in args.targets}
+    if "transformers" in args.targets:
+        cache = Path(args.hf_cache).expanduser()
+        cache.mkdir(parents=True, exist_ok=True)
+        # the same KV capacity as the jkv targets: every request at its longest, in pages
+        blocks = len(args.prompt_lens) * -(-max_len // args.page_size)
+        jobs["transformers"] = lambda: TransformersServer(export_for_transformers(args.model, cache), args.page_size,
+                                                          blocks, timeout=args.start_timeout)
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+    targets, errors = {}, []
+    for name, f in futures.items():
+        if f.exception() is None:
+            targets[name] = f.result()
+        else:
+            errors.append(f"{name}: {f.exception()}")
+    if errors:
+        for srv in targets.values():
+            srv.stop()
+        raise RuntimeError("a server did not start:\n" + "\n".join(errors))
     return targets
 
 
@@ -312,23 +378,27 @@ def print_table(rows: list[dict], targets: list[str], admission: bool = True):
     print(f"{'':<20}" + "".join(f"{t:>16}" for t in targets))
     for key, label, fmt in cols:
         print(f"{label:<20}" + "".join(f"{fmt.format(med[t][key]):>16}" for t in targets))
-    print("ratios (median over repeats):")
+    print("ratios (median over repeats; issue 18's goals in brackets):")
     if "slots" in med:
         for t in [t for t in targets if t != "slots"]:
+            goal = (lambda g: f" [{g}]") if t == "paged" else (lambda g: "")  # noqa: E731
             stall = (f"p99 TBT during the long admission "
-                     f"{med[t]['p99_tbt_admit_ms'] / med['slots']['p99_tbt_admit_ms']:.2f}x, " if admission else "")
-            print(f"  {t} / slots: output tok/s {med[t]['output_tok_s'] / med['slots']['output_tok_s']:.2f}x, {stall}"
-                  f"mean TTFT {med[t]['mean_ttft_ms'] / med['slots']['mean_ttft_ms']:.2f}x")
-    if "transformers" in med:
+                     f"{med[t]['p99_tbt_admit_ms'] / med['slots']['p99_tbt_admit_ms']:.2f}x{goal('<= 0.5x')}, "
+                     if admission else "")
+            print(f"  {t} / slots: output tok/s {med[t]['output_tok_s'] / med['slots']['output_tok_s']:.2f}x"
+                  f"{goal('>= 1.5x')}, {stall}mean TTFT {med[t]['mean_ttft_ms'] / med['slots']['mean_ttft_ms']:.2f}x")
+    if "transformers" in med and "paged" in med:
         p, h = med["paged"], med["transformers"]
-        print(f"  paged / transformers: output tok/s {p['output_tok_s'] / h['output_tok_s']:.2f}x, "
-              f"mean TTFT {p['mean_ttft_ms'] / h['mean_ttft_ms']:.2f}x, mean TBT {p['mean_tbt_ms'] / h['mean_tbt_ms']:.2f}x, "
-              f"p99 TBT {p['p99_tbt_ms'] / h['p99_tbt_ms']:.2f}x, server CPU-s {p['server_cpu_s'] / h['server_cpu_s']:.2f}x")
+        print(f"  paged / transformers: output tok/s {p['output_tok_s'] / h['output_tok_s']:.2f}x [steady passes: "
+              f">= 1.5x at c=8, >= 1.0x at c=1], mean TTFT {p['mean_ttft_ms'] / h['mean_ttft_ms']:.2f}x [<= 1.0x], "
+              f"mean TBT {p['mean_tbt_ms'] / h['mean_tbt_ms']:.2f}x, p99 TBT {p['p99_tbt_ms'] / h['p99_tbt_ms']:.2f}x, "
+              f"server CPU-s {p['server_cpu_s'] / h['server_cpu_s']:.2f}x")
 
 
 def pass_plan(args, tokenizer) -> list[tuple[str, int | None, list[list[int]], int]]:
-    """(pass, concurrency or None for the mixed pass, prompts, max_tokens) of every timed pass."""
-    plans = [("mixed", None, corpus_prompts(tokenizer, args.prompt_lens), args.max_tokens)]
+    """(pass, concurrency or None for the mixed pass, make(round) -> prompts, max_tokens) of every
+    timed pass."""
+    plans = [] if args.no_mixed else [("mixed", None, corpus_prompts(tokenizer, args.prompt_lens), args.max_tokens)]
     if args.concurrency:
         lo, hi = args.steady_prompt_range
         steady = corpus_prompts(tokenizer, [int(n) for n in np.linspace(lo, hi, args.steady_requests)])
@@ -336,71 +406,151 @@ def pass_plan(args, tokenizer) -> list[tuple[str, int | None, list[list[int]], i
     return plans
 
 
-def run_pass(server, bodies: list[dict], concurrency: int | None, timeout: float) -> dict:
-    """One pass against one server: its summary, the server's CPU seconds and the load around it."""
+def compiled(server) -> list[str]:
+    """The programs a jkv server has compiled so far (JAX_LOG_COMPILES lines in its log); [] for
+    transformers serve."""
+    if not isinstance(server, Server):
+        return []
+    return [line.split("Compiling ", 1)[1].split(" with global shapes", 1)[0] for line in list(server.log)
+            if "Compiling " in line and " with global shapes" in line]
+
+
+def wait_idle(server, timeout: float = 120.0):
+    """Until a jkv server runs and queues no request (a warm-up's closed streams are cancelled at
+    its next step, which must not land in the next target's timed pass); transformers serve cancels
+    on disconnect too but has no such gauge: a 2 s grace."""
+    if not isinstance(server, Server):
+        time.sleep(2)
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        busy = sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith(("jkv_num_requests_running ", "jkv_num_requests_waiting ")))
+        if busy == 0:
+            return
+        time.sleep(0.5)
+    log.warning("%s still has requests %.0fs after the warm-up", server.name, timeout)
+
+
+def run_pass(server, bodies: list[dict], concurrency: int | None, timeout: float, stop_after: int | None = None) -> dict:
+    """One pass against one server: its summary, the server's CPU seconds, the programs it compiled
+    during the pass (a compile mid-pass stalls every stream: such a row measures XLA, not serving)
+    and the load around it."""
     pid, load = server.proc.pid, os.getloadavg()[0]
-    cpu = process_cpu_seconds(pid)
+    cpu, before = process_cpu_seconds(pid), len(compiled(server))
     if concurrency is None:
-        results = asyncio.run(mixed_pass(server.url, bodies, timeout))
+        results = asyncio.run(mixed_pass(server.url, bodies, timeout, stop_after))
     else:
-        results = asyncio.run(steady_pass(server.url, bodies, concurrency, timeout))
+        results = asyncio.run(steady_pass(server.url, bodies, concurrency, timeout, stop_after))
     summary = summarize(results, long_last=concurrency is None)
     cores = os.cpu_count() or 1
     after = os.getloadavg()[0]
-    summary.update(server_cpu_s=process_cpu_seconds(pid) - cpu, loadavg_1m=round(load, 2),
-                   loadavg_1m_after=round(after, 2), quiet=max(load, after) < 0.5 * cores)
+    new = compiled(server)[before:]
+    summary.update(compiled=sorted(set(new)), server_cpu_s=process_cpu_seconds(pid) - cpu, compiles=len(new) if isinstance(server, Server) else "",
+                   loadavg_1m=round(load, 2), loadavg_1m_after=round(after, 2),
+                   quiet=max(load, after) < 0.5 * cores)
     return summary
+
+
+def warm_up(targets: dict, plans, bodies, timeout: float) -> dict:
+    """Every prompt of the mixed pass and of the widest steady pass through each target, each
+    stream closed after its second token: every prompt is prefilled (jkv compiles its prefill
+    shapes; a prompt's chunk and page-table shapes depend on its own length and max_tokens only, and
+    the decode programs were compiled at start-up) without paying for the decode of a whole pass.
+    Returns each target's server CPU seconds in it."""
+    steady = [p for p in plans if p[1] is not None]
+    warm = [p for p in plans if p[1] is None] + ([max(steady, key=lambda p: p[1])] if steady else [])
+    cpu = {}
+    for name, srv in targets.items():
+        cpu[name] = 0.0
+        for pass_name, conc, make, max_tokens in warm:
+            summary = run_pass(srv, bodies(name, make(0), max_tokens), conc, timeout, stop_after=2)
+            wait_idle(srv)
+            cpu[name] += summary["server_cpu_s"]
+            log.info("warm-up %s %s: %d/%d ok %s, %.1f server CPU-s, %s XLA programs compiled", name, pass_name,
+                     summary["requests"] - summary["failed"], summary["requests"], summary["errors"],
+                     summary["server_cpu_s"], summary["compiles"] if summary["compiles"] != "" else "no")
+    return cpu
+
+
+def timed_passes(args, targets: dict, plans, bodies) -> list[dict]:
+    """`--repeats` rounds of every pass through every target (the order reversed every other
+    round): one CSV row each."""
+    rows = []
+    for rep in range(args.repeats):
+        order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
+        for i, (pass_name, conc, make, max_tokens) in enumerate(plans):
+            prompts = make(1 + rep * len(plans) + i)  # the same for every target, new for every pass
+            for name in order:
+                srv = targets[name]
+                summary = run_pass(srv, bodies(name, prompts, max_tokens), conc, args.timeout)
+                row = {**machine_info(), **summary, "target": name, "pass": pass_name, "concurrency": conc or "",
+                       "repeat": rep, "start_s": round(srv.start_s, 1), "start_cpu_s": round(srv.start_cpu_s, 1),
+                       "prompt_lens": " ".join(str(len(p)) for p in prompts), "max_tokens": max_tokens,
+                       "model": args.model, "prefill_chunk": args.prefill_chunk if name == "paged" else "",
+                       "page_size": args.page_size if name != "slots" else ""}
+                rows.append(row)
+                if row["compiled"]:
+                    log.warning("%s compiled %d programs during this timed pass (%s): its figures include XLA "
+                                "compile time", srv.name, row["compiles"], ", ".join(row["compiled"]))
+                log.info("%s %s #%d: %.1f output tok/s, mean TTFT %.0f ms, %.1f server CPU-s, failed %d %s", name,
+                         pass_name, rep, row.get("output_tok_s", float("nan")), row.get("mean_ttft_ms", float("nan")),
+                         row["server_cpu_s"], row["failed"], row["errors"])
+    return rows
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging()
+
+    def on_term(signum, frame):  # stop the servers (and so the threads waiting for them to start), then exit
+        stop_all()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     require_optimized("bench_serve_mixed")  # the jkv servers inherit this environment
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from models import load_model
 
+    t0 = time.perf_counter()
     tokenizer = load_model(args.model).tokenizer
     plans = pass_plan(args, tokenizer)
-    t = time.perf_counter()
-    targets = start_targets(args, out)
-    log.info("%s up in %.0fs; machine %s", list(targets), time.perf_counter() - t, machine_info())
+    targets = start_targets(args, max(len(p) + mt for _, _, make, mt in plans for p in make(0)) + 16)
+    log.info("%s up in %.0fs; machine %s", list(targets), time.perf_counter() - t0, machine_info())
 
     def bodies(name, prompts, max_tokens):
         if name == "transformers":
             return [hf_body(targets[name].model_id, tokenizer.decode(p), max_tokens) for p in prompts]
         return [jkv_body(p, max_tokens) for p in prompts]
 
-    # warm-up: the mixed pass and the widest steady pass compile every shape the timed passes use
-    warm = [plans[0]] + ([max(plans[1:], key=lambda p: p[1])] if len(plans) > 1 else [])
-    rows = []
     try:
-        for name, s in targets.items():
-            for pass_name, conc, prompts, max_tokens in warm:
-                summary = run_pass(s, bodies(name, prompts, max_tokens), conc, args.timeout)
-                log.info("warm-up %s %s: %d/%d ok %s", name, pass_name, summary["requests"] - summary["failed"],
-                         summary["requests"], summary["errors"])
-        for rep in range(args.repeats):
-            order = list(targets) if rep % 2 == 0 else list(targets)[::-1]
-            for pass_name, conc, prompts, max_tokens in plans:
-                for name in order:
-                    summary = run_pass(targets[name], bodies(name, prompts, max_tokens), conc, args.timeout)
-                    row = {**machine_info(), **summary, "target": name, "pass": pass_name, "concurrency": conc or "",
-                           "repeat": rep, "prompt_lens": " ".join(str(len(p)) for p in prompts),
-                           "max_tokens": max_tokens, "model": args.model,
-                           "prefill_chunk": args.prefill_chunk if name == "paged" else "",
-                           "page_size": args.page_size if name == "paged" else ""}
-                    rows.append(row)
-                    log.info("%s %s #%d: %.1f output tok/s, mean TTFT %.0f ms, %.1f server CPU-s, failed %d %s", name,
-                             pass_name, rep, row.get("output_tok_s", float("nan")),
-                             row.get("mean_ttft_ms", float("nan")), row["server_cpu_s"], row["failed"], row["errors"])
+        t_warm = time.perf_counter()
+        warm_cpu = warm_up(targets, plans, bodies, args.timeout)
+        t_timed = time.perf_counter()
+        rows = timed_passes(args, targets, plans, bodies)
     finally:
-        for s in targets.values():
-            s.stop()
+        for name, srv in targets.items():
+            srv.stop()
+            if isinstance(srv, Server):  # its compile lines and warnings, for a row that looks wrong
+                path = Path(tempfile.mkstemp(prefix=f"bench-serve-mixed-{name}-", suffix=".log")[1])
+                path.write_text("".join(srv.log))
+                log.info("%s's log: %s", srv.name, path)
+    t_end = time.perf_counter()
     write_csv(out / args.csv, rows, fields=FIELDS)
     for pass_name, conc, _, _ in plans:
         print(f"\npass {pass_name}" + (f" ({conc} in flight)" if conc else " (mixed lengths, the longest sent last)"))
         print_table([r for r in rows if r["pass"] == pass_name], list(targets), admission=conc is None)
+    # What the run cost, to size a run for a time budget: on a quiet box each server's phases run
+    # at about its CPU seconds (one engine thread; start-ups overlap, one per core)
+    print(f"\nwall s: start-up {t_warm - t0:.0f}, warm-up {t_timed - t_warm:.0f}, timed passes {t_end - t_timed:.0f}, "
+          f"total {t_end - t0:.0f}")
+    for name, srv in targets.items():
+        timed = sum(r["server_cpu_s"] for r in rows if r["target"] == name)
+        print(f"server CPU-s {name}: start-up {srv.start_cpu_s:.0f}, warm-up {warm_cpu[name]:.0f}, "
+              f"timed passes {timed:.0f}")
     if not all(r["quiet"] for r in rows):
         print("the load average reached half the cores or more during a pass: these figures are not claims "
               "(quiet=False in the CSV)")

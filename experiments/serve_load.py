@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -41,6 +42,8 @@ sys.path.insert(0, str(REPO))
 
 from experiments.common import RESULTS, add_model_arg, add_out_arg, add_seed_arg, write_csv  # noqa: E402
 
+log = logging.getLogger("serve_load")
+
 PROMPTS = [
     "The capital of France is",
     "Write one sentence about the ocean:",
@@ -53,11 +56,75 @@ PROMPTS = [
 ]
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a live process (and its reaped children), from /proc; nan
+    where /proc is missing. A process's own cost, which the load of the box moves less than its
+    wall-clock figures."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    utime, stime, cutime, cstime = (int(x) for x in fields[11:15])
+    return (utime + stime + cutime + cstime) / os.sysconf("SC_CLK_TCK")
+
+
+LIVE: set[subprocess.Popen] = set()  # server processes started here and not stopped yet (stop_all's list)
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 60.0):
+    """SIGTERM, then SIGKILL after `grace` seconds; forgets it in LIVE."""
+    LIVE.discard(proc)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def stop_all():
+    """Stop every server process started here: a script's SIGTERM handler calls it, so no server
+    outlives the script (Python runs no `finally` on SIGTERM by itself)."""
+    for proc in list(LIVE):
+        stop_process(proc, grace=10.0)
+
+
+def wait_for_start(name: str, proc: subprocess.Popen, up, timeout: float, last_line, progress_s: float = 30.0) -> float:
+    """Wait until `up(seconds)` (which may block that long) says the server `proc` serves; returns
+    the seconds it took. Every `progress_s` seconds one log line says how long it has run, its CPU
+    seconds and `last_line()` (its newest log line), so a start-up of minutes (a jkv server compiles
+    every program it serves) shows progress and a stuck one (CPU seconds not rising) shows as such.
+    Raises RuntimeError if `proc` exits or `timeout` passes first; the caller stops the process."""
+    t0 = time.monotonic()
+    next_note = t0 + progress_s
+    while not up(max(0.0, min(1.0, t0 + timeout - time.monotonic()))):
+        now = time.monotonic()
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode} while starting; last line: {last_line()}")
+        if now >= t0 + timeout:
+            raise RuntimeError(f"{name} did not start within {timeout:.0f}s (--start-timeout); last line: {last_line()}")
+        if now >= next_note:
+            next_note = now + progress_s
+            log.info("%s (pid %d): starting for %.0fs, %.0f CPU-s so far; last line: %s", name, proc.pid, now - t0,
+                     process_cpu_seconds(proc.pid), last_line())
+    took = time.monotonic() - t0
+    log.info("%s (pid %d) up after %.0fs, %.0f CPU-s", name, proc.pid, took, process_cpu_seconds(proc.pid))
+    return took
+
+
 class Server:
-    def __init__(self, args: list[str], timeout: float = 300, env: dict | None = None):
+    """`jkv serve --port 0 ARGS` on loopback; returns once it prints its listening line (`url`),
+    logging progress while it starts (`wait_for_start`). Raises RuntimeError with the server's last
+    log lines if it exits or is not up within `timeout` seconds."""
+
+    def __init__(self, args: list[str], timeout: float = 300, env: dict | None = None, name: str = "jkv serve",
+                 progress_s: float = 30.0):
         env = dict(os.environ, PYTHONPATH=str(REPO), **(env or {}))
+        self.name = name
         self.proc = subprocess.Popen([sys.executable, "-m", "jkv.cli", "serve", "--port", "0", *args], cwd=REPO,
                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        LIVE.add(self.proc)
         self.url, ready, self.log = None, threading.Event(), []
 
         def read():
@@ -69,17 +136,16 @@ class Server:
             ready.set()
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(timeout) or self.url is None:
+        try:
+            self.start_s = wait_for_start(name, self.proc, lambda s: ready.wait(s) and self.url is not None, timeout,
+                                          lambda: self.log[-1].strip() if self.log else "(none yet)", progress_s)
+        except RuntimeError as e:
             self.stop()
-            raise RuntimeError("server did not start:\n" + "".join(self.log[-30:]))
+            raise RuntimeError(f"{e}\n" + "".join(self.log[-30:])) from None
+        self.start_cpu_s = process_cpu_seconds(self.proc.pid)  # its start-up's cost (load, compiles, warm-up)
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, path: str, body: dict, piece) -> dict:

@@ -203,11 +203,17 @@ class PagedBatcher(ContinuousBatcher):
         widest = bucket_pages(self.page_cfg.pages_for(self.config.max_model_len))
         widths = sorted({bucket_pages(n) for n in range(1, widest + 1)})
         rows = row_buckets(self.config.max_slots)
-        for width in widths:
+        t0 = time.perf_counter()
+        # one line per table width: a start-up of minutes on a loaded CPU shows where it is
+        log.info("warm-up: compiling %d decode programs (rows %s x page-table widths %s)", len(rows) * len(widths),
+                 rows, widths)
+        for i, width in enumerate(widths):
             for B in rows:
                 table = np.zeros((B, width), np.int32)  # the null page: scratch, as for an idle row
                 z = np.zeros(B, np.int32)
                 logits, kv.kv = self.model.paged_decode_step(kv.kv, table, z, z)
+            log.info("warm-up: decode programs for %d-page tables compiled (%d/%d widths, %.0fs)", width, i + 1,
+                     len(widths), time.perf_counter() - t0)
         logits, kv.kv = self.model.prefill_chunk(kv.kv, table[:1, :widths[0]], np.zeros((1, T), np.int32), z[:1], one)
         tiers = self.config.prefix_cache_host_bytes or self.config.prefix_cache_l3
         if tiers and self.prefix_namespace is not None:  # the loading stages' page write

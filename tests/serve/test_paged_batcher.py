@@ -1,6 +1,7 @@
 """PagedBatcher (paged KV cache + chunked prefill) on a tiny random model: every request of a
 mixed-length batch equals LLM.generate, chunked prefill interleaves with decode without changing
 tokens, pages come back after finish / cancel / failure / stop, and a full pool queues requests."""
+import logging
 import queue
 import threading
 import time
@@ -175,6 +176,28 @@ def test_a_decode_step_runs_as_many_rows_as_its_requests_bucket_to(model, llm):
     assert got == [llm.generate(p, _greedy(m))[0].token_ids for p, m in zip(prompts, maxes)]
     assert all(rows == _bucket_rows(live, 4) for live, rows in steps)
     assert {(3, 4), (2, 2), (1, 1)} <= set(steps)
+
+
+def test_warmup_logs_how_many_decode_programs_it_compiles_and_each_table_width_done(model):
+    """A start-up compiles for minutes on a loaded CPU: the warm-up says what it compiles and logs
+    each page-table width once its programs are compiled (bench_serve_mixed shows a starting
+    server's last log line), in order, ending with the widest."""
+    lines = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("jkv.serving.paged_batcher")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:  # 64 tokens in pages of 8: tables of 4 and 8 pages, rows 1 and 2
+        PagedBatcher(model, BatcherConfig(max_slots=2, max_model_len=64, page_size=PAGE, prefill_chunk=CHUNK)).warmup()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    assert lines[0] == "warm-up: compiling 4 decode programs (rows [1, 2] x page-table widths [4, 8])"
+    done = [line.split(" (")[0] + line.split(" (")[1].split(",")[0] for line in lines[1:]]
+    assert done == ["warm-up: decode programs for 4-page tables compiled1/2 widths",
+                    "warm-up: decode programs for 8-page tables compiled2/2 widths"]
 
 
 # ------------------------------------------------------------------- page leaks
