@@ -2,7 +2,8 @@
 --disaggregation smartgen` scraped after a request shows queueing and wire time per transport
 operation, the on-demand fetch round trip, KV bytes per path and codec, and the compression choice
 per request, each with non-zero counts; and the decode worker's device pages (sized by --num-pages)
-with the host->device KV bytes by cause. (Encode/decode seconds need a compressed request, which this
+with the host->device KV bytes by cause; its local prefill worker's own prefix cache after a
+two-turn conversation. (Encode/decode seconds need a compressed request, which this
 server's flags cannot ask for yet: `test_codec_seconds_and_choice_reach_the_histograms` covers them.)"""
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def test_role_all_smartgen_exposes_transfer_histograms(tiny_dir, cache_env):
     s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0",
                        "--selector", "streamingllm", "--strategy", "sequential", "--kr-fraction", "0.3",
                        "--disaggregation", "smartgen", "--num-prefill-workers", "1", "--bandwidth", "1gbit",
-                       "--max-model-len", "512", "--num-pages", "300"], env=cache_env)
+                       "--max-model-len", "512", "--num-pages", "300", "--enable-prefix-caching", "true"],
+                      env=cache_env)
     try:
         r = httpx.post(s.url + "/v1/completions", json=dict(model="tiny", prompt=PROMPT, max_tokens=8,
                                                              temperature=0, ignore_eos=True), timeout=120)
@@ -52,6 +54,7 @@ def test_role_all_smartgen_exposes_transfer_histograms(tiny_dir, cache_env):
         assert count(m, "jkv_kv_host_to_device_bytes", cause="other") == 0
         assert count(m, "jkv_kv_pages_in_use") == 0 and count(m, "jkv_kv_pages_free") == 299
         _pages_follow_a_request_and_steps_count_their_bytes(s.url)
+        _local_prefill_cache_counters_reach_metrics(s.url)
     finally:
         assert s.stop() == 0, "".join(s.log[-30:])
 
@@ -81,6 +84,27 @@ def _pages_follow_a_request_and_steps_count_their_bytes(url):
         count(after, "jkv_kv_host_to_device_step_bytes_count", cause="other")
     moved = sum(count(after, "jkv_kv_host_to_device_step_bytes_sum", cause=c) for c in ("arrived", "fetched"))
     assert moved > 0  # the first request's rows crossed in its steps
+
+
+def _local_prefill_cache_counters_reach_metrics(url):
+    """--enable-prefix-caching: the local prefill worker keeps its own prefix cache; after a
+    two-turn conversation this server's /metrics shows its hits (tier "prefill") and that its
+    prefill computed only the follow-up's tokens after turn 1's full pages."""
+    turn1 = [3 + (11 * i) % 300 for i in range(150)]  # 9 full pages of 16 tokens + 6
+    turn2 = turn1 + [5 + (13 * i) % 300 for i in range(40)]  # the reply and the next question
+    before = samples(url)
+    for prompt in (turn1, turn2):
+        r = httpx.post(url + "/v1/completions", json=dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                                         ignore_eos=True), timeout=120)
+        assert r.status_code == 200, r.text
+    after = samples(url)
+    delta = {k: count(after, k, **lab) - count(before, k, **lab) for k, lab in (
+        ("jkv_prefill_computed_tokens_total", {}), ("jkv_prefix_cache_hit_tokens_total", {"tier": "prefill"}))}
+    assert delta["jkv_prefix_cache_hit_tokens_total"] == len(turn1) // 16 * 16 > 0
+    assert delta["jkv_prefill_computed_tokens_total"] == len(turn1) + len(turn2) - len(turn1) // 16 * 16
+    assert count(after, "jkv_prefix_cache_pages", tier="prefill") >= len(turn2) // 16
+    assert count(after, "jkv_prefix_cache_evictions_total", tier="prefill") == 0
+    assert count(after, "jkv_prefix_cache_hit_tokens_total", tier="device") > 0  # the decode side's own cache
 
 
 def test_codec_seconds_and_choice_reach_the_histograms():
