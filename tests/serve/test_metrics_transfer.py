@@ -11,7 +11,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ServerProcess
+from jkv.disagg import protocol as proto
+from jkv.disagg.cluster import PrefillCacheStats
 from jkv.serving.metrics import KV_PATHS, ServerMetrics
+from transport import OpTimeout
 
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
 
@@ -135,3 +138,69 @@ def test_the_per_path_choice_reaches_its_counter():
     assert get("jkv_compression_path_choice_total", dict(path="on_demand", codec=paths["on_demand"])) == 1
     assert get("jkv_compression_path_choice_total", dict(path="on_demand", codec="none")) == 1
     assert get("jkv_compression_path_choice_total", dict(path="metadata", codec="zstd1")) == 1
+
+
+class _Peer:
+    def __init__(self, workers, name):
+        self.workers, self.name = workers, name
+
+    def call_async(self, method, payload, timeout):
+        assert method == "stats" and timeout == 1.0
+        return self
+
+    def result(self):
+        header = self.workers.answers[self.name]
+        if isinstance(header, Exception):
+            raise header
+        return proto.pack(header)
+
+
+class _Workers:
+    """A decode worker's view of its prefill workers for PrefillCacheStats: `owners` and
+    `endpoint.peer(name).call_async("stats")`; answers[name] is the reply (an exception: the call
+    fails; absent: the worker is not connected)."""
+
+    def __init__(self, answers):
+        self.owners, self.answers, self.endpoint = list(answers), answers, self
+
+    def peer(self, name):
+        if name not in self.answers:
+            raise KeyError(name)
+        return _Peer(self, name)
+
+
+def _cache(hits, computed, pages=3, evictions=0):
+    return dict(prefill_prefix_query_tokens=hits + 16, prefill_prefix_hit_tokens=hits, prefill_computed_tokens=computed,
+                prefill_prefix_cached_pages=pages, prefill_prefix_pages_in_use=0, prefill_prefix_evictions=evictions,
+                prefill_prefix_budget_tokens=4096)
+
+
+def test_local_prefill_caches_are_summed_and_a_silent_worker_keeps_its_last_counters():
+    """PrefillCacheStats sums the workers' "stats" answers; a worker whose call fails or that is not
+    connected counts with its last answer; a role-all server's /metrics shows the sum as tier
+    "prefill" next to the device tier, and no prefill tier while no worker has a cache."""
+    workers = _Workers({"prefill-0": dict(prefix_cache=_cache(32, 100)), "prefill-1": dict(prefix_cache=_cache(16, 50))})
+    read = PrefillCacheStats(workers)
+    assert read()["prefill_prefix_hit_tokens"] == 48 and read()["prefill_computed_tokens"] == 150
+    workers.answers = {"prefill-0": dict(prefix_cache=_cache(64, 120, evictions=2)), "prefill-1": OpTimeout("slow")}
+    s = read()
+    assert (s["prefill_prefix_hit_tokens"], s["prefill_computed_tokens"], s["prefill_prefix_evictions"]) == (80, 170, 2)
+    del workers.answers["prefill-0"]  # restarting: not connected
+    assert read()["prefill_computed_tokens"] == 170
+    assert PrefillCacheStats(_Workers({"prefill-0": dict(prefix_cache=None)}))() is None
+
+    device = dict(prefix_cached_pages=5, prefix_evictable_pages=5, prefix_query_tokens=64, prefix_hit_tokens=32,
+                  prefix_evictions=1)
+    metrics = ServerMetrics("all", kv_transfer=True)
+    metrics.watch_prefix_cache(lambda: device, read)
+    get = metrics.registry.get_sample_value
+    assert get("jkv_prefix_cache_hit_tokens_total", dict(tier="prefill")) == 80
+    assert get("jkv_prefix_cache_hit_tokens_total", dict(tier="device")) == 32
+    assert get("jkv_prefix_cache_evictions_total", dict(tier="prefill")) == 2
+    assert get("jkv_prefix_cache_pages", dict(tier="prefill")) == 6
+    assert get("jkv_prefill_computed_tokens_total") == 170
+    assert get("jkv_prefix_cache_query_tokens_total") == 64  # the decode side's lookups only
+    plain = ServerMetrics("all", kv_transfer=True)
+    plain.watch_prefix_cache(lambda: device, PrefillCacheStats(_Workers({"prefill-0": dict(prefix_cache=None)})))
+    assert plain.registry.get_sample_value("jkv_prefix_cache_hit_tokens_total", dict(tier="prefill")) is None
+    assert plain.registry.get_sample_value("jkv_prefill_computed_tokens_total") is None
