@@ -179,7 +179,8 @@ def test_local_prefill_caches_are_summed_and_a_silent_worker_keeps_its_last_coun
     """PrefillCacheStats sums the workers' "stats" answers; a worker whose call fails or that is not
     connected counts with its last answer; a role-all server's /metrics shows the sum as tier
     "prefill" next to the device tier, and no prefill tier while no worker has a cache."""
-    workers = _Workers({"prefill-0": dict(prefix_cache=_cache(32, 100)), "prefill-1": dict(prefix_cache=_cache(16, 50))})
+    workers = _Workers({"prefill-0": dict(prefix_cache=_cache(32, 100)),
+                        "prefill-1": dict(prefix_cache=_cache(16, 50))})
     read = PrefillCacheStats(workers)
     assert read()["prefill_prefix_hit_tokens"] == 48 and read()["prefill_computed_tokens"] == 150
     workers.answers = {"prefill-0": dict(prefix_cache=_cache(64, 120, evictions=2)), "prefill-1": OpTimeout("slow")}
