@@ -54,7 +54,10 @@ class LLM:
     The colocated engine keeps KV in a paged cache (`jkv.kvcache`): kv_page_size tokens a page;
     prompts longer than prefill_chunk tokens are prefilled in chunks of that many tokens;
     enable_prefix_caching keeps full pages of earlier requests and skips the prefill of a cached
-    prompt prefix (off by default: LLM is the reference the serving paths are checked against).
+    prompt prefix (off by default: LLM is the reference the serving paths are checked against);
+    with disaggregation, as in `jkv serve`, the decode process keeps finished prompts' pages (a
+    later request moves only its new KV) and each local prefill worker keeps its own prefix cache
+    of Disaggregation.prefill_prefix_cache_tokens (a cached prompt prefix is not recomputed).
     tensor_parallel=N shards the weights and the KV cache over N devices (docs/scale.md); a
     `Model` passed in is re-laid out at that degree (None: keep the `Model`'s own, 1 for a name).
     """
@@ -79,12 +82,11 @@ class LLM:
             raise ValueError(f"disaggregation is not supported in a multi-host replica ({jax.process_count()} "
                              "processes): run the colocated engine (disaggregation=None), or one process per "
                              "prefill/decode role")
-        if disaggregation is not None and enable_prefix_caching:
-            raise ValueError("enable_prefix_caching is for the colocated engine; drop it or disaggregation=")
         if disaggregation is not None:  # this process decodes; prefill runs in worker processes
             from .disagg.cluster import DisaggregatedEngine
             self._engine = DisaggregatedEngine(self.model, disaggregation,
-                                               model_spec=None if isinstance(model, Model) else str(model))
+                                               model_spec=None if isinstance(model, Model) else str(model),
+                                               prefix_caching=enable_prefix_caching)
         else:
             self._engine = DenseEngine(self.model, page_size=kv_page_size, prefill_chunk=prefill_chunk,
                                        enable_prefix_caching=enable_prefix_caching)

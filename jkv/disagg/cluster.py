@@ -19,6 +19,7 @@ import tempfile
 import threading
 import time
 
+from jkv.disagg import protocol as proto
 from jkv.disagg.config import Disaggregation
 from jkv.disagg.decode_worker import DecodeWorker
 from jkv.disagg.selectors import build_selector, save_selector
@@ -122,6 +123,39 @@ class LocalPrefillWorkers:
                 p.stdout.close()
 
 
+class PrefillCacheStats:
+    """The prefill workers' own prefix-cache counters (`PrefillPrefixCache.stats`), summed over
+    the workers a decode worker is connected to, read over each worker's "stats" RPC when called
+    (the role-all server's /metrics scrape, `LLM.prefill_cache_stats`). A worker that does not
+    answer within `timeout` seconds counts with its last answer; a restarted worker starts from
+    zero (the sum drops: Prometheus reads that as a counter reset). Thread-safe."""
+
+    def __init__(self, decode: DecodeWorker, timeout: float = 1.0):
+        self.decode, self.timeout = decode, timeout
+        self._last: dict[str, dict[str, int]] = {}  # worker name -> its last answer
+        self._lock = threading.Lock()
+
+    def __call__(self) -> dict[str, int] | None:
+        """Summed counters, or None when no worker has a prefix cache (or none answered yet)."""
+        calls = {}
+        for name in list(self.decode.owners):  # all calls in flight at once: one timeout in all
+            try:
+                calls[name] = self.decode.endpoint.peer(name).call_async("stats", b"", timeout=self.timeout)
+            except Exception as e:  # not connected (restarting): its last answer stands
+                log.debug("prefill worker %s: no stats call (%s)", name, e)
+        answers = {}
+        for name, call in calls.items():
+            try:
+                answers[name] = proto.unpack(call.result())[0].get("prefix_cache")
+            except Exception as e:
+                log.debug("prefill worker %s: stats call failed (%s); its last counters stand", name, e)
+        with self._lock:
+            self._last.update({k: v for k, v in answers.items() if v is not None})
+            if not self._last:
+                return None
+            return {k: sum(s[k] for s in self._last.values()) for k in next(iter(self._last.values()))}
+
+
 class DisaggregatedEngine:
     """One decode worker (this process) fed by prefill worker processes."""
 
@@ -155,6 +189,7 @@ class DisaggregatedEngine:
                                    profile=profile, oracle_profile=oracle_profile, on_failure=config.on_failure,
                                    timeout=config.timeout_s, compression=config.compression_policy(), name=name,
                                    page_config=page_config, prefix_caching=prefix_caching)
+        self.prefill_cache_stats = PrefillCacheStats(self.decode)
         try:
             addresses = list(config.addresses)
             if not addresses:

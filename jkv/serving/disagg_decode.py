@@ -89,7 +89,9 @@ class DisaggBatcher:
     supervisor = None  # jkv.disagg.supervisor.PrefillSupervisor of local prefill workers (--role all), for /health
 
     def __init__(self, model, worker, config: BatcherConfig = BatcherConfig(), metrics=None,
-                 addresses: list[str] = (), owners: list[str] = ()):
+                 addresses: list[str] = (), owners: list[str] = (), prefill_cache_stats=None):
+        """prefill_cache_stats: the local prefill workers' own prefix caches for /metrics
+        (`jkv.disagg.cluster.PrefillCacheStats`; --role all --disaggregation)."""
         ctx = model.cfg.max_position_embeddings
         if config.max_model_len > ctx:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's context length {ctx}; "
@@ -114,7 +116,7 @@ class DisaggBatcher:
         if metrics is not None:
             metrics.watch_kv_cache(worker.pages.cache)  # device pages: jkv_kv_pages_in_use / _free
         if metrics is not None and worker.pages.cache.prefix_caching:  # hits: prompt rows that did not cross
-            metrics.watch_prefix_cache(worker.pages.cache.stats)
+            metrics.watch_prefix_cache(worker.pages.cache.stats, prefill_cache_stats)
         if metrics is not None and metrics.transfers is not None:  # fetch RPCs, notifications (transport threads)
             worker.endpoint.observe_transfers(metrics.transfers.observe_transfer)
         self._reconnect = PrefillReconnector(addresses, dict(zip(addresses, owners)),

@@ -145,7 +145,8 @@ def build_disaggregated(cfg: ServeConfig):
                      cluster.workers.procs[i].pid, dis.transport, a, dis.bandwidth or "unpaced")
     metrics = ServerMetrics(cfg.role, kv_transfer=True)
     engine = DisaggBatcher(model, cluster.decode, batcher_cfg, metrics,
-                           addresses=addresses, owners=list(cluster.decode.owners))
+                           addresses=addresses, owners=list(cluster.decode.owners),
+                           prefill_cache_stats=None if remote else cluster.prefill_cache_stats)
     try:
         engine.warmup()
     except BaseException:

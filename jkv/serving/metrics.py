@@ -72,11 +72,13 @@ class ServerMetrics:
         for cause in cache.h2d_bytes:
             g.labels(cause).set_function(lambda c=cause: cache.h2d_bytes[c])
 
-    def watch_prefix_cache(self, read_stats):
+    def watch_prefix_cache(self, read_stats, read_prefill=None):
         """Prefix-cache metrics of a paged engine, read at scrape time from `read_stats()` (a
         `PagedKVCache.stats()` dict). Registered only when prefix caching is on. Tier "device" is
-        L1 (the paged cache's own pages), "host" L2 and "remote" L3 when configured."""
-        self.registry.register(_PrefixCacheCollector(read_stats))
+        L1 (the paged cache's own pages), "host" L2 and "remote" L3 when configured. read_prefill:
+        the local prefill workers' own caches (`jkv.disagg.cluster.PrefillCacheStats`; --role all
+        --disaggregation), shown as tier "prefill" and jkv_prefill_computed_tokens_total."""
+        self.registry.register(_PrefixCacheCollector(read_stats, read_prefill))
 
     def observe_token(self, token_times: list[float]):
         """token_times[i]: seconds from arrival to token i; called once per new token."""
@@ -106,17 +108,19 @@ class ServerMetrics:
 
 
 class _PrefixCacheCollector:
-    """Counters and gauges of the prefix cache, from one stats read per scrape (so hits never
-    exceed queries in one scrape)."""
+    """Counters and gauges of the prefix cache, from one stats read per scrape (so the device
+    tiers' hits never exceed queries in one scrape; tier "prefill" counts the prefill workers'
+    own lookups, which the query count leaves out)."""
 
-    def __init__(self, read_stats):
-        self.read_stats = read_stats
+    def __init__(self, read_stats, read_prefill=None):
+        self.read_stats, self.read_prefill = read_stats, read_prefill
 
     def describe(self):
         return []  # the values need a started engine; describe nothing so registration never reads them
 
     def collect(self):
         stats = self.read_stats()
+        prefill = self.read_prefill() if self.read_prefill is not None else None
         hits = {"device": stats["prefix_hit_tokens"]}
         if "prefix_hit_tokens_host" in stats:  # the host tier (L2) is configured
             hits["host"] = stats["prefix_hit_tokens_host"]
@@ -125,15 +129,12 @@ class _PrefixCacheCollector:
         evictions, cached = {"device": stats["prefix_evictions"]}, {"device": stats["prefix_cached_pages"]}
         if "prefix_host_pages" in stats:
             evictions["host"], cached["host"] = stats["prefix_host_evictions"], stats["prefix_host_pages"]
-        out = [
-            _family(CounterMetricFamily, "jkv_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
-                    "cache (every full page but the one holding the last prompt token)", stats["prefix_query_tokens"]),
-            _family(CounterMetricFamily, "jkv_prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix "
-                    "cache instead of prefill, by tier", hits),
-            _family(CounterMetricFamily, "jkv_prefix_cache_evictions", "cached prefix pages evicted to make room "
-                    "for new pages, by tier", evictions),
-            _family(GaugeMetricFamily, "jkv_prefix_cache_pages", "KV pages holding a cached prefix (shared by running "
-                    "requests or kept evictable)", cached),
+        out = _prefill_computed(prefill) if prefill else []
+        if prefill:  # the local prefill workers' own caches (their lookups are not in the query count)
+            hits["prefill"] = prefill["prefill_prefix_hit_tokens"]
+            evictions["prefill"] = prefill["prefill_prefix_evictions"]
+            cached["prefill"] = prefill["prefill_prefix_cached_pages"]
+        out += _tiered_families(stats["prefix_query_tokens"], hits, evictions, cached) + [
             _family(GaugeMetricFamily, "jkv_prefix_cache_evictable_pages", "cached prefix pages no request holds: "
                     "counted as free (jkv_kv_pages_free), evicted least recently used first",
                     stats["prefix_evictable_pages"]),
@@ -165,6 +166,26 @@ class _PrefixCacheCollector:
                             "requests' pages not written back, by tier: its queue was full, or the remote tier "
                             "unreachable", dropped)]
         return out
+
+
+def _tiered_families(query_tokens, hits: dict, evictions: dict, cached: dict) -> list:
+    """The prefix-cache families every role shows (the prefill role's under tier "prefill")."""
+    return [
+        _family(CounterMetricFamily, "jkv_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
+                "cache (every full page but the one holding the last prompt token)", query_tokens),
+        _family(CounterMetricFamily, "jkv_prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix "
+                "cache instead of prefill, by tier", hits),
+        _family(CounterMetricFamily, "jkv_prefix_cache_evictions", "cached prefix pages evicted to make room "
+                "for new pages, by tier", evictions),
+        _family(GaugeMetricFamily, "jkv_prefix_cache_pages", "KV pages holding a cached prefix (shared by running "
+                "requests or kept evictable), by tier", cached),
+    ]
+
+
+def _prefill_computed(s: dict) -> list:
+    return [_family(CounterMetricFamily, "jkv_prefill_computed_tokens", "prompt tokens the prefill workers' "
+                    "prefills computed (tokens whose KV came from their prefix cache are not)",
+                    s["prefill_computed_tokens"])]
 
 
 def _family(kind, name: str, documentation: str, value):
@@ -314,19 +335,9 @@ class _PrefillCacheCollector:
     def collect(self):
         s = self.read_stats()
         tier = lambda v: {"prefill": v}  # noqa: E731
-        return [
-            _family(CounterMetricFamily, "jkv_prefill_computed_tokens", "prompt tokens this worker's prefills "
-                    "computed (tokens whose KV came from its prefix cache are not)", s["prefill_computed_tokens"]),
-            _family(CounterMetricFamily, "jkv_prefix_cache_query_tokens", "prompt tokens looked up in the prefix "
-                    "cache (every full page but the one holding the last prompt token)",
-                    s["prefill_prefix_query_tokens"]),
-            _family(CounterMetricFamily, "jkv_prefix_cache_hit_tokens", "prompt tokens whose KV came from the prefix "
-                    "cache instead of prefill, by tier", tier(s["prefill_prefix_hit_tokens"])),
-            _family(CounterMetricFamily, "jkv_prefix_cache_evictions", "cached prefix pages evicted to make room "
-                    "for new pages, by tier", tier(s["prefill_prefix_evictions"])),
-            _family(GaugeMetricFamily, "jkv_prefix_cache_pages", "KV pages holding a cached prefix, by tier",
-                    tier(s["prefill_prefix_cached_pages"])),
-        ]
+        return _prefill_computed(s) + _tiered_families(
+            s["prefill_prefix_query_tokens"], tier(s["prefill_prefix_hit_tokens"]),
+            tier(s["prefill_prefix_evictions"]), tier(s["prefill_prefix_cached_pages"]))
 
 
 class RouterMetrics:

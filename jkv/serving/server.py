@@ -445,8 +445,8 @@ def ops_router(engine, metrics: ServerMetrics) -> APIRouter:
                             status_code=200 if ok else 503)
 
     @api.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus():  # off the event loop: a scrape may wait on the local prefill workers' stats RPC
+        return Response(await run_in_threadpool(metrics.render), media_type=CONTENT_TYPE_LATEST)
 
     return api
 

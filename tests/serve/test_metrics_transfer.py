@@ -2,7 +2,8 @@
 --disaggregation smartgen` scraped after a request shows queueing and wire time per transport
 operation, the on-demand fetch round trip, KV bytes per path and codec, and the compression choice
 per request, each with non-zero counts; and the decode worker's device pages (sized by --num-pages)
-with the host->device KV bytes by cause. (Encode/decode seconds need a compressed request, which this
+with the host->device KV bytes by cause; its local prefill worker's own prefix cache after a
+two-turn conversation. (Encode/decode seconds need a compressed request, which this
 server's flags cannot ask for yet: `test_codec_seconds_and_choice_reach_the_histograms` covers them.)"""
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ServerProcess
+from jkv.disagg import protocol as proto
+from jkv.disagg.cluster import PrefillCacheStats
 from jkv.serving.metrics import KV_PATHS, ServerMetrics
+from transport import OpTimeout
 
 PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
 
@@ -30,7 +34,8 @@ def test_role_all_smartgen_exposes_transfer_histograms(tiny_dir, cache_env):
     s = ServerProcess(["--model", str(tiny_dir), "--served-model-name", "tiny", "--port", "0",
                        "--selector", "streamingllm", "--strategy", "sequential", "--kr-fraction", "0.3",
                        "--disaggregation", "smartgen", "--num-prefill-workers", "1", "--bandwidth", "1gbit",
-                       "--max-model-len", "512", "--num-pages", "300"], env=cache_env)
+                       "--max-model-len", "512", "--num-pages", "300", "--enable-prefix-caching", "true"],
+                      env=cache_env)
     try:
         r = httpx.post(s.url + "/v1/completions", json=dict(model="tiny", prompt=PROMPT, max_tokens=8,
                                                              temperature=0, ignore_eos=True), timeout=120)
@@ -52,6 +57,7 @@ def test_role_all_smartgen_exposes_transfer_histograms(tiny_dir, cache_env):
         assert count(m, "jkv_kv_host_to_device_bytes", cause="other") == 0
         assert count(m, "jkv_kv_pages_in_use") == 0 and count(m, "jkv_kv_pages_free") == 299
         _pages_follow_a_request_and_steps_count_their_bytes(s.url)
+        _local_prefill_cache_counters_reach_metrics(s.url)
     finally:
         assert s.stop() == 0, "".join(s.log[-30:])
 
@@ -83,6 +89,27 @@ def _pages_follow_a_request_and_steps_count_their_bytes(url):
     assert moved > 0  # the first request's rows crossed in its steps
 
 
+def _local_prefill_cache_counters_reach_metrics(url):
+    """--enable-prefix-caching: the local prefill worker keeps its own prefix cache; after a
+    two-turn conversation this server's /metrics shows its hits (tier "prefill") and that its
+    prefill computed only the follow-up's tokens after turn 1's full pages."""
+    turn1 = [3 + (11 * i) % 300 for i in range(150)]  # 9 full pages of 16 tokens + 6
+    turn2 = turn1 + [5 + (13 * i) % 300 for i in range(40)]  # the reply and the next question
+    before = samples(url)
+    for prompt in (turn1, turn2):
+        r = httpx.post(url + "/v1/completions", json=dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0,
+                                                         ignore_eos=True), timeout=120)
+        assert r.status_code == 200, r.text
+    after = samples(url)
+    delta = {k: count(after, k, **lab) - count(before, k, **lab) for k, lab in (
+        ("jkv_prefill_computed_tokens_total", {}), ("jkv_prefix_cache_hit_tokens_total", {"tier": "prefill"}))}
+    assert delta["jkv_prefix_cache_hit_tokens_total"] == len(turn1) // 16 * 16 > 0
+    assert delta["jkv_prefill_computed_tokens_total"] == len(turn1) + len(turn2) - len(turn1) // 16 * 16
+    assert count(after, "jkv_prefix_cache_pages", tier="prefill") >= len(turn2) // 16
+    assert count(after, "jkv_prefix_cache_evictions_total", tier="prefill") == 0
+    assert count(after, "jkv_prefix_cache_hit_tokens_total", tier="device") > 0  # the decode side's own cache
+
+
 def test_codec_seconds_and_choice_reach_the_histograms():
     metrics = ServerMetrics("all", kv_transfer=True)
     extra = dict(bytes=dict(proactive=1000, speculative=10, on_demand=500, metadata=40),
@@ -111,3 +138,70 @@ def test_the_per_path_choice_reaches_its_counter():
     assert get("jkv_compression_path_choice_total", dict(path="on_demand", codec=paths["on_demand"])) == 1
     assert get("jkv_compression_path_choice_total", dict(path="on_demand", codec="none")) == 1
     assert get("jkv_compression_path_choice_total", dict(path="metadata", codec="zstd1")) == 1
+
+
+class _Peer:
+    def __init__(self, workers, name):
+        self.workers, self.name = workers, name
+
+    def call_async(self, method, payload, timeout):
+        assert method == "stats" and timeout == 1.0
+        return self
+
+    def result(self):
+        header = self.workers.answers[self.name]
+        if isinstance(header, Exception):
+            raise header
+        return proto.pack(header)
+
+
+class _Workers:
+    """A decode worker's view of its prefill workers for PrefillCacheStats: `owners` and
+    `endpoint.peer(name).call_async("stats")`; answers[name] is the reply (an exception: the call
+    fails; absent: the worker is not connected)."""
+
+    def __init__(self, answers):
+        self.owners, self.answers, self.endpoint = list(answers), answers, self
+
+    def peer(self, name):
+        if name not in self.answers:
+            raise KeyError(name)
+        return _Peer(self, name)
+
+
+def _cache(hits, computed, pages=3, evictions=0):
+    return dict(prefill_prefix_query_tokens=hits + 16, prefill_prefix_hit_tokens=hits, prefill_computed_tokens=computed,
+                prefill_prefix_cached_pages=pages, prefill_prefix_pages_in_use=0, prefill_prefix_evictions=evictions,
+                prefill_prefix_budget_tokens=4096)
+
+
+def test_local_prefill_caches_are_summed_and_a_silent_worker_keeps_its_last_counters():
+    """PrefillCacheStats sums the workers' "stats" answers; a worker whose call fails or that is not
+    connected counts with its last answer; a role-all server's /metrics shows the sum as tier
+    "prefill" next to the device tier, and no prefill tier while no worker has a cache."""
+    workers = _Workers({"prefill-0": dict(prefix_cache=_cache(32, 100)),
+                        "prefill-1": dict(prefix_cache=_cache(16, 50))})
+    read = PrefillCacheStats(workers)
+    assert read()["prefill_prefix_hit_tokens"] == 48 and read()["prefill_computed_tokens"] == 150
+    workers.answers = {"prefill-0": dict(prefix_cache=_cache(64, 120, evictions=2)), "prefill-1": OpTimeout("slow")}
+    s = read()
+    assert (s["prefill_prefix_hit_tokens"], s["prefill_computed_tokens"], s["prefill_prefix_evictions"]) == (80, 170, 2)
+    del workers.answers["prefill-0"]  # restarting: not connected
+    assert read()["prefill_computed_tokens"] == 170
+    assert PrefillCacheStats(_Workers({"prefill-0": dict(prefix_cache=None)}))() is None
+
+    device = dict(prefix_cached_pages=5, prefix_evictable_pages=5, prefix_query_tokens=64, prefix_hit_tokens=32,
+                  prefix_evictions=1)
+    metrics = ServerMetrics("all", kv_transfer=True)
+    metrics.watch_prefix_cache(lambda: device, read)
+    get = metrics.registry.get_sample_value
+    assert get("jkv_prefix_cache_hit_tokens_total", dict(tier="prefill")) == 80
+    assert get("jkv_prefix_cache_hit_tokens_total", dict(tier="device")) == 32
+    assert get("jkv_prefix_cache_evictions_total", dict(tier="prefill")) == 2
+    assert get("jkv_prefix_cache_pages", dict(tier="prefill")) == 6
+    assert get("jkv_prefill_computed_tokens_total") == 170
+    assert get("jkv_prefix_cache_query_tokens_total") == 64  # the decode side's lookups only
+    plain = ServerMetrics("all", kv_transfer=True)
+    plain.watch_prefix_cache(lambda: device, PrefillCacheStats(_Workers({"prefill-0": dict(prefix_cache=None)})))
+    assert plain.registry.get_sample_value("jkv_prefix_cache_hit_tokens_total", dict(tier="prefill")) is None
+    assert plain.registry.get_sample_value("jkv_prefill_computed_tokens_total") is None

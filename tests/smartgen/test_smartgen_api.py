@@ -30,6 +30,35 @@ def test_llm_disaggregated_smartgen_matches_colocated_sparse_decode(model, selec
         assert m.extra["bytes"]["metadata"] > 0 and m.extra["mode"] == "smartgen"
 
 
+def test_llm_disaggregated_prefix_caching_reuses_a_shared_prefix_on_both_sides(model):
+    """LLM(disaggregation=..., enable_prefix_caching=True), like `jkv serve`: a second generate()
+    sharing a long prefix with the first gives the tokens of the run without prefix caching, its
+    prefill (in the worker process) computes only the tokens after the cached full pages, and the
+    decode side moves none of those pages' KV."""
+    rng = np.random.default_rng(19)
+    stem = rng.integers(3, model.cfg.vocab_size, 150).tolist()  # 9 full pages of 16 tokens + 6
+    prompts = [stem + rng.integers(3, model.cfg.vocab_size, n).tolist() for n in (9, 20)]
+    shared = len(stem) // 16 * 16
+    dis = Disaggregation(TransferConfig(mode="full", max_blocks=16), selector="oracle", transport="tcp",
+                         prefill_workers=1, model_spec=MODEL_SPEC)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs, counters = {}, {}
+    for caching in (True, False):
+        with LLM(model, disaggregation=dis, enable_prefix_caching=caching) as llm:
+            outs[caching], counters[caching] = [], []
+            for p in prompts:
+                outs[caching] += llm.generate(p, params)
+                counters[caching].append(llm._engine.prefill_cache_stats())
+    assert [o.token_ids for o in outs[True]] == [o.token_ids for o in outs[False]]
+    assert counters[False] == [None, None]  # no prefix caching: the worker has no cache
+    first, second = counters[True]
+    assert first["prefill_computed_tokens"] == len(prompts[0]) and first["prefill_prefix_hit_tokens"] == 0
+    assert second["prefill_prefix_hit_tokens"] == shared
+    assert second["prefill_computed_tokens"] - first["prefill_computed_tokens"] == len(prompts[1]) - shared
+    assert outs[True][1].metrics.extra["prefix_hit_tokens"] == shared  # the decode side kept the first's pages
+    assert outs[False][1].metrics.extra["prefix_hit_tokens"] == 0
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(transfer=dict(mode="fastest")), "mode"), (dict(prefill_workers=0), "prefill_workers"),
     (dict(on_failure="retry"), "on_failure"), (dict(bandwidth="fast"), "bandwidth"),
