@@ -130,8 +130,6 @@ class PrefillPrefixCache:
         share them) and drop the plan's references. Returns the pages newly cached."""
         if not plan.open:
             return 0
-        if not plan.open:
-            return 0
         first = len(plan.shared)
         cached = sum(self.allocator.cache_page(page, plan.keys[first + i]) for i, page in enumerate(plan.new))
         self.release(plan)
