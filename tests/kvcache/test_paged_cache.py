@@ -207,3 +207,34 @@ def test_the_decode_program_does_not_grow_with_the_table_width():
         return sorted(re.findall(r"stablehlo\.(gather|dynamic_slice|while)", text))
 
     assert ops(2) == ops(64) and "gather" in ops(2)
+
+
+def test_each_layer_gathers_its_pages_after_the_previous_layer_ran():
+    """The page gather's copy of a layer's KV is made just before that layer's attention: XLA's
+    scheduler hoisted every layer's gather (it read only parameters) to the program start, so all
+    layers' copies were live at once and read back cold (docs/performance.md, "Where decode time
+    goes"). In the compiled CPU schedule, the first instruction reading layer 1's K or V pages comes
+    after the one reading layer 0's output projection."""
+    import functools
+    import re
+
+    import jax
+
+    from models.transformer import init_params
+
+    cfg = tiny_config(num_layers=2)
+    params = jax.eval_shape(lambda: init_params(cfg))
+    kv = jax.eval_shape(lambda: paged.init_pages(cfg, 80, 4))
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
+    args = (params, kv, i32(3, 16), i32(3), i32(3))
+    text = jax.jit(functools.partial(paged.paged_decode_step_compute, cfg)).lower(*args).compile().as_text()
+    entry = text[text.index("\nENTRY"):].splitlines()[1:]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(args)]
+
+    def first_use(path_fragment):  # schedule index of the first instruction reading that parameter
+        number = next(i for i, p in enumerate(paths) if p.startswith(path_fragment))
+        name = next(re.match(r"\s*(%\S+) = ", l).group(1) for l in entry if f" parameter({number})" in l)
+        return next(i for i, l in enumerate(entry) if re.search(re.escape(name) + r"[,)]", l.partition(" = ")[2]))
+
+    o_proj_0 = first_use("[0]['layers'][0]['o_proj']")
+    assert first_use("[1][1][0]") > o_proj_0 and first_use("[1][1][1]") > o_proj_0
