@@ -186,11 +186,9 @@ def test_chunked_prefill_equals_whole_prefill(family, chunk, lengths):
                 np.testing.assert_allclose(got[b, :, :n], np.asarray(want)[b, :, :n], rtol=1e-4, atol=1e-4)
 
 
-def test_the_decode_program_does_not_grow_with_the_table_width():
-    """Pages are read by one gather a layer, not a loop over pages: the lowered CPU program has the
-    same gather / slice / loop ops for a 2-page and a 64-page table."""
+def _abstract_decode_step(max_pages: int):
+    """(jitted paged decode compute of a 2-layer tiny model, its abstract args for 3 rows)."""
     import functools
-    import re
 
     import jax
 
@@ -200,10 +198,18 @@ def test_the_decode_program_does_not_grow_with_the_table_width():
     params = jax.eval_shape(lambda: init_params(cfg))
     kv = jax.eval_shape(lambda: paged.init_pages(cfg, 80, 4))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    step = jax.jit(functools.partial(paged.paged_decode_step_compute, cfg))
+    return (jax.jit(functools.partial(paged.paged_decode_step_compute, cfg)),
+            (params, kv, i32(3, max_pages), i32(3), i32(3)))
+
+
+def test_the_decode_program_does_not_grow_with_the_table_width():
+    """Pages are read by one gather a layer, not a loop over pages: the lowered CPU program has the
+    same gather / slice / loop ops for a 2-page and a 64-page table."""
+    import re
 
     def ops(max_pages):
-        text = step.lower(params, kv, i32(3, max_pages), i32(3), i32(3)).as_text()
+        step, args = _abstract_decode_step(max_pages)
+        text = step.lower(*args).as_text()
         return sorted(re.findall(r"stablehlo\.(gather|dynamic_slice|while)", text))
 
     assert ops(2) == ops(64) and "gather" in ops(2)
@@ -215,19 +221,12 @@ def test_each_layer_gathers_its_pages_after_the_previous_layer_ran():
     layers' copies were live at once and read back cold (docs/performance.md, "Where decode time
     goes"). In the compiled CPU schedule, the first instruction reading layer 1's K or V pages comes
     after the one reading layer 0's output projection."""
-    import functools
     import re
 
     import jax
 
-    from models.transformer import init_params
-
-    cfg = tiny_config(num_layers=2)
-    params = jax.eval_shape(lambda: init_params(cfg))
-    kv = jax.eval_shape(lambda: paged.init_pages(cfg, 80, 4))
-    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    args = (params, kv, i32(3, 16), i32(3), i32(3))
-    text = jax.jit(functools.partial(paged.paged_decode_step_compute, cfg)).lower(*args).compile().as_text()
+    step, args = _abstract_decode_step(16)
+    text = step.lower(*args).compile().as_text()
     entry = text[text.index("\nENTRY"):].splitlines()[1:]
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(args)]
 
