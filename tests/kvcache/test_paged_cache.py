@@ -186,11 +186,9 @@ def test_chunked_prefill_equals_whole_prefill(family, chunk, lengths):
                 np.testing.assert_allclose(got[b, :, :n], np.asarray(want)[b, :, :n], rtol=1e-4, atol=1e-4)
 
 
-def test_the_decode_program_does_not_grow_with_the_table_width():
-    """Pages are read by one gather a layer, not a loop over pages: the lowered CPU program has the
-    same gather / slice / loop ops for a 2-page and a 64-page table."""
+def _abstract_decode_step(max_pages: int):
+    """(jitted paged decode compute of a 2-layer tiny model, its abstract args for 3 rows)."""
     import functools
-    import re
 
     import jax
 
@@ -200,10 +198,42 @@ def test_the_decode_program_does_not_grow_with_the_table_width():
     params = jax.eval_shape(lambda: init_params(cfg))
     kv = jax.eval_shape(lambda: paged.init_pages(cfg, 80, 4))
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
-    step = jax.jit(functools.partial(paged.paged_decode_step_compute, cfg))
+    return (jax.jit(functools.partial(paged.paged_decode_step_compute, cfg)),
+            (params, kv, i32(3, max_pages), i32(3), i32(3)))
+
+
+def test_the_decode_program_does_not_grow_with_the_table_width():
+    """Pages are read by one gather a layer, not a loop over pages: the lowered CPU program has the
+    same gather / slice / loop ops for a 2-page and a 64-page table."""
+    import re
 
     def ops(max_pages):
-        text = step.lower(params, kv, i32(3, max_pages), i32(3), i32(3)).as_text()
+        step, args = _abstract_decode_step(max_pages)
+        text = step.lower(*args).as_text()
         return sorted(re.findall(r"stablehlo\.(gather|dynamic_slice|while)", text))
 
     assert ops(2) == ops(64) and "gather" in ops(2)
+
+
+def test_each_layer_gathers_its_pages_after_the_previous_layer_ran():
+    """The page gather's copy of a layer's KV is made just before that layer's attention: XLA's
+    scheduler hoisted every layer's gather (it read only parameters) to the program start, so all
+    layers' copies were live at once and read back cold (docs/performance.md, "Where decode time
+    goes"). In the compiled CPU schedule, the first instruction reading layer 1's K or V pages comes
+    after the one reading layer 0's output projection."""
+    import re
+
+    import jax
+
+    step, args = _abstract_decode_step(16)
+    text = step.lower(*args).compile().as_text()
+    entry = text[text.index("\nENTRY"):].splitlines()[1:]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(args)]
+
+    def first_use(path_fragment):  # schedule index of the first instruction reading that parameter
+        number = next(i for i, p in enumerate(paths) if p.startswith(path_fragment))
+        name = next(re.match(r"\s*(%\S+) = ", l).group(1) for l in entry if f" parameter({number})" in l)
+        return next(i for i, l in enumerate(entry) if re.search(re.escape(name) + r"[,)]", l.partition(" = ")[2]))
+
+    o_proj_0 = first_use("[0]['layers'][0]['o_proj']")
+    assert first_use("[1][1][0]") > o_proj_0 and first_use("[1][1][1]") > o_proj_0
