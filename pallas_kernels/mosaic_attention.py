@@ -439,15 +439,15 @@ def paged_decode_attention_partials_reference(q, k_pages, v_pages, page_table, l
     the pool's dtype). Were the gather to read only the page pool and the table, XLA's scheduler
     would hoist every layer's gather to the start of a whole decode step: 60 copies live at once
     (401 MB of temporaries at SmolLM2 b=8, 1K context), each read back from DRAM when its layer
-    runs. So the page indices depend on q's data (a NaN query reads the null page 0: its output
-    is NaN either way), and each layer gathers just before its attention: one layer's copies
+    runs. So the page indices depend on q's data, each row's on its own query only (a row whose
+    query is NaN reads the null page 0: its output is NaN either way; other rows are untouched), and each layer gathers just before its attention: one layer's copies
     live at a time (14 MB; docs/performance.md). `lax.optimization_barrier` does not do this:
     XLA:CPU removes it before scheduling."""
     from pallas_kernels.sparse_attention import sparse_decode_attention_partials_reference
 
     num_pages, kv_heads, page_size, head_dim = k_pages.shape
     batch = q.shape[0]
-    table = jnp.where(jnp.isnan(q[0, 0, 0]), 0, jnp.clip(page_table, 0, num_pages - 1))
+    table = jnp.where(jnp.isnan(q[:, 0, :1]), 0, jnp.clip(page_table, 0, num_pages - 1))  # per row
 
     def rows(pages):  # [B, max_pages, H_kv, P, D] -> [B*H_kv, max_pages*P, D]
         g = pages[table].transpose(0, 2, 1, 3, 4)

@@ -237,3 +237,23 @@ def test_each_layer_gathers_its_pages_after_the_previous_layer_ran():
 
     o_proj_0 = first_use("[0]['layers'][0]['o_proj']")
     assert first_use("[1][1][0]") > o_proj_0 and first_use("[1][1][1]") > o_proj_0
+
+
+def test_a_nan_query_row_leaves_the_other_rows_paged_attention_unchanged():
+    """The reference's page indices depend on the query (so XLA cannot hoist the gather); each
+    row's on its own query only: a NaN in one request's query must not redirect another
+    request's page reads (it would silently attend over the null page)."""
+    from pallas_kernels.mosaic_attention import paged_decode_attention_partials_reference as ref
+
+    rng = np.random.default_rng(0)
+    num_pages, H_kv, P, D, B, H = 9, 2, 4, 8, 3, 4
+    k = jnp.asarray(rng.standard_normal((num_pages, H_kv, P, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((num_pages, H_kv, P, D)), jnp.float32)
+    table = jnp.asarray([[1, 2, 3], [4, 5, 0], [6, 7, 8]], jnp.int32)
+    lengths = jnp.asarray([10, 7, 12], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, H, D)), jnp.float32)
+    out, lse = ref(q, k, v, table, lengths)
+    bad_out, bad_lse = ref(q.at[0, 0, 0].set(jnp.nan), k, v, table, lengths)
+    np.testing.assert_array_equal(np.asarray(bad_out[1:]), np.asarray(out[1:]))
+    np.testing.assert_array_equal(np.asarray(bad_lse[1:]), np.asarray(lse[1:]))
+    assert np.isnan(np.asarray(bad_out[0])).any()
