@@ -31,18 +31,27 @@ def test_estimate_reads_the_paced_rate_after_compressed_transfers(make_endpoint,
     peer = src.connect(sink.listen())
     peer.regions()
     frame = np.random.default_rng(0).integers(0, 256, 48_000, dtype=np.uint8)  # one layer's compressed chunks
-    estimator = BandwidthEstimator()
-    for _ in range(3):  # three "requests" of 8 layers each
-        before = _link_sample(src.metrics)
-        for _layer in range(8):
-            t = peer.notify("ckv", frame) if kind == "notify" else peer.write("pool", 0, frame)
-            t.wait(10)
-            time.sleep(0.012)  # the next layer's encode: the bucket banks credit meanwhile
-        after = _link_sample(src.metrics)
-        estimator.observe(after[0] - before[0], after[1] - before[1])
+
+    def measure() -> float:
+        estimator = BandwidthEstimator()
+        for _ in range(3):  # three "requests" of 8 layers each
+            before = _link_sample(src.metrics)
+            for _layer in range(8):
+                t = peer.notify("ckv", frame) if kind == "notify" else peer.write("pool", 0, frame)
+                t.wait(10)
+                time.sleep(0.012)  # the next layer's encode: the bucket banks credit meanwhile
+            after = _link_sample(src.metrics)
+            estimator.observe(after[0] - before[0], after[1] - before[1])
+        return estimator.estimate()
+
     link_Bps = parse_bandwidth(RATE) / 8
-    assert estimator.estimate() == pytest.approx(link_Bps, rel=0.15), \
-        f"estimate {8 * estimator.estimate() / 1e6:.1f} Mbit/s on a {RATE} link"
+    estimate = measure()
+    # Once more on an undershoot: a loaded CI box that deschedules the sender stretches its busy
+    # time (read 33.4 of 40 Mbit/s in one CI run at load ~2.5). The bug this guards against is
+    # the over-read (up to 2x the link), which is never retried.
+    estimate = measure() if estimate < 0.85 * link_Bps else estimate
+    assert estimate == pytest.approx(link_Bps, rel=0.15), \
+        f"estimate {8 * estimate / 1e6:.1f} Mbit/s on a {RATE} link"
 
 
 def test_add_busy_extends_busy_time():
