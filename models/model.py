@@ -277,10 +277,9 @@ def _tiny_params(cfg: ModelConfig, seed: int):
         return tfm.init_params(cfg, seed)
     tag = hashlib.sha256(f"{cfg!r}|{seed}|{jax.__version__}".encode()).hexdigest()[:24]
     path = os.path.join(directory, f"tiny-{tag}.npz")
-    shapes = jax.eval_shape(lambda: tfm.init_params(cfg, seed))
-    leaves, treedef = jax.tree_util.tree_flatten(shapes)
     try:
         with np.load(path) as stored:  # raw bytes, viewed as the init's dtype (bfloat16 too)
+            leaves, treedef = jax.tree_util.tree_flatten(jax.eval_shape(lambda: tfm.init_params(cfg, seed)))
             arrays = [np.frombuffer(stored[f"a{i}"].tobytes(), l.dtype).reshape(l.shape)
                       for i, l in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(a) for a in arrays])
