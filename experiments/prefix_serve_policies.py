@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO))
 
 from experiments.common import RESULTS, add_model_arg, add_out_arg, add_seed_arg, machine_info, write_csv  # noqa: E402
 from experiments.serve_load import Server, stream_request  # noqa: E402
+from jkv.serving.prefix_loader import CHUNK_PAGES  # noqa: E402
 
 PAGE = 16  # jkv serve's default --page-size
 QUESTION = [1034, 3312, 2957, 5028, 30]
@@ -63,7 +64,7 @@ SUSTAIN_GROWTH = 2.0
 FIELDS = ["run", "phase", "rho", "rate", "policy", "completed", "failed", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
           "mean_ttft_ms_small", "mean_ttft_ms_big", "ttft_ratio_vs_fifo", "answers_identical_to_fifo",
           "fifo_sustained", "fifo_first_third_ms", "fifo_last_third_ms", "modelled_fifo_ms", "modelled_sjf_ms",
-          "modelled_sjf_ratio", "hit_tokens_remote", "expected_remote_tokens",
+          "modelled_sjf_ratio", "chunked_sjf_ratio", "chunked_srpt_ratio", "hit_tokens_remote", "expected_remote_tokens",
           "requests", "link", "doc_pages", "max_slots", "model", "cpu_model", "cores", "loadavg_before",
           "loadavg_after"]
 
@@ -198,11 +199,15 @@ def run_once(args, servers: dict, run: int, rho: float, floor_s: float, phase: s
             for p, res in zip(servers, results)]
     fifo = dict(zip(servers, results)).get("fifo", results[0])
     sustained, first, last = fifo_sustained(fifo, floor_s)
-    model_fifo, model_sjf = modelled_ttft(rho, args.doc_pages, floor_s / float(np.mean(args.doc_pages)))
+    page_s = floor_s / float(np.mean(args.doc_pages))
+    model_fifo, model_sjf = modelled_ttft(rho, args.doc_pages, page_s)
+    chunked = {p: simulated_link_ttft(rho, args.doc_pages, page_s, CHUNK_PAGES, p, args.seed)
+               for p in ("fifo", "sjf", "srpt")}
     base = next(r for r in rows if r["policy"] == ("fifo" if "fifo" in servers else rows[0]["policy"]))
     for r in rows:
         r.update(phase=phase, modelled_fifo_ms=1e3 * model_fifo, modelled_sjf_ms=1e3 * model_sjf,
-                 modelled_sjf_ratio=model_sjf / model_fifo, ttft_ratio_vs_fifo=r["mean_ttft_ms"] / base["mean_ttft_ms"],
+                 modelled_sjf_ratio=model_sjf / model_fifo, chunked_sjf_ratio=chunked["sjf"] / chunked["fifo"],
+                 chunked_srpt_ratio=chunked["srpt"] / chunked["fifo"], ttft_ratio_vs_fifo=r["mean_ttft_ms"] / base["mean_ttft_ms"],
                  answers_identical_to_fifo=r["answers"] == base["answers"], fifo_sustained=sustained,
                  fifo_first_third_ms=first, fifo_last_third_ms=last, loadavg_before=round(load_before, 2),
                  loadavg_after=round(load_after, 2), **{k: v for k, v in machine_info().items()
@@ -212,7 +217,9 @@ def run_once(args, servers: dict, run: int, rho: float, floor_s: float, phase: s
               f"{r['mean_ttft_ms_big']:.0f}), failed {r['failed']}, L3 hit tokens {r['hit_tokens_remote']:.0f}/"
               f"{r['expected_remote_tokens']}, load {load_before:.1f}->{load_after:.1f}", flush=True)
     print(f"run {run}: link-only M/G/1 model at rho {rho}: FIFO {model_fifo:.1f} s, non-preemptive SJF "
-          f"{model_sjf:.1f} s = {model_sjf / model_fifo:.2f}x", flush=True)
+          f"{model_sjf:.1f} s = {model_sjf / model_fifo:.2f}x; the link taken chunk by chunk ({CHUNK_PAGES} pages) in "
+          f"policy order (the server's loader): SJF {chunked['sjf'] / chunked['fifo']:.2f}x, SRPT "
+          f"{chunked['srpt'] / chunked['fifo']:.2f}x FIFO", flush=True)
     print(f"run {run}: FIFO sustained = {sustained} (mean TTFT last third {last:.0f} ms <= {SUSTAIN_GROWTH} x "
           f"max(first third {first:.0f} ms, link time per request {1e3 * floor_s:.0f} ms), all finished)", flush=True)
     return rows
@@ -234,6 +241,47 @@ def modelled_ttft(rho: float, doc_pages: list[int], page_s: float) -> tuple[floa
         sjf += p * (w0 / ((1 - before) * (1 - upto)) + t)
         before = upto
     return fifo, sjf
+
+
+def simulated_link_ttft(rho: float, doc_pages: list[int], page_s: float, chunk_pages: int, policy: str,
+                        seed: int = 0, n: int = 20000, slots: int = 4) -> float:
+    """Mean TTFT in s of the link alone as the server's loader takes it: Poisson arrivals at
+    utilisation rho, sizes drawn from doc_pages, at most `slots` loads admitted (the rest wait,
+    admitted in policy order), the link given chunk by chunk (`chunk_pages` pages, never
+    pre-empted within one) to the admitted load first in `policy` order (fifo: arrival; sjf: size;
+    srpt: pages left), compute ignored; the first tenth of arrivals is warm-up. The reference for
+    what chunk-granular ordering can give at this rate (fetch depth 1: the loader on a slow link)."""
+    rng = random.Random(seed)
+    rate = rho / (float(np.mean(doc_pages)) * page_s)
+    arrivals, t = [], 0.0
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        arrivals.append((t, rng.choice(doc_pages)))
+
+    def key(r):  # r: [arrival, pages, pages left]
+        return {"fifo": (r[0],), "sjf": (r[1], r[0]), "srpt": (r[2], r[0])}[policy]
+
+    ttft, waiting, loading, i, now = [], [], [], 0, 0.0
+    while i < n or waiting or loading:
+        while i < n and arrivals[i][0] <= now:
+            waiting.append([arrivals[i][0], arrivals[i][1], arrivals[i][1]])
+            i += 1
+        while waiting and len(loading) < slots:
+            r = min(waiting, key=key)
+            waiting.remove(r)
+            loading.append(r)
+        if not loading:
+            now = arrivals[i][0]
+            continue
+        r = min(loading, key=key)
+        pages = min(chunk_pages, r[2])
+        now += pages * page_s
+        r[2] -= pages
+        if r[2] == 0:
+            loading.remove(r)
+            ttft.append((r[0], now - r[0]))
+    ttft.sort()
+    return float(np.mean([d for _, d in ttft[n // 10:]]))
 
 
 def link_seconds_per_request(args) -> float:

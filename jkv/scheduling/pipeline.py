@@ -175,6 +175,21 @@ class LoadingPipeline:
             self._core.progress_key = policy.progress_key
             self._cv.notify_all()
 
+    def set_depth(self, stage: Stage, depth: int) -> None:
+        """Let `stage`'s dispatcher hand out at most `depth` unfinished tasks from now on (tasks
+        already handed out stay). A task handed out is committed: with depth 2 the stage's next
+        task is chosen while the current one runs, so a request of higher priority that arrives
+        meanwhile waits behind both; depth 1 chooses each task when the executor is free."""
+        if depth < 1:
+            raise ValueError(f"{depth=} must be >= 1")
+        with self._cv:
+            self._depth[stage] = depth
+            self._cv.notify_all()
+
+    def depth(self, stage: Stage) -> int:
+        with self._cv:
+            return self._depth[stage]
+
     def slots_in_use(self) -> dict[str, int]:
         with self._cv:
             return self._core.slots_in_use()

@@ -16,8 +16,18 @@ running requests while its pages move:
                     page not loaded
 
 Each stage is a dispatcher and an executor thread; every stage's queue is ordered by the engine's
-`--schedule` policy (srpt / lstf re-rank on each dispatch by the load left). Proactive allocation:
-the engine reserves all the request's pages when it enters the stages (`PagedKVCache.
+`--schedule` policy (srpt / lstf re-rank on each dispatch by the load left).
+
+The link is ordered (CALVO §3.1: a dispatcher drives its executor with blocks of the
+highest-priority request): the fetch dispatcher chooses each chunk when the link is free, so a
+short request that arrives while a long one loads takes the link at the long one's next chunk
+boundary. A chunk handed to the executor ahead (fetch depth 2) would hide the round trip between
+chunks but commit the link for one more chunk; it pays only on a fast link, so the depth follows
+the measured fetch time: 2 while a chunk's fetch takes under AHEAD_MAX_S (the wait it can add is
+small there, the round trip is not), else 1 (starts at 1). Measured through the server:
+experiments/prefix_serve_policies.py, docs/calvo.md.
+
+Proactive allocation: the engine reserves all the request's pages when it enters the stages (`PagedKVCache.
 reserve_for_load`, CALVO §3.1: the load's destination is allocated before the load), so the
 pipeline's own L1 bookkeeping never waits; the L2 staging area (`host_chunks` rows) bounds the
 chunks in flight, and chunk i+1 is fetched while chunk i is uploaded.
@@ -47,14 +57,17 @@ import numpy as np
 
 from jkv.kvcache.host_tier import scatter_pages
 from jkv.kvcache.paged import LoadPlan, PagedKVCache
-from jkv.scheduling.core import PipelineRequest
+from jkv.scheduling.core import PipelineRequest, Stage
 from jkv.scheduling.pipeline import LoadingPipeline, PipelineConfig, StageFunctions
 from jkv.scheduling.policies import Policy, RequestInfo
 
 log = logging.getLogger(__name__)
 
-CHUNK_PAGES = 8  # pages per pipeline chunk: one L3 round trip, one host->device copy
+CHUNK_PAGES = 4  # pages per pipeline chunk: one L3 round trip, one host->device copy; the link is
+# handed to the highest-priority request chunk by chunk, so a chunk is how long a request that just
+# arrived may wait behind a load already on the link (0.59 s a page of SmolLM2 float32 KV at 10 Mbit/s)
 HOST_CHUNKS = 8  # L2 staging rows: chunks fetched and not yet uploaded, over all loading requests
+AHEAD_MAX_S = 0.05  # fetch the next chunk while one is on the link only while a fetch takes less
 
 
 @dataclasses.dataclass(eq=False)
@@ -93,7 +106,7 @@ class PrefixLoader:
         self.chunk_pages = chunk_pages or CHUNK_PAGES
         self.staging = np.zeros((host_chunks, self.chunk_pages, *kv.page_shape), kv.dtype)  # the L2 rows
         self._loads: dict[Hashable, _Load] = {}  # engine thread
-        config = PipelineConfig(host_slots=host_chunks, device_slots=max(1, kv.page_cfg.usable_pages))
+        config = PipelineConfig(host_slots=host_chunks, device_slots=max(1, kv.page_cfg.usable_pages), fetch_depth=1)
         self.pipeline = LoadingPipeline(StageFunctions(self._fetch, self._upload, self._compute), config, policy,
                                         clock=time.perf_counter)
 
@@ -152,7 +165,15 @@ class PrefixLoader:
     def _fetch(self, request: PipelineRequest, chunk: int, host_slot: int) -> bool:
         """L3 -> L2: the chunk's pages into staging row `host_slot`, from the host pool while it has
         them, then from L3. False (the pipeline stops the request's prefix there) if none came."""
-        load: _Load = request.payload
+        started = time.perf_counter()
+        try:
+            return self._fetch_chunk(request.payload, chunk, host_slot)
+        finally:
+            depth = 2 if time.perf_counter() - started < AHEAD_MAX_S else 1
+            if depth != self.pipeline.depth(Stage.FETCH):
+                self.pipeline.set_depth(Stage.FETCH, depth)
+
+    def _fetch_chunk(self, load: _Load, chunk: int, host_slot: int) -> bool:
         lo = chunk * self.chunk_pages
         keys = load.plan.keys[lo:lo + self.chunk_pages]
         row = self.staging[host_slot]
@@ -189,4 +210,4 @@ class PrefixLoader:
         return loaded_chunks
 
 
-__all__ = ["PrefixLoader", "Loaded", "CHUNK_PAGES", "HOST_CHUNKS"]
+__all__ = ["PrefixLoader", "Loaded", "CHUNK_PAGES", "HOST_CHUNKS", "AHEAD_MAX_S"]

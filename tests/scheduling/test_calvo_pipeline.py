@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig, make_policy,
+from jkv.scheduling import (CostModel, LoadingPipeline, PipelineConfig, Stage, make_policy,
                             run_serialized)
 from jkv.scheduling.testing import FakeStages, expected_value, make_request
 
@@ -178,3 +178,40 @@ def test_bad_requests_and_configs_raise_clear_errors():
         pipeline.submit(make_request("x", ctx=0, num_chunks=1, query=1)).result(10)
     with pytest.raises(ValueError, match="host_slots"):
         PipelineConfig(host_slots=1, device_slots=4)
+
+
+@pytest.mark.parametrize("depth, order", [
+    (1, ["long0", "short0", "long1", "long2"]),   # each chunk chosen when the link is free: SJF's short first
+    (2, ["long0", "long1", "short0", "long2"]),   # long1 was handed out while long0 was on the link
+])
+def test_fetch_depth_decides_whether_a_short_request_takes_the_link_at_the_next_chunk(depth, order):
+    """The serving loader (jkv/serving/prefix_loader.py) runs the fetch stage at depth 1 on a slow link
+    so the policy orders the link chunk by chunk; depth 2 commits one chunk ahead."""
+    stages = FakeStages(8, 16)
+    on_link = threading.Event()
+    release = threading.Event()
+    fetched = []
+    fetch = stages.fetch
+
+    def gated_fetch(request, chunk, host_slot):
+        fetched.append(f"{request.request_id}{chunk}")
+        if len(fetched) == 1:
+            on_link.set()
+            assert release.wait(10), "the test never released the first fetch"
+        return fetch(request, chunk, host_slot)
+
+    functions = stages.functions()
+    functions = type(functions)(gated_fetch, functions.upload, functions.compute)
+    with LoadingPipeline(functions, PipelineConfig(8, 16, fetch_depth=2), make_policy("sjf-pt")) as pipeline:
+        pipeline.set_depth(Stage.FETCH, depth)
+        assert pipeline.depth(Stage.FETCH) == depth
+        long = pipeline.submit(make_request("long", ctx=1, num_chunks=3, query=50))
+        assert on_link.wait(10)
+        time.sleep(0.05)  # the dispatcher hands out what its depth allows while long0 is on the link
+        short = pipeline.submit(make_request("short", ctx=2, num_chunks=1, query=5))
+        release.set()
+        assert short.result(10).value == expected_value(2, 1, 5)
+        assert long.result(10).value == expected_value(1, 3, 50)
+        with pytest.raises(ValueError, match="depth=0 must be >= 1"):
+            pipeline.set_depth(Stage.FETCH, 0)
+    assert fetched == order

@@ -12,6 +12,7 @@ import pytest
 from engine_events import collect, submit
 from jkv.kvcache import remote_tier
 from jkv.kvpool import HostKVPool
+from jkv.scheduling import Stage
 from jkv.serving import prefix_loader
 from jkv.serving.metrics import ServerMetrics
 from tests.kvpool.redis_server import needs_redis_server, running_redis
@@ -119,6 +120,8 @@ def test_while_a_prefix_loads_from_l3_another_request_is_admitted_and_streams_al
         assert b.kv.pages_in_use >= 5  # X holds all its pages while it loads (proactive allocation)
         l3.gate.set()
         _assert_same(_answer(collect(loading)), reference(PROMPT, MAX_TOKENS), "the request loaded from L3")
+        # X's read took R's whole stream (> AHEAD_MAX_S): the link is now taken one chunk at a time
+        assert b.loader.pipeline.depth(Stage.FETCH) == 1
         assert _metric(metrics, "jkv_prefix_cache_hit_tokens_total", {"tier": "remote"}) == 4 * PAGE
         assert _metric(metrics, "jkv_prefix_cache_load_seconds_count", {"tier": "l3"}) == 1
         assert _metric(metrics, "jkv_prefix_cache_l3_errors_total") == 0
@@ -128,7 +131,8 @@ def test_while_a_prefix_loads_from_l3_another_request_is_admitted_and_streams_al
 
 
 def test_cancelling_a_request_mid_load_frees_its_pages_and_staging_rows_and_a_retry_loads_right(
-        model, reference, l3):
+        model, reference, l3, monkeypatch):
+    monkeypatch.setattr(prefix_loader, "AHEAD_MAX_S", 30.0)  # every read here counts as fast
     b, metrics, q = _load_behind_the_gate(model, reference, l3)
     try:
         b.cancel("X")
@@ -139,6 +143,7 @@ def test_cancelling_a_request_mid_load_frees_its_pages_and_staging_rows_and_a_re
         _assert_same(_answer(collect(submit(b, "X2", PROMPT, _greedy(MAX_TOKENS), logprobs=1))),
                      reference(PROMPT, MAX_TOKENS), "the retry")
         assert _metric(metrics, "jkv_prefix_cache_hit_tokens_total", {"tier": "remote"}) == 4 * PAGE
+        assert b.loader.pipeline.depth(Stage.FETCH) == 2  # a fast link: the next chunk is fetched ahead
     finally:
         l3.gate.set()
         _finish(b)
