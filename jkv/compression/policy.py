@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jkv.compression.bandwidth import BandwidthEstimator
 from jkv.compression.controller import BASELINE, Context, Controller, ControllerConfig, Decision, Profile
@@ -32,6 +35,7 @@ from jkv.compression.spec import PipelineSpec
 log = logging.getLogger(__name__)
 
 POOL_ITEMSIZE = 4  # the host pools hold float32 KV
+CALIBRATION_TOKENS = 128  # `calibrate_for`'s probe: one container per layer at the default chunking
 TIERS_PREFIX = "tiers:"  # `tokens.TierConfig` ids; hi-only ones are servable (`dropping.py`)
 
 
@@ -41,7 +45,11 @@ class CompressionConfig:
     "auto"; workload: which file's Pareto set (default: the first); q_min: quality the request
     needs; t_slo_s: its KV-movement SLO (guardrail); min_sample_bytes: link samples smaller than this
     are ignored (a paced link's token bucket lets a burst of >= 64 KiB pass at memory speed, so a
-    small transfer says nothing about the link rate)."""
+    small transfer says nothing about the link rate); calibrate: "auto" measures the transfer path
+    of every profile it may choose on this machine when a decode worker starts (`calibrate_for`)
+    instead of charging the profile file's codec speed, which was measured elsewhere (the committed
+    file's 1.2-10 MB/s came from a box at load 15-50: on a quiet one the controller then chose the
+    1.9x codec over the 3.2x one, whose real path runs several times faster)."""
 
     mode: str = "off"
     profiles: tuple[str, ...] = ()
@@ -51,6 +59,7 @@ class CompressionConfig:
     min_sample_bytes: int = 128 << 10
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     path_costs: PathCosts = field(default_factory=PathCosts)  # (cr, s) of the on-demand / metadata options
+    calibrate: bool = True
 
     def __post_init__(self):
         if self.mode not in ("off", "auto"):
@@ -69,7 +78,7 @@ class CompressionConfig:
 
     @classmethod
     def from_options(cls, mode: str, options: dict) -> "CompressionConfig":
-        known = {"profiles", "workload", "q_min", "t_slo_s", "min_sample_bytes"}
+        known = {"profiles", "workload", "q_min", "t_slo_s", "min_sample_bytes", "calibrate"}
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"unknown compression options {sorted(unknown)}; known: {sorted(known)}")
@@ -140,11 +149,29 @@ class CompressionPolicy:
                                      self.config.controller, self.estimator)
         self.controller.envelope(self.workload, self.config.q_min)  # raises naming an unknown workload
 
+    def calibrate_for(self, cfg, tokens: int = CALIBRATION_TOKENS, seed: int = 0) -> dict[str, float]:
+        """`calibrate_path` for a model of config `cfg` (num_layers, num_kv_heads, head_dim) on a
+        synthetic probe f32[2, L, H_kv, tokens, D] (standard normal: the quantizers' work does not
+        depend on the values; an entropy coder may run a little faster on real KV's codes), for the
+        profiles the quality floor lets the controller choose. A decode worker calls it at start;
+        a no-op ({}) unless mode "auto" with `calibrate`, or when already measured."""
+        if self.controller is None or not self.config.calibrate:
+            return {}
+        started = time.perf_counter()
+        probe = np.random.default_rng(seed).standard_normal(
+            (2, cfg.num_layers, cfg.num_kv_heads, tokens, cfg.head_dim), dtype=np.float32)
+        measured = self.calibrate_path(probe, min_quality=self.config.q_min)
+        log.info("compression: transfer paths of %d profiles measured in %.1f s (%s)", len(measured),
+                 time.perf_counter() - started, ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in measured.items()))
+        return measured
+
     def calibrate_path(self, kv_probe, *, codec=None, min_chunk_tokens: int = 128,
-                       blocks_per_layer: int | None = None, repeats: int = 2) -> dict[str, float]:
+                       blocks_per_layer: int | None = None, repeats: int = 2,
+                       min_quality: float = 0.0) -> dict[str, float]:
         """Measure every profile's real transfer-path cost on kv_probe f32[2, L, H_kv, N, D] (ideally
         one request's KV at its real geometry) and charge it instead of the profile file's round trip
         (`path_profiles`). Call before serving: it rebuilds the controller (bandit state is reset).
+        min_quality: skip profiles below it (the controller never chooses them under that floor).
         Returns {spec_id: float32 bytes / s}."""
         from jkv.compression.kv_transfer import KVCodec, path_throughput_Bps
 
@@ -153,7 +180,7 @@ class CompressionPolicy:
         codec = codec or KVCodec(min_chunk_tokens=min_chunk_tokens)
         for f in self.files:
             for p in f.points:
-                if p.spec_id not in self.path_Bps and servable(p.spec_id):
+                if p.spec_id not in self.path_Bps and servable(p.spec_id) and p.accuracy >= min_quality:
                     # a dropping profile is charged its kept rows' pipeline over every row: an upper
                     # bound of its codec work (the keep decision's replay is not charged)
                     self.path_Bps[p.spec_id] = path_throughput_Bps(

@@ -158,6 +158,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
         self.endpoint.on_notify("handoff", self._on_handoff)
         self.endpoint.on_notify("failed", self._on_failed)
         self.compression = compression  # jkv.compression.policy.CompressionPolicy or None ("off")
+        if compression is not None:  # "auto": charge this machine's codec speed, not the profile file's
+            compression.calibrate_for(cfg)
         self.endpoint.on_notify("ckv", self._on_compressed)
         self.endpoint.on_notify("link", self._on_link)
         self._lock = threading.Lock()

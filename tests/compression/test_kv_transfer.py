@@ -1,5 +1,6 @@
 """Compressed KV on the SmartGen block path: chunking, frame round trip, and end to end through
 real prefill workers (loopback TCP, paced links) in full / partial / smartgen modes."""
+import dataclasses
 import threading
 import time
 
@@ -225,6 +226,10 @@ def test_controller_skips_compression_on_a_fast_link(model, selector, prompts, f
 
 def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, selector, prompts):
     profile, cr = tiny_profile(model, prompts)
+    # The file claims a codec slower than the link (1 kB/s): charged as is, compression would never pay.
+    # The decode worker measures the real transfer path at start (CompressionConfig.calibrate), so it does.
+    profile = dataclasses.replace(profile, points=tuple(dataclasses.replace(p, throughput_Bps=1e3, latency_s=1e3)
+                                                        for p in profile.points))
     # The selector metadata travels compressed too (jkv.compression.paths), so a smartgen batch of
     # these short prompts moves ~126 KiB: below the default 128 KiB floor of a link sample.
     policy = CompressionPolicy(CompressionConfig("auto", profiles=("unused",), controller=ControllerConfig(epsilon=0),
@@ -237,6 +242,7 @@ def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, select
         for mode in ("full", "smartgen"):
             outs = run(model, selector, slow.addresses, mode, prompts, policy)
             assert all(o.metrics.extra["compression"] == SPEC for o in outs), mode
+            assert policy.path_Bps[SPEC] > 1e5, policy.path_Bps  # measured by the worker, not the file's 1 kB/s
             assert all(o.metrics.extra["compression_reason"] == "greedy" for o in outs), mode  # epsilon=0
             # at 5 Mbit/s the other paths compress too: exact float16 rows (KIVI is not row-granular)
             # and the lossless metadata codec
@@ -289,3 +295,21 @@ def test_served_kv_is_the_profile_evaluations_round_trip(spec, n, blocks):
     for layer, (k, v) in enumerate(profiled):
         np.testing.assert_array_equal(pool[0, layer], k)
         np.testing.assert_array_equal(pool[1, layer], v)
+
+
+def test_calibrate_for_measures_the_profiles_the_quality_floor_allows_and_can_be_turned_off():
+    import types
+
+    cfg = types.SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=64)
+    low = "identity+kivi2g32+none"
+    profile = ProfileFile("test", 0.0, 1 << 20, (ProfilePoint(SPEC, 0.99, 3.0, 1e3, 1e3),
+                                                 ProfilePoint(low, 0.5, 6.0, 1e3, 1e3)))
+    policy = CompressionPolicy(CompressionConfig.from_options("auto", dict(profiles=["unused"], q_min=0.97)),
+                               bandwidth_bps=5e6, profiles=[profile])
+    measured = policy.calibrate_for(cfg)
+    assert set(measured) == {SPEC} and measured[SPEC] > 1e5  # the 0.5-quality point is never chosen: not measured
+    assert policy.choose(kv_bytes=8 << 20).spec_id == SPEC  # charged its measured path, it pays at 5 Mbit/s
+    off = CompressionPolicy(CompressionConfig.from_options("auto", dict(profiles=["unused"], calibrate=False)),
+                            bandwidth_bps=5e6, profiles=[profile])
+    assert off.calibrate_for(cfg) == {} and off.path_Bps == {}
+    assert off.choose(kv_bytes=8 << 20).spec_id == BASELINE  # the file's 1 kB/s codec never pays
