@@ -190,7 +190,9 @@ def summarize_run(args, run: int, rho: float, rate: float, policy: str, results:
             "mean_ttft_ms_big": float(np.mean(by_size(lambda p: p == max(args.doc_pages)) or [np.nan])),
             "hit_tokens_remote": hits, "expected_remote_tokens": PAGE * sum(r["pages"] for r in results),
             "requests": len(results), "link": args.link, "doc_pages": " ".join(map(str, args.doc_pages)),
-            "max_slots": args.max_slots, "model": args.model, "answers": [r.get("text") for r in results]}
+            "max_slots": args.max_slots, "model": args.model, "answers": [r.get("text") for r in results],
+            "errors": [f"request {i} ({r['pages']} pages, arrival {r['arrival']:.1f} s): {r.get('error')}"
+                       for i, r in enumerate(results) if not r["ok"]]}
 
 
 def run_once(args, servers: dict, run: int, rho: float, floor_s: float, phase: str) -> list[dict]:
@@ -198,6 +200,7 @@ def run_once(args, servers: dict, run: int, rho: float, floor_s: float, phase: s
     rate = rho / floor_s
     requests = trace(args, run, rate, args.requests)
     before = {p: remote_hits(s.url) for p, s in servers.items()}
+    log_from = {p: len(s.log) for p, s in servers.items()}
     load_before = os.getloadavg()[0]
     results = asyncio.run(_send([s.url for s in servers.values()], requests, args.max_tokens))
     load_after = os.getloadavg()[0]
@@ -222,6 +225,13 @@ def run_once(args, servers: dict, run: int, rho: float, floor_s: float, phase: s
               f"= {r['ttft_ratio_vs_fifo']:.2f}x FIFO (small docs {r['mean_ttft_ms_small']:.0f}, big "
               f"{r['mean_ttft_ms_big']:.0f}), failed {r['failed']}, L3 hit tokens {r['hit_tokens_remote']:.0f}/"
               f"{r['expected_remote_tokens']}, load {load_before:.1f}->{load_after:.1f}", flush=True)
+    for r in rows:  # a failed request: what the client saw and what its server logged meanwhile
+        if r["errors"]:
+            server_log = [line.rstrip() for line in servers[r["policy"]].log[log_from[r["policy"]]:]
+                          if any(w in line for w in ("WARNING", "ERROR", "Traceback", "Error"))]
+            r["server_log"] = server_log[-40:]
+            print(f"run {run} {r['policy']}: failed requests: {r['errors']}\n  server log: " + "\n  ".join(server_log[-40:]),
+                  flush=True)
     print(f"run {run}: link-only M/G/1 model at rho {rho}: FIFO {model_fifo:.1f} s, non-preemptive SJF "
           f"{model_sjf:.1f} s = {model_sjf / model_fifo:.2f}x; the link taken chunk by chunk ({CHUNK_PAGES} pages) in "
           f"policy order (the server's loader): SJF {chunked['sjf'] / chunked['fifo']:.2f}x, SRPT "
