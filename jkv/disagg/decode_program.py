@@ -58,9 +58,11 @@ kernel (Mosaic on Hopper, Triton elsewhere) over the gathered rows; on "xla" (CP
 (`jkv.selection.sparse_decode`), so the two agree bit for bit. The backend is read at trace time
 (see dispatch's docstring): choose it before the first step.
 
-Programs are jitted once per (model, selector, KV sharding) and shared by every layer (the layer's
-params, selector state and pages are arguments); `capacity`, `dense`, `drops` and `attend_now` are
-static, and so is whether the query is speculative (`x_query` None or an array).
+Programs are jitted once per (model config, selector value, KV sharding, dispatch backend) and
+shared by every layer (the layer's params, selector state and pages are arguments) and by every
+decode worker whose selector has the same class, config and fitted state (`programs_for`,
+`Selector.program_key`); `capacity`, `dense`, `drops` and `attend_now` are static, and so is whether
+the query is speculative (`x_query` None or an array).
 
 Warm-up (`LayerPrograms.warm_up`): a step compiles nothing. Each program's shapes follow the
 batch's shape class (B, N_cap) and the layer kind (dense, selected, selected with a speculative
@@ -209,7 +211,8 @@ class LayerPrograms:
         self._warm: set = set()  # shape classes warm_up has compiled
 
     def warm_up(self, model, pages, batch: int, capacity: int, dense_below: int, *, remote: bool = True,
-                lookahead: bool = False, hint=None, drops: bool = False) -> bool:
+                lookahead: bool = False, hint=None, drops: bool = False, selector=None,
+                warmed: set | None = None) -> bool:
         """Compile every program a decode step of `batch` requests at N_cap = `capacity` runs, for
         each layer kind present (dense below `dense_below`, selected from it, with or without a
         speculative query): the model's embed and logits, `fused` and `landed` (each with its
@@ -218,35 +221,48 @@ class LayerPrograms:
         `landed` stopping before attention; with `lookahead` the next layer's hint (`Model.qkv` of
         the next layer, then `hint` or the selector's own select). The layer programs are compiled
         ahead of time from shapes; the rest runs once on zeros (reads only: pages and mask are
-        not written). False when this class was warm already. Dispatch backend: the one in force
-        now (see the module docstring). `drops`: a member has a token-dropping profile (the
-        programs' static `drops` flag, as `_begin_step` sets it)."""
+        not written). Dispatch backend: the one in force now (see the module docstring). `drops`: a
+        member has a token-dropping profile (the programs' static `drops` flag, as `_begin_step` sets it).
+
+        These programs are shared by every worker whose selector has the same value (`programs_for`),
+        so the layer programs compile once per class here, while the rest is the caller's own: its
+        model's embed, qkv and logits and its `selector`'s select (a jit per selector object;
+        default: the one these programs were built with) run once per class for the caller's
+        `warmed` set (a decode worker's; None: the class counts as warm with the layer programs).
+        False when this class was warm for both already."""
         K, V = pages.cache.kv[0]
         key = (batch, capacity, K.shape, K.dtype, pages.mask.shape, remote, lookahead, hint is not None,
                attention_fn() is None, drops)
-        if key in self._warm:
+        programs_cold = key not in self._warm
+        caller_cold = programs_cold if warmed is None else key not in warmed
+        if not (programs_cold or caller_cold):
             return False
-        cfg = self.cfg
+        cfg, selector = self.cfg, self.selector if selector is None else selector
         i32 = np.zeros(batch, np.int32)
         x = model.embed(i32)
         q, k, v = model.qkv(0, x, i32)
         table = jnp.asarray(np.zeros((batch, -(-capacity // pages.page_size)), np.int32))  # host->device copies
         pos = jnp.asarray(i32)  # compile a small program per shape too
         step = dict(model=model, pages=pages, capacity=capacity, x=x, q=q, table=table, pos=pos, drops=drops)
-        kinds = {(layer < dense_below, query_input(self.selector, layer, layer < dense_below, x) is None): layer
-                 for layer in range(cfg.num_layers)}  # a kind compiles its own programs, shared by its layers
-        for (dense, _), layer in sorted(kinds.items()):
-            self._warm_kind(layer, dense, remote, lookahead, **step)
+        if programs_cold:
+            kinds = {(layer < dense_below, query_input(self.selector, layer, layer < dense_below, x) is None): layer
+                     for layer in range(cfg.num_layers)}  # a kind compiles its own programs, shared by its layers
+            for (dense, _), layer in sorted(kinds.items()):
+                self._warm_kind(layer, dense, remote, lookahead, **step)
+            self._warm.add(key)
+        if not caller_cold:
+            return True
         if dense_below < cfg.num_layers:
             if lookahead:  # the lookahead thread's selection of the next layer
-                meta, lengths = decode_metadata.empty(self.selector, cfg, dense_below, batch, capacity), i32 + 1
+                meta, lengths = decode_metadata.empty(selector, cfg, dense_below, batch, capacity), i32 + 1
                 np.asarray(hint(dense_below, q, meta, lengths) if hint is not None
-                           else self.selector.select(dense_below, q, meta, lengths))
+                           else selector.select(dense_below, q, meta, lengths))
         rows = jnp.asarray(np.zeros(batch * cfg.num_kv_heads, np.int32))  # per layer, stacked once a step
         np.asarray(jnp.stack([rows] * cfg.num_layers))
         sample_or_argmax(model.logits(x), np.zeros(batch, np.float32), i32, np.ones(batch, np.float32),
                          np.zeros(batch, np.uint32), i32)  # greedy: a sampled batch compiles its sampler
-        self._warm.add(key)
+        if warmed is not None:
+            warmed.add(key)
         return True
 
     def _warm_kind(self, layer: int, dense: bool, remote: bool, lookahead: bool, model, pages, capacity, x, q,
@@ -276,9 +292,38 @@ class LayerPrograms:
 _split = jax.jit(split)
 
 
-@functools.lru_cache(maxsize=8)
+class _ByValue:
+    """A selector as a cache key: equal to another selector's when their `Selector.program_key`
+    values are (same class, config and fitted state), whichever object each is; an object that is
+    not a `Selector` is equal only to itself."""
+
+    __slots__ = ("selector", "key")
+
+    def __init__(self, selector):
+        self.selector = selector
+        key = getattr(selector, "program_key", None)
+        self.key = key() if callable(key) else ("object", selector)
+
+    def __eq__(self, other):
+        return isinstance(other, _ByValue) and self.key == other.key
+
+    def __hash__(self):
+        return hash(self.key)
+
+
 def programs_for(cfg, selector, sharding=None) -> LayerPrograms:
     """The programs of (cfg, selector) over pages split like `sharding` (Model.kv_sharding; None: one
-    device), cached: a benchmark makes a worker per run and must not recompile each run's first step."""
-    return LayerPrograms(cfg, selector, sharding)
+    device), cached: a benchmark makes a worker per run and must not recompile each run's first step.
+
+    Cached by the selector's value (`Selector.program_key`), not its identity: every
+    `LLM(disaggregation=...)`, `jkv serve` start or test builds its selector anew, and the programs
+    trace nothing of it but its class, config and the shapes of its per-layer state (an argument).
+    The dispatch backend is read at trace time, so it is part of the key too."""
+    return _programs_for(cfg, _ByValue(selector), sharding, dispatch.resolved_backend())
+
+
+@functools.lru_cache(maxsize=8)
+def _programs_for(cfg, selector: _ByValue, sharding, backend: str) -> LayerPrograms:
+    del backend  # a key only: traced under that backend
+    return LayerPrograms(cfg, selector.selector, sharding)
 

@@ -149,7 +149,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
         # device pages + KV mask (L1), in the model's dtype, split by KV head over the model's mesh
         self.pages = DecodePages(cfg, page_config, sharding=model.kv_sharding, prefix_namespace=prefix_namespace(
             model, cfg.dtype, (page_config or PageConfig()).page_size) if prefix_caching else None)  # None: grows
-        self.programs = decode_program.programs_for(cfg, selector, model.kv_sharding)
+        self.programs = decode_program.programs_for(cfg, selector, model.kv_sharding)  # shared by value
+        self._warmed: set = set()  # shape classes this worker's own warm-up ran (LayerPrograms.warm_up)
         # agreed with every prefill worker in the handshake, before any KV crosses (handshake.py)
         self.config = role_config(model, "decode", selector, max_blocks=transfer.max_blocks)
         self.endpoint = Endpoint(name, backend, secret=secret, timeout=timeout, op_timeout=None,
@@ -419,7 +420,8 @@ class DecodeWorker(OwnerSide, FetchLanes):
         self.programs.warm_up(self.model, self.pages, len(lives), max(lv.kv.capacity for lv in lives),
                               dense_layer_count(self.selector, self.model.cfg.num_layers),
                               remote=any(lv.fetchable for lv in lives), lookahead=self.transfer.layer_lookahead and not self.selector.is_dense,
-                              hint=self._hint, drops=any(lv.keep is not None for lv in lives))
+                              hint=self._hint, drops=any(lv.keep is not None for lv in lives),
+                              selector=self.selector, warmed=self._warmed)
 
     def _decode_step(self) -> None:
         """One decode step of the running set (one token per request), then the step boundary:

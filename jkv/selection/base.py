@@ -24,6 +24,7 @@ from __future__ import annotations
 import abc
 import copy
 import dataclasses
+import hashlib
 from typing import Any, ClassVar
 
 import jax
@@ -349,6 +350,26 @@ class Selector(abc.ABC):
         other._select_jit = jax.jit(other._select_budgeted)
         return other
 
+    # Attributes derived from the class and the config (the jits above), left out of `program_key`.
+    _DERIVED: ClassVar[frozenset] = frozenset({"config", "_prepare_jit", "_append_jit", "_select_jit"})
+
+    def program_key(self) -> tuple:
+        """A hashable value equal for two selectors that compute the same thing: the class, the
+        config (each field with its type, so 1 and True or 1 and 1.0 stay apart) and a digest of
+        every other attribute (the fitted state: InfiniGen's skew, HATA's hash projection; values
+        as well as shapes and dtypes). `decode_program.programs_for` shares compiled decode
+        programs between selectors by it: `LLM(disaggregation=...)` and `jkv serve` build a new
+        selector object per engine, and keyed by the object each engine traced and compiled its
+        programs again. An attribute of a type it cannot digest makes the key this object alone
+        (never shared), as is any selector that is not a `Selector` (duck-typed ones)."""
+        try:
+            state = tuple((name, _digest(value)) for name, value in sorted(vars(self).items())
+                          if name not in self._DERIVED)
+            config = tuple((f.name, _digest(getattr(self.config, f.name))) for f in dataclasses.fields(self.config))
+        except (TypeError, ValueError):  # e.g. a typed PRNG key array has no host bytes
+            return ("object", self)
+        return (type(self), type(self.config), config, state)
+
     def decode_query(self, layer: int, q: jax.Array, speculate) -> jax.Array:
         """The query `select` scores with. `speculate()` returns layer `layer`'s query computed
         from the previous layer's input (InfiniGen); most selectors use the true q."""
@@ -390,6 +411,23 @@ class Selector(abc.ABC):
     @abc.abstractmethod
     def kv_geometry(self, metadata) -> tuple[int, int]:
         """(H_kv, N_cap) of the metadata."""
+
+
+def _digest(value) -> tuple:
+    """A hashable, type-tagged value of a config field or selector attribute (`program_key`):
+    scalars and strings as they are, sequences and dicts element by element, arrays (numpy or jax,
+    f32[L, H_kv, D, bits] for HATA: a few MB) as (dtype, shape, sha256 of their bytes). TypeError
+    for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return (type(value), value)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_digest(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple(sorted((repr(k), _digest(v)) for k, v in value.items())))
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        host = np.ascontiguousarray(np.asarray(value))
+        return (np.ndarray, host.dtype.str, host.shape, hashlib.sha256(host.tobytes()).hexdigest())
+    raise TypeError(f"cannot digest a {type(value).__name__}")
 
 
 def dense_layer_count(selector, num_layers: int) -> int:

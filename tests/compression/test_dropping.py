@@ -232,9 +232,9 @@ def prefill(model):
 @functools.lru_cache(maxsize=None)
 def selector_for(model, name):
     """One selector per (model, name), shared by the prefill worker and every decode worker of this
-    module, as the SmartGen tests share theirs: a decode worker's jitted programs are cached per
-    selector object (decode_program.programs_for), so a new selector per serve() traced and lowered
-    every layer program again."""
+    module, as the SmartGen tests share theirs: the decode workers' layer programs are shared by
+    selector value (decode_program.programs_for), but each selector object jits its own select,
+    which the lookahead runs, and InfiniGen's would fit its skew again."""
     return build_selector(model, name, **({} if name == "dense" else dict(min_budget=0)))
 
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from jkv.disagg import decode_pages
+from jkv.disagg import decode_pages, decode_program
 from jkv.disagg.decode_worker import DecodeWorker
+from jkv.disagg.selectors import load_selector, save_selector
 from jkv.engine import Request
 from jkv.sampling import SamplingParams
 from jkv.transfer.plan import TransferConfig
@@ -98,6 +99,37 @@ def test_smartgen_decode_steps_compile_nothing(model, setup, monkeypatch):
             decode.close()
     finally:
         counter.close()
+
+
+def test_a_worker_with_an_equal_selector_shares_the_programs_and_its_steps_compile_nothing(model, setup,
+                                                                                          monkeypatch, tmp_path):
+    """A second decode worker whose selector is a new object of the same value (rebuilt from the
+    file a prefill worker or `jkv serve --selector-file` loads) gets the first one's compiled layer
+    programs (decode_program.programs_for) and decodes the same tokens; its own warm-up still runs
+    what is its own (its selector's select, which the lookahead calls for Oracle), so none of that
+    compiles inside a step either."""
+    sel, profile, workers = setup
+    save_selector(sel, tmp_path / "selector.pkl")
+    twin = load_selector(tmp_path / "selector.pkl")
+    assert twin is not sel
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(3, model.cfg.vocab_size, n).tolist() for n in STATIC_LENS]  # the first test's class
+    transfer = TransferConfig(mode="smartgen", kr_fraction=0.3, max_blocks=16)
+    tokens = []
+    for i, selector in enumerate((sel, twin)):
+        counter = StepCompiles(monkeypatch) if selector is twin else None
+        decode = DecodeWorker(model, selector, transfer, secret=SECRET, profile=profile)
+        try:
+            decode.connect(workers.addresses)
+            tokens.append([o.token_ids for o in decode.generate(make_requests(prompts, max_tokens=4, tag=f"t{i}"))])
+            if counter is not None:
+                assert decode.programs is decode_program.programs_for(model.cfg, sel, model.kv_sharding)
+                assert counter.in_step == []
+        finally:
+            decode.close()
+            if counter is not None:
+                counter.close()
+    assert tokens[0] == tokens[1]
 
 
 def test_upload_pieces_are_a_fixed_set_of_sizes():
