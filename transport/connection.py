@@ -6,11 +6,14 @@ Threads per connection (named ``jkvt-tx-<local>-><peer>`` / ``jkvt-rx-<local><-<
   (ACK, CREDIT, PING, ERROR) between frames and user operations from a FIFO queue, one
   frame at a time, pacing payload chunks with the token buckets. Frames of one operation
   are contiguous on the stream, so a block and its trailing mask write are applied in order.
-  A payload above ``_SMALL`` bytes goes out with ``FLAG_TRAILER``: the sender hands it to its
-  checksum side thread (``jkvt-crc-tx-*``, :mod:`transport.checksum`) and starts writing at
-  once (header and payload in one ``sendmsg``, no joining copy); it waits for the crc32c only to
-  send the last piece and the 4-byte trailer. Smaller payloads keep the crc in the header,
-  computed by the submitting thread.
+  A payload above ``_SMALL`` bytes goes out with ``FLAG_TRAILER``. With ``checksum_offload``
+  the sender hands it to its checksum side thread (``jkvt-crc-tx-*``, :mod:`transport.checksum`)
+  and starts writing at once (header and payload in one ``sendmsg``, no joining copy); it waits
+  for the crc32c only to send the last piece and the 4-byte trailer. Without it (the default
+  below 4 cores) the sender crc32c's each piece of up to ``_SEND_PIECE`` bytes right before the
+  ``sendmsg`` that copies it, the header riding with the first piece and the trailer with the
+  last: a 1 MiB write is one ``sendmsg``, as a raw socket's ``sendall`` of the block. Smaller
+  payloads keep the crc in the header, computed by the submitting thread.
 * **reader** — the only thread that reads. It validates each header (checksum, sequence,
   op, region, bounds, size) *before* a payload byte is written, receives WRITE payloads
   straight into the registered region's memoryview (tcp: ``recv_into``; shm: one copy out
@@ -61,6 +64,7 @@ log = logging.getLogger(__name__)
 _SMALL = 64 * 1024  # header and payload below this go out in one sendall, crc in the header
 _TAIL = 256 * 1024  # trailer frames: the last this-many payload bytes wait for the crc, then go with the trailer
 _COPY_CHUNK = 1 << 20  # shm: copy into the ring and checksum in cache-sized pieces
+_SEND_PIECE = 1 << 20  # trailer frames checksummed inline: crc32c, then sendmsg, per piece this size
 
 
 @dataclass
@@ -344,14 +348,19 @@ class Connection(ReceiveSide):
         parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else payload
         parts = [_flat(p) for p in parts if len(p)]
         total = sum(len(p) for p in parts)
+        paced = paced and bool(self.pacers) and total > 0
+        if trailer and not self.host.checksum_offload and not paced:
+            self._send_checksummed(hdr, parts)
+            self.last_tx = time.monotonic()
+            return
         running = None
         if trailer and not self.host.checksum_offload:
-            running = Inline(parts)  # on this thread; the copy that follows reads cache-hot bytes
+            running = Inline(parts)
         elif trailer:
             running = self._tx_crc.begin()
             for p in parts:
                 running.add(p)
-        if paced and self.pacers and total:
+        if paced:
             self.sock.sendall(hdr)
             for p in parts:
                 self._paced_sendall(p)
@@ -366,6 +375,23 @@ class Connection(ReceiveSide):
             self._sendmsg_all([hdr, *head])
             self._sendmsg_all([*tail, TRAILER.pack(running.result())])
         self.last_tx = time.monotonic()
+
+    def _send_checksummed(self, hdr: bytes, parts: list) -> None:
+        """A trailer frame checksummed on this thread: each piece of up to ``_SEND_PIECE`` bytes is
+        crc32c'd right before the ``sendmsg`` that copies it, so the copy reads it from cache; the
+        header rides with the first piece and the trailer with the last (a 1 MiB frame is one
+        ``sendmsg``, as a raw socket's ``sendall`` of the block)."""
+        crc, bufs, size = 0, [hdr], 0
+        for p in parts:
+            for start in range(0, len(p), _SEND_PIECE):
+                if size >= _SEND_PIECE:  # a full piece is ready and more follows
+                    self._sendmsg_all(bufs)
+                    bufs, size = [], 0
+                piece = p[start:start + _SEND_PIECE]
+                crc = crc32c(piece, crc)
+                bufs.append(piece)
+                size += len(piece)
+        self._sendmsg_all([*bufs, TRAILER.pack(crc)])
 
     def _sendmsg_all(self, bufs: list) -> None:
         """``sendall`` of several buffers with scatter-gather ``sendmsg`` (one syscall when the
