@@ -46,6 +46,7 @@ from __future__ import annotations
 import collections
 import logging
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from typing import Protocol
 from transport.errors import OpTimeout, PeerDeadError, TransportError
 from transport.checksum import ChecksumWorker, Inline
 from transport.pacing import TokenBucket
-from transport.receiver import MAX_ERROR_TEXT as _MAX_ERROR_TEXT, ReceiveSide
+from transport.receiver import MAX_ERROR_TEXT as _MAX_ERROR_TEXT, RECV_TIMEOUT_S, ReceiveSide
 from transport.shm import ShmRing
 from transport.transfer import Transfer
 from transport.wire import FLAG_ACK, FLAG_NOCRC, FLAG_TRAILER, TRAILER, Header, Op, crc32c, encode_header
@@ -166,6 +167,10 @@ class Connection(ReceiveSide):
                                         name=f"jkvt-rx-{local}<-{peer_name}")
 
     def start(self) -> None:
+        # The reader waits for whole payload pieces (MSG_WAITALL); the kernel hands back what has
+        # arrived after this long, so ``last_rx`` stays fresh on a slow link (receiver.py).
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                             struct.pack("ll", 0, int(RECV_TIMEOUT_S * 1e6)))
         self._sender.start()
         self._reader.start()
 

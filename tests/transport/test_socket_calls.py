@@ -2,7 +2,10 @@
 close to a raw socket's CPU per byte (experiments/bench_transport.py, docs/transport.md "Benchmark"):
 
 * sender, checksums on the socket thread: one ``sendmsg`` per 1 MiB piece, the header riding with
-  the first and the trailer with the last (a 1 MiB write is one call, like a raw ``sendall``).
+  the first and the trailer with the last (a 1 MiB write is one call, like a raw ``sendall``);
+* receiver: one ``recv`` per whole piece (MSG_WAITALL), the trailer in the same call as the last
+  piece, and SO_RCVTIMEO returning what has arrived so that a slowly arriving piece keeps the
+  connection's liveness fresh.
 
 Each test wraps one end of a socketpair in :class:`Recorder` and adopts it as a connection.
 """
@@ -10,9 +13,11 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 
+from transport.receiver import RECV_TIMEOUT_S
 from transport.wire import (FLAG_ACK, FLAG_TRAILER, HEADER_SIZE, TRAILER, Header, Op, crc32c, decode_header,
                             encode_header)
 
@@ -108,3 +113,37 @@ def test_checksummed_frames_go_out_one_sendmsg_per_mib(make_endpoint):
         sizes = [size for call, size, _, _ in rec.calls if call == "sendmsg"]
         assert len(sizes) == sendmsgs and sum(sizes) == HEADER_SIZE + nbytes + 4, sizes
         assert np.array_equal(region[:nbytes], data)
+
+
+def test_receiver_asks_for_whole_pieces_and_the_trailer_with_the_last(make_endpoint):
+    nbytes = 2 * MiB + 1000
+    ep, region, ours, rec = receiver(make_endpoint, nbytes)
+    payload = np.random.default_rng(4).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    sender = threading.Thread(target=ours.sendall, args=(trailer_write(1, payload),))
+    sender.start()
+    (ack,) = read_frames(ours, 1)
+    sender.join()
+    assert ack.op == Op.ACK and ack.aux == 1 and bytes(region) == payload
+    asks = [(call, size, flags) for call, size, flags, _ in rec.calls if call.startswith("recv")]
+    assert asks[0] == ("recv_into", HEADER_SIZE, 0)
+    assert asks[1] == ("recv_into", MiB, socket.MSG_WAITALL)  # a whole piece, not what the kernel has queued
+    last = [a for a in asks if a[0] == "recvmsg_into"]
+    assert last and all(size[1] == 4 and flags == socket.MSG_WAITALL for _, size, flags in last)
+    assert last[0][1][0] <= MiB and all(size <= MiB for _, size, _ in asks[1:] if isinstance(size, int))
+
+
+def test_a_piece_arriving_slowly_keeps_the_connection_alive(make_endpoint):
+    """A whole-piece recv must not starve the liveness check: the receiver (0.5 s liveness
+    timeout) sees no complete piece for 1.5 s, only a byte every 50 ms, and keeps the connection."""
+    nbytes = 300_000
+    ep, region, ours, rec = receiver(make_endpoint, nbytes, timeout=0.5)
+    payload = np.random.default_rng(5).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    frame = trailer_write(1, payload)
+    ours.sendall(frame[:HEADER_SIZE + 100])
+    for i in range(30):
+        time.sleep(0.05)
+        ours.sendall(frame[HEADER_SIZE + 100 + i:HEADER_SIZE + 101 + i])
+    ours.sendall(frame[HEADER_SIZE + 130:])
+    (ack,) = read_frames(ours, 1)
+    assert ack.op == Op.ACK and bytes(region) == payload
+    assert ep.metrics.snapshot().get("peers_failed", 0) == 0 and RECV_TIMEOUT_S < 0.5 / 2
