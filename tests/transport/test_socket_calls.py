@@ -5,7 +5,9 @@ close to a raw socket's CPU per byte (experiments/bench_transport.py, docs/trans
   the first and the trailer with the last (a 1 MiB write is one call, like a raw ``sendall``);
 * receiver: one ``recv`` per whole piece (MSG_WAITALL), the trailer in the same call as the last
   piece, and SO_RCVTIMEO returning what has arrived so that a slowly arriving piece keeps the
-  connection's liveness fresh.
+  connection's liveness fresh;
+* the reader acknowledges a write on its own thread when nothing else is being written (no sender
+  wake-up per write); bytes the kernel does not take at once go out first on the sender thread.
 
 Each test wraps one end of a socketpair in :class:`Recorder` and adopts it as a connection.
 """
@@ -147,3 +149,30 @@ def test_a_piece_arriving_slowly_keeps_the_connection_alive(make_endpoint):
     (ack,) = read_frames(ours, 1)
     assert ack.op == Op.ACK and bytes(region) == payload
     assert ep.metrics.snapshot().get("peers_failed", 0) == 0 and RECV_TIMEOUT_S < 0.5 / 2
+
+
+def test_the_reader_acknowledges_on_its_own_thread_when_the_stream_is_idle(make_endpoint):
+    ep, region, ours, rec = receiver(make_endpoint, MiB)
+    payload = bytes(range(256)) * 1024
+    ours.sendall(trailer_write(1, payload))
+    (ack,) = read_frames(ours, 1)
+    assert ack.op == Op.ACK and ack.aux == 1
+    (call, size, flags, thread), = [c for c in rec.calls if c[0].startswith("send")]
+    assert call == "send" and size == HEADER_SIZE and flags & socket.MSG_DONTWAIT
+    assert thread.startswith("jkvt-rx-"), thread
+
+
+def test_bytes_the_kernel_does_not_take_go_out_first_on_the_sender_thread(make_endpoint):
+    """The reader's non-blocking send takes part of the ACK (or nothing): the sender thread writes
+    the rest before anything else, so the peer reads whole, in-order frames."""
+    ep, region, ours, rec = receiver(make_endpoint, MiB)
+    payload = bytes(range(256)) * 1024
+    for seq, limit in [(1, 10), (2, -1), (3, 0)]:
+        rec.send_limit = limit
+        rec.calls.clear()
+        ours.sendall(trailer_write(seq, payload))
+        (ack,) = read_frames(ours, 1)
+        assert (ack.op, ack.aux, ack.seq) == (Op.ACK, seq, seq)
+        rest = [(call, size, thread) for call, size, _, thread in rec.calls if call == "sendall"]
+        assert rest == [("sendall", HEADER_SIZE - max(limit, 0), rest[0][2])] and rest[0][2].startswith("jkvt-tx-")
+    assert ep.metrics.snapshot()["frames_rejected"] == 0
