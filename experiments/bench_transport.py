@@ -6,7 +6,8 @@ Two OS processes on loopback (the receiver is a child process):
   (and tcp with ``payload_checksum=False``, to separate framing cost from checksum cost),
   vs a raw-socket baseline (``sendall`` of the block / ``recv_into`` the same rotating slots of a
   16 MiB region as the transport's writes, no framing, no checksum) — ratio goal >= 0.85x for blocks >= 1 MiB, with the checksum on
-  (its crc32c rides in a trailer, computed on side threads: transport/checksum.py); 64 KiB
+  (its crc32c rides in a trailer, computed on side threads with >= 4 cores, transport/checksum.py,
+  else on the socket threads); 64 KiB
   blocks also batched 32 per ``write_many`` (how a layer's blocks are pushed);
 * RPC latency p50/p99 for 64 KiB replies (the decode worker's remote-row fetch);
 * pacing accuracy: achieved / target over ~1 s at 100 Mbit/s, 1 Gbit/s, 2 Gbit/s.

@@ -8,7 +8,12 @@ region, bounds and size — all before a payload byte is received. A payload is 
 into its destination (WRITE: the registered region; REPLY with ``into``: the caller's buffer; other
 payloads: a private buffer) and its crc32c compared before the next frame is parsed; a
 trailer-carried crc (``FLAG_TRAILER``) is computed by the connection's ``jkvt-crc-rx-*`` side
-thread (:mod:`transport.checksum`) as the pieces land.
+thread (:mod:`transport.checksum`) as the pieces land, or, without checksum offload, by the reader
+right after each piece: one ``recv`` per whole piece of up to ``_RECV_PIECE`` bytes (MSG_WAITALL,
+the trailer in the same ``recvmsg_into`` as the last piece), so a 1 MiB write costs two receive
+calls (header; payload + trailer) however the kernel happened to queue its segments. The socket's
+SO_RCVTIMEO (``RECV_TIMEOUT_S``, set by the connection) makes a waiting call return what has arrived,
+so ``last_rx`` — the watchdog's liveness clock — stays fresh while a piece trickles in on a slow link.
 
 `ReceiveSide` is a mixin of `Connection`: it uses the connection's ``sock``, ``host``, ``_cond``,
 ``_pending``, ``_receiving``, ``_seq_rx``, ``ring_rx``/``ring_tx``, ``_rx_*`` counters, ``_rx_crc``, ``_sender``,
@@ -17,6 +22,7 @@ thread (:mod:`transport.checksum`) as the pieces land.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 
 from transport.errors import FrameError, PeerDeadError, RemoteError, TransportError
@@ -30,13 +36,27 @@ _RECV_CHUNK = 4 << 20  # recv_into at most this much per call so liveness stays 
 _COPY_CHUNK = 1 << 20  # shm: copy out of the ring and checksum in cache-sized pieces
 _OFFLOAD_ABOVE = 64 * 1024  # trailer payloads above this are checksummed on the side thread
 _CRC_PIECE = 256 * 1024  # hand landed bytes to the checksum thread in pieces of at least this
+_RECV_PIECE = 1 << 20  # payloads checksummed inline: one MSG_WAITALL recv and one crc32c per piece
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+RECV_TIMEOUT_S = 0.1  # SO_RCVTIMEO: a waiting recv returns what arrived so far at least this often
 
 
 class ReceiveSide:
+    def _recv_into(self, view: memoryview, flags: int = 0) -> int:
+        """One ``recv_into``; 0 only at end of stream. Waiting is bounded by the socket's
+        SO_RCVTIMEO (:data:`RECV_TIMEOUT_S`): when it passes with nothing received, try again
+        (the watchdog judges silence by ``last_rx`` and shuts the socket down when it fails)."""
+        while True:
+            try:
+                return self.sock.recv_into(view, len(view), flags)
+            except BlockingIOError:
+                if self.failed is not None:
+                    raise self.failed from None
+
     def _recv_exact(self, view: memoryview, *, frame_start: bool = False) -> bool:
         got, n = 0, len(view)
         while got < n:
-            k = self.sock.recv_into(view[got:], min(n - got, _RECV_CHUNK))
+            k = self._recv_into(view[got:got + min(n - got, _RECV_CHUNK)])
             if k == 0:
                 if frame_start and got == 0:
                     return False
@@ -46,19 +66,47 @@ class ReceiveSide:
             self.last_rx = time.monotonic()
         return True
 
-    def _recv_crc(self, view: memoryview) -> int:
-        """Receive exactly ``len(view)`` bytes into ``view``; return their crc32c, computed
-        piece by piece right after each piece lands (while it is still in cache)."""
+    def _recv_crc(self, view: memoryview, trailer: memoryview | None = None) -> int:
+        """Receive exactly ``len(view)`` bytes into ``view`` (and then ``len(trailer)`` into
+        ``trailer``); return the crc32c of ``view``, computed piece by piece right after each
+        piece lands (while it is still in cache). Each call waits for a whole piece of up to
+        ``_RECV_PIECE`` bytes (MSG_WAITALL; SO_RCVTIMEO bounds the wait, returning what arrived):
+        one syscall per piece instead of one per few segments the kernel happened to queue."""
         got, n, crc = 0, len(view), 0
         while got < n:
-            k = self.sock.recv_into(view[got:], min(n - got, _RECV_CHUNK))
+            piece = view[got:got + min(n - got, _RECV_PIECE)]
+            if trailer is not None and got + len(piece) == n:  # the last piece and the trailer in one call
+                k = self._recvmsg_into([piece, trailer])
+                crc = crc32c(piece[:k], crc)
+                got += min(k, len(piece))
+                if got == n:
+                    trailer = trailer[k - len(piece):]
+                    break
+                continue
+            k = self._recv_into(piece, _WAITALL)
             if k == 0:
                 raise PeerDeadError(f"peer {self.peer_name!r} closed the connection "
                                     f"mid-frame ({got}/{n} bytes)")
-            crc = crc32c(view[got:got + k], crc)
+            crc = crc32c(piece[:k], crc)
             got += k
             self.last_rx = time.monotonic()
+        if trailer is not None and len(trailer):
+            self._recv_exact(trailer)
         return crc
+
+    def _recvmsg_into(self, bufs: list) -> int:
+        """``recvmsg_into`` (MSG_WAITALL) of several buffers in order; like :meth:`_recv_into`."""
+        while True:
+            try:
+                k = self.sock.recvmsg_into(bufs, 0, _WAITALL)[0]
+            except BlockingIOError:
+                if self.failed is not None:
+                    raise self.failed from None
+                continue
+            if k == 0:
+                raise PeerDeadError(f"peer {self.peer_name!r} closed the connection mid-frame")
+            self.last_rx = time.monotonic()
+            return k
 
     def _recv_offloaded(self, view: memoryview) -> int:
         """Like :meth:`_recv_crc`, but the crc32c runs on the checksum side thread, piece by
@@ -66,7 +114,7 @@ class ReceiveSide:
         running = self._rx_crc.begin()
         got, handed, n = 0, 0, len(view)
         while got < n:
-            k = self.sock.recv_into(view[got:], min(n - got, _RECV_CHUNK))
+            k = self._recv_into(view[got:got + min(n - got, _RECV_CHUNK)])
             if k == 0:
                 raise PeerDeadError(f"peer {self.peer_name!r} closed the connection "
                                     f"mid-frame ({got}/{n} bytes)")
@@ -84,12 +132,12 @@ class ReceiveSide:
             if self._recv_crc(view) != h.payload_crc:
                 raise FrameError(f"{what} payload checksum mismatch")
             return
+        trailer = bytearray(TRAILER_SIZE)
         if len(view) > _OFFLOAD_ABOVE and self.host.checksum_offload:
             crc = self._recv_offloaded(view)
+            self._recv_exact(memoryview(trailer))
         else:
-            crc = self._recv_crc(view)
-        trailer = bytearray(TRAILER_SIZE)
-        self._recv_exact(memoryview(trailer))
+            crc = self._recv_crc(view, memoryview(trailer))
         if crc != TRAILER.unpack(trailer)[0]:
             raise FrameError(f"{what} payload checksum mismatch (trailer)")
 
