@@ -201,7 +201,8 @@ def paged_cases(iters: int, rounds: int = 3) -> dict:
     layers), b=1 and 8, 1,024 and 2,048 tokens of context, alternated in this one process.
 
     - `paged_layer_<variant>`: one layer's attention alone (reference, reference with a
-      `promise_in_bounds` gather, native), CPU-ms a call;
+      `promise_in_bounds` gather, native with rows split over XLA's pool threads, native on one
+      thread), CPU-ms a call;
     - `paged_step_<variant>`: the real compute program `Model.paged_decode_step` runs, traced with
       `dispatch.cpu_kernels(False)` (reference) and `(True)` (native), CPU-ms a step.
 
@@ -225,7 +226,8 @@ def paged_cases(iters: int, rounds: int = 3) -> dict:
     cfg = m.cfg
     layer_fns = {"reference": jax.jit(mosaic_attention.paged_decode_attention_partials_reference),
                  "promise_in_bounds": jax.jit(_gather_promise_in_bounds),
-                 "native": jax.jit(paged_decode_attention_partials_cpu)}
+                 "native": jax.jit(paged_decode_attention_partials_cpu),
+                 "native_1thread": jax.jit(functools.partial(paged_decode_attention_partials_cpu, max_threads=1))}
     step_fns = {"reference": False, "native": True}  # dispatch.cpu_kernels setting
     out = {}
     rng = np.random.default_rng(0)

@@ -7,6 +7,8 @@
 //   table    s32[B, max_pages]            token t of row b: page table[b, t / P] (clipped), slot t % P
 //   lengths  s32[B]                       row b attends its first clamp(lengths[b], 0, max_pages*P) tokens
 //   scale    f32 attribute                logits = (q . k) * scale
+//   max_threads  i64 attribute            rows split over at most this many threads of XLA's
+//                                         intra-op pool (0: the pool's size), when worth it
 //   out      f32[B, H, D]                 softmax-weighted sum of V (zeros for an empty row)
 //   lse      f32[B, H]                    log-sum-exp of the logits (-inf for an empty row)
 //
@@ -18,7 +20,11 @@
 // log implementations (~1e-7 relative). Slots past a row's length are never read, as the reference
 // masks them (garbage or NaN there does not leak).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <condition_variable>
+#include <memory>
+#include <mutex>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -95,24 +101,49 @@ void attend_row(const float* q, const T* k_pages, const T* v_pages, const int32_
   }
 }
 
+// Rows (request, KV head) are claimed from an atomic counter by the calling thread and by up to
+// `workers - 1` tasks on XLA's intra-op pool. The caller waits only for rows another thread has
+// claimed (running, never queued), so a busy pool cannot deadlock it; a task that starts after the
+// last row was claimed returns without touching the buffers (the state it reads is shared-owned).
+struct RowQueue {
+  std::atomic<int64_t> next{0}, done{0};
+  std::mutex mutex;
+  std::condition_variable finished;
+};
+
 template <typename T>
-void attend(const float* q, const T* k_pages, const T* v_pages, const int32_t* table, const int32_t* lengths,
-            int64_t B, int64_t H, int64_t D, int64_t num_pages, int64_t H_kv, int64_t P, int64_t max_pages,
-            float scale, float* out, float* lse) {
-  const int64_t G = H / H_kv, capacity = max_pages * P, page_stride = H_kv * P * D;
-  std::vector<float> logits(G * capacity), row(D);
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = std::clamp<int64_t>(lengths[b], 0, capacity);
-    for (int64_t h = 0; h < H_kv; ++h) {
-      const int64_t first = b * H + h * G;  // query heads h*G .. h*G+G-1 of row b
+void attend(ffi::ThreadPool& pool, int64_t max_workers, const float* q, const T* k_pages, const T* v_pages,
+            const int32_t* table, const int32_t* lengths, int64_t B, int64_t H, int64_t D, int64_t num_pages,
+            int64_t H_kv, int64_t P, int64_t max_pages, float scale, float* out, float* lse) {
+  const int64_t G = H / H_kv, capacity = max_pages * P, page_stride = H_kv * P * D, rows = B * H_kv;
+  auto queue = std::make_shared<RowQueue>();
+  auto work = [=]() {
+    std::vector<float> logits, row;
+    for (int64_t r; (r = queue->next.fetch_add(1)) < rows;) {
+      if (logits.empty()) logits.resize(G * capacity), row.resize(D);
+      const int64_t b = r / H_kv, h = r % H_kv, first = b * H + h * G;  // query heads h*G .. h*G+G-1 of row b
+      const int64_t n = std::clamp<int64_t>(lengths[b], 0, capacity);
       attend_row(q + first * D, k_pages, v_pages, table + b * max_pages, n, num_pages, page_stride, h * P * D, P,
                  D, G, scale, logits.data(), row.data(), out + first * D, lse + first);
+      if (queue->done.fetch_add(1) + 1 == rows) {
+        std::lock_guard<std::mutex> lock(queue->mutex);
+        queue->finished.notify_all();
+      }
     }
-  }
+  };
+  // A task pays a wake-up (~10 us); split only rows worth several of those (~16K key-head reads).
+  int64_t tokens = 0;
+  for (int64_t b = 0; b < B; ++b) tokens += std::clamp<int64_t>(lengths[b], 0, capacity) * H_kv;
+  const int64_t workers = std::min({max_workers, rows, 1 + tokens / 16384});
+  for (int64_t i = 1; i < workers; ++i) pool.Schedule(decltype(work)(work));  // a copy per task
+  work();
+  std::unique_lock<std::mutex> lock(queue->mutex);
+  queue->finished.wait(lock, [&] { return queue->done.load() == rows; });
 }
 
-ffi::Error PagedDecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                                    ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths, float scale,
+ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
+                                    ffi::AnyBuffer v_pages, ffi::Buffer<ffi::S32> table,
+                                    ffi::Buffer<ffi::S32> lengths, float scale, int64_t max_threads,
                                     ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), td = table.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || k_pages.element_type() != v_pages.element_type() ||
@@ -125,14 +156,15 @@ ffi::Error PagedDecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pa
   }
   float* o = out->typed_data();
   float* l = lse->typed_data();
+  const int64_t workers = std::max<int64_t>(1, max_threads > 0 ? max_threads : pool.num_threads());
   switch (k_pages.element_type()) {
     case ffi::F32:
-      attend(q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
+      attend(pool, workers, q.typed_data(), static_cast<const float*>(k_pages.untyped_data()),
              static_cast<const float*>(v_pages.untyped_data()), table.typed_data(), lengths.typed_data(), B, H, D,
              num_pages, H_kv, P, td[1], scale, o, l);
       break;
     case ffi::BF16:
-      attend(q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
+      attend(pool, workers, q.typed_data(), static_cast<const uint16_t*>(k_pages.untyped_data()),
              static_cast<const uint16_t*>(v_pages.untyped_data()), table.typed_data(), lengths.typed_data(), B, H,
              D, num_pages, H_kv, P, td[1], scale, o, l);
       break;
@@ -146,11 +178,13 @@ ffi::Error PagedDecodeAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pa
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JkvPagedDecodeAttention, PagedDecodeAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")
+                                  .Attr<int64_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

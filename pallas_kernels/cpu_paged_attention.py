@@ -115,13 +115,16 @@ def supports(q: jax.Array, k_pages: jax.Array) -> bool:
             and q.shape[2] == k_pages.shape[3] and q.shape[1] % max(1, k_pages.shape[1]) == 0)
 
 
-def paged_decode_attention_partials_cpu(q, k_pages, v_pages, page_table, lengths, *, scale: float | None = None):
+def paged_decode_attention_partials_cpu(q, k_pages, v_pages, page_table, lengths, *, scale: float | None = None,
+                                        max_threads: int = 0):
     """(out f32[B, H, D], lse f32[B, H]); see the module docstring. Call only when `available()`
-    and `supports(q, k_pages)`; lowers for the "cpu" platform only."""
+    and `supports(q, k_pages)`; lowers for the "cpu" platform only. The B x H_kv rows are split
+    over at most `max_threads` threads of XLA's intra-op pool (0: all of them) when there are
+    enough tokens to pay for a task (~16K key-heads each); results do not depend on it."""
     batch, heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     out_types = (jax.ShapeDtypeStruct((batch, heads, head_dim), jnp.float32),
                  jax.ShapeDtypeStruct((batch, heads), jnp.float32))
     return jax.ffi.ffi_call(TARGET, out_types, vmap_method="sequential")(
         q.astype(jnp.float32), k_pages, v_pages.astype(k_pages.dtype), page_table.astype(jnp.int32),
-        lengths.astype(jnp.int32), scale=np.float32(scale))
+        lengths.astype(jnp.int32), scale=np.float32(scale), max_threads=np.int64(max_threads))

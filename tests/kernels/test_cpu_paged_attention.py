@@ -77,6 +77,17 @@ def test_a_scale_other_than_the_default():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=TOL, atol=TOL)
 
 
+def test_rows_split_over_threads_give_the_same_bits():
+    """Enough tokens (2 x 2 x 4,000 key-heads > 16K) for the rows to go to several of XLA's pool
+    threads: each row is still computed by one thread in one order, so the bits do not change."""
+    args = _case([4000, 3990], 16, 2, 3, max_pages=250)
+    runs = [jax.jit(functools.partial(cpa.paged_decode_attention_partials_cpu, max_threads=t))(*args)
+            for t in (0, 1)]
+    for split, single in zip(*runs):
+        np.testing.assert_array_equal(np.asarray(split), np.asarray(single))
+    np.testing.assert_allclose(np.asarray(runs[0][0]), np.asarray(reference(*args)[0]), rtol=TOL, atol=TOL)
+
+
 def _step(cfg, enabled: bool):
     with dispatch.cpu_kernels(enabled):  # read at trace time: lower inside
         return jax.jit(functools.partial(paged.paged_decode_step_compute, cfg))
