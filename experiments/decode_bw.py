@@ -187,8 +187,7 @@ def _gather_promise_in_bounds(q, k_pages, v_pages, page_table, lengths):
     table = jnp.where(jnp.isnan(q[:, 0, :1]), 0, jnp.clip(page_table, 0, num_pages - 1))
 
     def rows(pages):
-        g = jnp.take(pages, table, axis=0, mode="promise_in_bounds", indices_are_sorted=False,
-                     unique_indices=False).transpose(0, 2, 1, 3, 4)
+        g = pages.at[table].get(mode="promise_in_bounds").transpose(0, 2, 1, 3, 4)
         return g.reshape(q.shape[0] * kv_heads, -1, head_dim)
 
     return sparse_decode_attention_partials_reference(q, rows(k_pages), rows(v_pages),
