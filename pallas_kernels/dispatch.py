@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from typing import Iterator
 
 import jax
@@ -54,7 +55,8 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla", "interpret")
 _backend = "auto"
-_cpu_kernels = True
+# JKV_CPU_KERNELS=0 starts a process with the XLA references on CPU (`set_cpu_kernels`).
+_cpu_kernels = os.environ.get("JKV_CPU_KERNELS", "1") != "0"
 
 __all__ = [
     "BACKENDS",
@@ -111,8 +113,8 @@ def backend(name: str) -> Iterator[None]:
 
 def set_cpu_kernels(enabled: bool) -> None:
     """Whether ops lowered for XLA:CPU may use the native CPU kernels (`cpu_paged_attention`) where
-    one exists (default True); False keeps the XLA references there. Read at trace time, like the
-    backend."""
+    one exists (default True, or False when the environment sets JKV_CPU_KERNELS=0); False keeps
+    the XLA references there. Read at trace time, like the backend."""
     global _cpu_kernels
     _cpu_kernels = bool(enabled)
 
