@@ -55,8 +55,14 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "mosaic", "pallas", "xla", "interpret")
 _backend = "auto"
-# JKV_CPU_KERNELS=0 starts a process with the XLA references on CPU (`set_cpu_kernels`).
-_cpu_kernels = os.environ.get("JKV_CPU_KERNELS", "1") != "0"
+
+
+def cpu_kernels_from_env(environ=os.environ) -> bool:
+    """JKV_CPU_KERNELS=0 starts a process with the XLA references on CPU (`set_cpu_kernels`)."""
+    return environ.get("JKV_CPU_KERNELS", "1").strip() != "0"
+
+
+_cpu_kernels = cpu_kernels_from_env()
 
 __all__ = [
     "BACKENDS",

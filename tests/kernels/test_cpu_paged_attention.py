@@ -134,6 +134,11 @@ def test_the_decode_step_with_the_kernel_equals_the_reference_step(smol_like):
     assert (np.argmax(np.asarray(logits), -1) == np.argmax(np.asarray(want_logits), -1)).all()
 
 
+def test_jkv_cpu_kernels_0_in_the_environment_turns_the_kernel_off():
+    assert dispatch.cpu_kernels_from_env({}) and dispatch.cpu_kernels_from_env({"JKV_CPU_KERNELS": "1"})
+    assert not dispatch.cpu_kernels_from_env({"JKV_CPU_KERNELS": "0"})
+
+
 def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
     monkeypatch.setenv("CXX", "jkv-no-such-compiler")
     with caplog.at_level(logging.WARNING, logger=cpa.__name__):
