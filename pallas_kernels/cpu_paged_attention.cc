@@ -17,8 +17,8 @@
 // decode time goes"). Here each page is read where it lies, once for K and once for V, and nothing
 // is copied. The two passes follow the reference's formulation (logits, max, log-sum-exp, then
 // softmax times V; exp(l - max) / sum for the reference's exp(l - lse)), so results differ from it
-// only by float summation order and rounding of exp / log (~1e-7 relative). Slots past a row's length are never read, as the reference
-// masks them (garbage or NaN there does not leak).
+// only by float summation order and rounding of exp / log (~1e-7 relative). Slots past a row's
+// length are never read, as the reference masks them (garbage or NaN there does not leak).
 #include <algorithm>
 #include <atomic>
 #include <cmath>

@@ -4,7 +4,8 @@ program exported for CUDA), `cpu_kernels(False)` restores the reference, and a f
 back with a warning.
 
 Tolerance: the kernel computes the reference's formula (logits, max, log-sum-exp, exp(l - lse) V,
-all in f32) in another summation order and with libm's exp / log instead of XLA's, so the two agree
+all in f32) in another summation order, with its own polynomial exp (one a logit: exp(l - max) / sum)
+and libm's log instead of XLA's, so the two agree
 to ~1e-7 relative, not bit for bit; 1e-6 is asserted."""
 import functools
 import logging
