@@ -2,7 +2,8 @@
 
 Measures prefill time for 1K and 2K-token prompts and decode throughput for 64 tokens at batch 1
 and 8 (1K-token context; jkv's step is the paged one `LLM` and `jkv serve` run, `--jkv-decode dense`
-the contiguous-cache `Model.decode_step` that rows before 2026-12-02 measured), each as the median of --repeats runs after a warm-up (jkv compiles in
+the contiguous-cache `Model.decode_step` that rows before 2026-12-02 measured, `paged-xla` the paged
+step with the XLA page gather; several values give rows for each), each as the median of --repeats runs after a warm-up (jkv compiles in
 the warm-up). Both sides run float32 weights and activations (transformers' default CPU matmul
 precision keeps fp32: no AMX/bf16 path), in this one process, one side after the other.
 
@@ -17,6 +18,7 @@ Writes experiments/results/bench_generate.csv (or --out).
 
     PYTHONPATH=. python experiments/bench_generate.py [--repeats 3] [--quick]
     PYTHONPATH=. python experiments/bench_generate.py --prompt-lens 256 --batches 1 --steps 8   # small
+    PYTHONPATH=. python experiments/bench_generate.py --jkv-decode paged paged-xla   # CPU kernel vs XLA gather
 """
 from __future__ import annotations
 
@@ -98,27 +100,46 @@ def jkv_decode(m, ids, batch, steps):
     return run
 
 
-def jkv_paged_decode(m, ids, batch, steps, page_size: int = 16):
+def jkv_paged_decode(m, ids, batch, steps, page_size: int = 16, cpu_kernels: bool = True):
     """The decode step `LLM` and `jkv serve` run (`Model.paged_decode_step` over a page table), from
-    the same prefill, with a host argmax each step; the pages are rewritten per run."""
+    the same prefill, with a host argmax each step; the pages are rewritten per run.
+    cpu_kernels=False: the same step with the XLA gather reference for paged attention instead of
+    the native CPU kernel (the step before 2026-12-02 16:00), a program of its own traced under
+    `dispatch.cpu_kernels(False)` (the model's jitted step keeps the default)."""
+    import functools
+
+    import jax
+
+    from models import paged
+    from pallas_kernels import dispatch
+
     toks = np.array([ids] * batch, np.int32)
     lengths = np.full(batch, len(ids), np.int32)
     _, kv = m.prefill(toks, lengths)
     pages_per_row = -(-(len(ids) + steps) // page_size)
     table = 1 + np.arange(batch * pages_per_row, dtype=np.int32).reshape(batch, pages_per_row)  # page 0: null
+    reference = jax.jit(functools.partial(paged.paged_decode_step_compute, m.cfg))
+
+    def step(pages, tok, pos):
+        if cpu_kernels:
+            return m.paged_decode_step(pages, table, tok, pos)
+        with dispatch.cpu_kernels(False):  # read when `reference` is first traced
+            logits, new_k, new_v = reference(m.params, pages, table, tok, pos)
+        return logits, m._paged_write(pages, table, pos, new_k, new_v)
 
     def run():
         pages = m.write_prefill_pages(m.init_paged_kv(1 + batch * pages_per_row, page_size), table, kv, lengths)
         tok = np.zeros(batch, np.int32) + 42
         pos = lengths.copy()
         for _ in range(steps):
-            logits, pages = m.paged_decode_step(pages, table, tok, pos)
+            logits, pages = step(pages, tok, pos)
             tok = np.asarray(logits.argmax(-1), np.int32)
             pos = pos + 1
     return run
 
 
-JKV_DECODE = {"paged": jkv_paged_decode, "dense": jkv_decode}
+JKV_DECODE = {"paged": jkv_paged_decode, "dense": jkv_decode,
+              "paged-xla": lambda *a: jkv_paged_decode(*a, cpu_kernels=False)}
 
 
 def hf_decode(hf, ids, batch, steps):
@@ -151,9 +172,11 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-lens", type=int, nargs="+", default=[1024, 2048],
                     help="prefill cases; decode runs at the first one's context")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="decode batch sizes")
-    ap.add_argument("--jkv-decode", choices=sorted(JKV_DECODE), default="paged",
-                    help="jkv's decode step: paged (what LLM and jkv serve run) or dense (Model.decode_step, "
-                         "a contiguous [B, H_kv, N, D] cache; what this script measured before 2026-12-02)")
+    ap.add_argument("--jkv-decode", choices=sorted(JKV_DECODE), nargs="+", default=["paged"],
+                    help="jkv's decode step(s), each its own rows (transformers rerun next to each): paged (what "
+                         "LLM and jkv serve run), paged-xla (the same with the XLA page gather instead of the "
+                         "CPU kernel, the step before 2026-12-02 16:00) or dense (Model.decode_step, a "
+                         "contiguous [B, H_kv, N, D] cache; what this script measured before 2026-12-02)")
     ap.add_argument("--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="256/512-token prompts, 16 steps, 1 repeat")
     ap.add_argument("--out", default=None, help="CSV path (default experiments/results/bench_generate[_quick].csv)")
@@ -190,12 +213,12 @@ def main(argv=None):
     if args.torch_threads is not None:
         torch.set_num_threads(args.torch_threads)
     info = machine_info()
-    run_info = dict(jkv_decode=args.jkv_decode, cpu_model=info["cpu_model"], vector_extensions=info["vector_extensions"], cores=info["cores"],
+    run_info = dict(cpu_model=info["cpu_model"], vector_extensions=info["vector_extensions"], cores=info["cores"],
                     torch_threads=torch.get_num_threads(), xla_flags=os.environ.get("XLA_FLAGS", ""),
                     jax_version=jax.__version__, torch_version=torch.__version__,
                     transformers_version=transformers.__version__)
     print(f"{describe_machine(info)}; torch threads {run_info['torch_threads']}, XLA_FLAGS {run_info['xla_flags']!r}, "
-          f"jkv decode step: {args.jkv_decode}")
+          f"jkv decode step: {' '.join(args.jkv_decode)}")
     m = load_model("smollm2-135m-instruct")
     hf = load_hf_reference("smollm2-135m-instruct")
     rows = []
@@ -204,15 +227,17 @@ def main(argv=None):
         rows.append(side_by_side(f"prefill {n}", jkv_prefill(m, ids), hf_prefill(hf, ids), args.repeats))
     ids = corpus_tokens(m.tokenizer, args.prompt_lens[0])
     for b in args.batches:
-        rows.append(side_by_side(f"decode b={b} ctx={len(ids)}", JKV_DECODE[args.jkv_decode](m, ids, b, args.steps),
-                                 hf_decode(hf, ids, b, args.steps), args.repeats, tokens=b * args.steps))
+        for variant in args.jkv_decode:
+            rows.append(dict(side_by_side(f"decode b={b} ctx={len(ids)}", JKV_DECODE[variant](m, ids, b, args.steps),
+                                          hf_decode(hf, ids, b, args.steps), args.repeats, tokens=b * args.steps),
+                             jkv_decode=variant))
     quiet_below = 0.5 * (info["cores"] or 1)
     for r in rows:
         r.update(run_info, quiet=max(r["loadavg_1m"], r["loadavg_1m_after"]) < quiet_below)
-    print(f"\n{'case':<22} {'jkv s':>8} {'hf s':>8} {'jkv cpu-s':>9} {'hf cpu-s':>9} {'jkv tok/s':>10} "
+    print(f"\n{'case':<22} {'jkv step':<9} {'jkv s':>8} {'hf s':>8} {'jkv cpu-s':>9} {'hf cpu-s':>9} {'jkv tok/s':>10} "
           f"{'hf tok/s':>9}  ratio (wall) / (cpu)  load")
     for r in rows:
-        print(f"{r['case']:<22} {r['jkv_s']:>8.3f} {r['hf_s']:>8.3f} {r['jkv_cpu_s']:>9.3f} {r['hf_cpu_s']:>9.3f} "
+        print(f"{r['case']:<22} {r.get('jkv_decode', ''):<9} {r['jkv_s']:>8.3f} {r['hf_s']:>8.3f} {r['jkv_cpu_s']:>9.3f} {r['hf_cpu_s']:>9.3f} "
               f"{r.get('jkv_tok_s', float('nan')):>10.1f} {r.get('hf_tok_s', float('nan')):>9.1f}  "
               f"{r['metric']} = {r['ratio']:.2f} / {r['cpu_ratio']:.2f}  {r['loadavg_1m']:.1f}")
     if not all(r["quiet"] for r in rows):

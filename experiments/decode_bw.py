@@ -13,6 +13,13 @@ two independent dots whose results are concatenated).
 
 Part 3 (`steps`, loads SmolLM2): the real decode step's programs, see `step_cases`.
 
+Part 4 (`paged`, not in the default parts): the paged decode attention, the XLA gather reference
+against the native CPU kernel (and a `promise_in_bounds` gather), one layer alone and in the real
+step, alternated in one process at b=1 / 8 and 1K / 2K tokens, see `paged_cases`:
+
+    PYTHONPATH=. python experiments/decode_bw.py --parts paged --variants default --rounds 1 --iters 3 \
+        --out experiments/results/decode_bw_paged.csv
+
 Flag comparison: the parent process runs a child per XLA_FLAGS variant (XLA reads the flags once,
 when its backend starts), alternating variants for --rounds rounds, and prints medians. Each child
 records the 1-minute load average; on a shared box compare variants only within a round.
@@ -169,6 +176,99 @@ def step_cases(iters: int) -> dict:
     return out
 
 
+def _gather_promise_in_bounds(q, k_pages, v_pages, page_table, lengths):
+    """The XLA reference with its page gather flagged `promise_in_bounds` (a candidate of issue
+    18: clip / fill modes add per-index work); the table is clipped first, as the reference does."""
+    import jax.numpy as jnp
+
+    from pallas_kernels.sparse_attention import sparse_decode_attention_partials_reference
+
+    num_pages, kv_heads, _, head_dim = k_pages.shape
+    table = jnp.where(jnp.isnan(q[:, 0, :1]), 0, jnp.clip(page_table, 0, num_pages - 1))
+
+    def rows(pages):
+        g = pages.at[table].get(mode="promise_in_bounds").transpose(0, 2, 1, 3, 4)
+        return g.reshape(q.shape[0] * kv_heads, -1, head_dim)
+
+    return sparse_decode_attention_partials_reference(q, rows(k_pages), rows(v_pages),
+                                                      jnp.repeat(lengths.astype(jnp.int32), kv_heads))
+
+
+def paged_cases(iters: int, rounds: int = 3) -> dict:
+    """Paged decode attention, old (XLA gather + attention) against new (the native CPU kernel,
+    `pallas_kernels.cpu_paged_attention`), SmolLM2's geometry (H=9, H_kv=3, D=64, P=16, 30
+    layers), b=1 and 8, 1,024 and 2,048 tokens of context, alternated in this one process.
+
+    - `paged_layer_<variant>`: one layer's attention alone (reference, reference with a
+      `promise_in_bounds` gather, native with rows split over XLA's pool threads, native on one
+      thread), CPU-ms a call;
+    - `paged_step_<variant>`: the real compute program `Model.paged_decode_step` runs, traced with
+      `dispatch.cpu_kernels(False)` (reference) and `(True)` (native), CPU-ms a step.
+
+    Pages hold random KV (attention's cost does not depend on the values; a prefill of 8 x 2K
+    tokens would cost minutes here), each layer its own arrays, rows' pages contiguous runs as the
+    allocator hands a fresh pool out. Each round runs every variant `iters` times in turn; a case's
+    figure is the median over rounds, and `_min` / `_max` give the spread. The step's logits of
+    both variants are compared (the CSV's `max_abs_logit_diff` on the step rows)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from models import load_model, paged
+    from pallas_kernels import dispatch, mosaic_attention
+    from pallas_kernels.cpu_paged_attention import available, paged_decode_attention_partials_cpu
+
+    if not available():
+        raise RuntimeError("the CPU paged attention kernel could not be built (see the log)")
+    m, P = load_model("smollm2-135m-instruct"), 16
+    cfg = m.cfg
+    layer_fns = {"reference": jax.jit(mosaic_attention.paged_decode_attention_partials_reference),
+                 "promise_in_bounds": jax.jit(_gather_promise_in_bounds),
+                 "native": jax.jit(paged_decode_attention_partials_cpu),
+                 "native_1thread": jax.jit(functools.partial(paged_decode_attention_partials_cpu, max_threads=1))}
+    step_fns = {"reference": False, "native": True}  # dispatch.cpu_kernels setting
+    out = {}
+    rng = np.random.default_rng(0)
+    for N in (1024, 2048):
+        for B in (1, 8):
+            pages_per_row = (N + 64) // P
+            num_pages = 1 + B * pages_per_row
+            shape = (num_pages, cfg.num_kv_heads, P, cfg.head_dim)
+            base = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+            kv = tuple((base * (1 + 0.01 * l), base * (1 - 0.01 * l)) for l in range(cfg.num_layers))  # distinct buffers
+            table = jnp.asarray(1 + np.arange(B * pages_per_row).reshape(B, pages_per_row), jnp.int32)
+            pos = jnp.full((B,), N, jnp.int32)
+            tok = jnp.full((B,), 42, jnp.int32)
+            q = jnp.asarray(rng.standard_normal((B, cfg.num_heads, cfg.head_dim), dtype=np.float32))
+            kv_bytes = 2 * B * cfg.num_kv_heads * N * cfg.head_dim * 4
+            calls = {f"paged_layer_{v}": (functools.partial(fn, q, kv[0][0], kv[0][1], table, pos), kv_bytes)
+                     for v, fn in layer_fns.items()}
+            for v, enabled in step_fns.items():
+                with dispatch.cpu_kernels(enabled):  # read at trace time: trace and compile inside
+                    step = jax.jit(functools.partial(paged.paged_decode_step_compute, cfg)).lower(
+                        m.params, kv, table, tok, pos).compile()
+                calls[f"paged_step_{v}"] = (functools.partial(step, m.params, kv, table, tok, pos),
+                                            4 * WEIGHT_FLOATS + cfg.num_layers * kv_bytes)
+            logits = {v: np.asarray(calls[f"paged_step_{v}"][0]()[0]) for v in step_fns}
+            logit_diff = float(np.abs(logits["native"] - logits["reference"]).max())
+            samples: dict[str, list] = {c: [] for c in calls}
+            for _ in range(rounds):
+                for case, (fn, _) in calls.items():
+                    samples[case].append(per_pass(lambda: jax.block_until_ready(fn()), iters))
+            for case, runs in samples.items():
+                walls, cpus = [w for w, _ in runs], [c for _, c in runs]
+                name = f"{case}_b{B}_n{N}"
+                out[name] = dict(wall_s=statistics.median(walls), cpu_s=statistics.median(cpus),
+                                 gb_s=calls[case][1] / statistics.median(walls) / 1e9)
+                if case.startswith("paged_step_"):
+                    out[name]["max_abs_logit_diff"] = logit_diff
+                out[name + "_min"] = dict(wall_s=min(walls), cpu_s=min(cpus), gb_s=calls[case][1] / min(walls) / 1e9)
+                out[name + "_max"] = dict(wall_s=max(walls), cpu_s=max(cpus), gb_s=calls[case][1] / max(walls) / 1e9)
+            del kv, base, calls
+    return out
+
+
 def child(iters: int, parts: list[str]) -> None:
     from jkv.xla_options import require_optimized
 
@@ -181,6 +281,8 @@ def child(iters: int, parts: list[str]) -> None:
         result.update(decode_cases(iters))
     if "steps" in parts:
         result.update(step_cases(iters))
+    if "paged" in parts:
+        result.update(paged_cases(iters))
     result["load_after"] = os.getloadavg()[0]
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -193,7 +295,8 @@ def csv_rows(runs: dict[str, list[dict]]) -> list[dict]:
     return [dict(variant=v, round=r, case=case, wall_ms=res[case]["wall_s"] * 1e3, cpu_ms=res[case]["cpu_s"] * 1e3,
                  gb_s=res[case]["gb_s"], xla_flags=res["xla_flags"], loadavg_1m=round(res["load_before"], 2),
                  loadavg_1m_after=round(res["load_after"], 2), cpu_model=info["cpu_model"],
-                 vector_extensions=info["vector_extensions"], cores=info["cores"])
+                 vector_extensions=info["vector_extensions"], cores=info["cores"],
+                 max_abs_logit_diff=res[case].get("max_abs_logit_diff", ""))
             for v, results in runs.items() for r, res in enumerate(results)
             for case in res if isinstance(res[case], dict)]
 
@@ -203,7 +306,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--variants", nargs="*", default=list(DEFAULT_VARIANTS), help="XLA_FLAGS per child")
-    ap.add_argument("--parts", nargs="+", choices=("bandwidth", "decode", "steps"),
+    ap.add_argument("--parts", nargs="+", choices=("bandwidth", "decode", "steps", "paged"),
                     default=["bandwidth", "decode", "steps"])
     ap.add_argument("--out", default=None, help="CSV path (default experiments/results/decode_bw.csv)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -93,7 +93,7 @@ def paged_decode_attention(q, K_pages, V_pages, page_table, positions, k_new, v_
 
     q: [B, H, D]; K_pages, V_pages: [num_pages, H_kv, P, D]; page_table: i32[B, max_pages];
     positions: i32[B]; k_new, v_new: [B, H_kv, D] -> [B, H, D] (q's dtype). The cached part goes
-    through `dispatch.paged_decode_attention_partials` (Mosaic kernel on Hopper, XLA elsewhere);
+    through `dispatch.paged_decode_attention_partials` (Mosaic kernel on Hopper, a native kernel on CPU, XLA elsewhere);
     the new token is one more softmax lane merged exactly with `merge_partials`.
 
     head_mesh: a mesh whose "tensor" axis splits the query heads (tensor parallelism,

@@ -28,6 +28,11 @@ choice is read when an op is traced, and `jax.jit` caches traces per function, s
 before a switch keeps its old backend: choose once at startup with `set_backend(name)`; tests use
 `with backend(name): ...` (restores the previous choice) around freshly jitted functions.
 
+Native CPU kernels: where a program is lowered for XLA:CPU, `paged_decode_attention_partials` runs
+an XLA FFI kernel built from C++ at first use (`cpu_paged_attention`), whatever the backend
+(none of the Pallas ones runs compiled on CPU); `set_cpu_kernels(False)` / `with cpu_kernels(False)`
+keep the XLA reference there.
+
 Shapes are validated here, once, with errors that name the value; the kernel modules assume them.
 """
 from __future__ import annotations
@@ -35,12 +40,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import mosaic_attention, paged_gather as paged_gather_mod, sparse_attention
+from pallas_kernels import cpu_paged_attention, mosaic_attention, paged_gather as paged_gather_mod, sparse_attention
 from pallas_kernels import split_reorder as split_reorder_mod, topk
 from pallas_kernels._common import TRITON_AVAILABLE
 from pallas_kernels.sparse_attention import merge_partials
@@ -50,9 +56,18 @@ log = logging.getLogger(__name__)
 BACKENDS = ("auto", "mosaic", "pallas", "xla", "interpret")
 _backend = "auto"
 
+
+def cpu_kernels_from_env(environ=os.environ) -> bool:
+    """JKV_CPU_KERNELS=0 starts a process with the XLA references on CPU (`set_cpu_kernels`)."""
+    return environ.get("JKV_CPU_KERNELS", "1").strip() != "0"
+
+
+_cpu_kernels = cpu_kernels_from_env()
+
 __all__ = [
     "BACKENDS",
     "backend",
+    "cpu_kernels",
     "get_backend",
     "kernels_in_use",
     "merge_partials",
@@ -60,6 +75,7 @@ __all__ = [
     "paged_gather",
     "resolved_backend",
     "set_backend",
+    "set_cpu_kernels",
     "sparse_decode_attention",
     "sparse_decode_attention_partials",
     "split_reorder",
@@ -99,6 +115,25 @@ def backend(name: str) -> Iterator[None]:
         yield
     finally:
         set_backend(previous)
+
+
+def set_cpu_kernels(enabled: bool) -> None:
+    """Whether ops lowered for XLA:CPU may use the native CPU kernels (`cpu_paged_attention`) where
+    one exists (default True, or False when the environment sets JKV_CPU_KERNELS=0); False keeps
+    the XLA references there. Read at trace time, like the backend."""
+    global _cpu_kernels
+    _cpu_kernels = bool(enabled)
+
+
+@contextlib.contextmanager
+def cpu_kernels(enabled: bool) -> Iterator[None]:
+    """Temporarily allow or forbid the native CPU kernels (tests, A/B benchmarks)."""
+    previous = _cpu_kernels
+    set_cpu_kernels(enabled)
+    try:
+        yield
+    finally:
+        set_cpu_kernels(previous)
 
 
 def _compute_capability(device: jax.Device) -> tuple[int, int]:
@@ -299,15 +334,22 @@ def paged_decode_attention_partials(
     """(out f32[B, H, D], lse f32[B, H]) of request b's query heads over its first lengths[b]
     tokens in the paged KV cache [num_pages, H_kv, P, D] (token t: page page_table[b, t // P],
     slot t % P). The Mosaic kernel under "mosaic" (when it takes the shapes); there is no Triton
-    paged kernel, so every other backend uses the XLA reference (a gather of the pages)."""
+    paged kernel, so every other backend uses, when lowered for CPU, the native CPU kernel
+    (`cpu_paged_attention`: f32 / bf16 pages, unless `set_cpu_kernels(False)` or it could not
+    be built) and otherwise the XLA reference (a gather of the pages)."""
     group = q.shape[1] // max(1, k_pages.shape[1])
     if _mosaic_takes("paged attention", "the XLA reference", q.shape[-1], k_pages.dtype, group, k_pages.shape[2]):
         return mosaic_attention.paged_decode_attention_partials_mosaic(
             q, k_pages, v_pages, page_table, lengths, scale=scale
         )
-    return mosaic_attention.paged_decode_attention_partials_reference(
-        q, k_pages, v_pages, page_table, lengths, scale=scale
-    )
+    args = (q, k_pages, v_pages, page_table, lengths)
+    reference = functools.partial(mosaic_attention.paged_decode_attention_partials_reference, scale=scale)
+    if _cpu_kernels and cpu_paged_attention.supports(q, k_pages) and cpu_paged_attention.available():
+        # Chosen per lowering platform, not by jax.default_backend(): a program exported for
+        # "cuda" from this CPU host lowers only the reference, never the CPU custom call.
+        native = functools.partial(cpu_paged_attention.paged_decode_attention_partials_cpu, scale=scale)
+        return jax.lax.platform_dependent(*args, cpu=native, default=reference)
+    return reference(*args)
 
 
 def paged_gather(

@@ -215,7 +215,7 @@ def test_dispatch_paged_uses_mosaic_only_under_mosaic():
                 lambda *a: dispatch.paged_decode_attention_partials(*a), *args, custom_calls=()
             ).mlir_module()
         assert ("mosaic_gpu_v2" in module) == want
-    with dispatch.backend("xla"):
+    with dispatch.backend("xla"), dispatch.cpu_kernels(False):  # the CPU kernel: test_cpu_paged_attention.py
         got = dispatch.paged_decode_attention_partials(*args)
     want = ma.paged_decode_attention_partials_reference(*args)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))

@@ -1,0 +1,158 @@
+"""The native CPU paged attention kernel (`pallas_kernels.cpu_paged_attention`) against the XLA
+reference it replaces on CPU, and its wiring: `dispatch` lowers it for CPU only (never into a
+program exported for CUDA), `cpu_kernels(False)` restores the reference, and a failed build falls
+back with a warning.
+
+Tolerance: the kernel computes the reference's formula (logits, max, log-sum-exp, exp(l - lse) V,
+all in f32) in another summation order, with its own polynomial exp (one a logit: exp(l - max) / sum)
+and libm's log instead of XLA's, so the two agree
+to ~1e-7 relative, not bit for bit; 1e-6 is asserted."""
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import paged, tiny_config, tiny_model
+from models.transformer import init_params
+from pallas_kernels import cpu_paged_attention as cpa, dispatch
+from pallas_kernels._common import gpu_lowering_context
+from pallas_kernels.mosaic_attention import paged_decode_attention_partials_reference as reference
+
+pytestmark = pytest.mark.skipif(not cpa.available(), reason="the CPU kernel could not be built (see the log)")
+TOL = 1e-6
+
+
+def _case(lengths, page_size, kv_heads, group, head_dim=64, max_pages=6, dtype=jnp.float32, seed=0):
+    """Pages [num_pages, H_kv, P, D] whose every slot past a request's length is NaN (its last
+    page's tail, a NaN page the unused table slots point to), table entries -1 and past the pool
+    (clipped, as the reference does), shuffled page ids."""
+    rng = np.random.default_rng(seed)
+    batch = len(lengths)
+    num_pages = batch * max_pages + 1
+    shape = (num_pages, kv_heads, page_size, head_dim)
+    keys, values = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    keys[-1] = values[-1] = np.nan
+    table = rng.permutation(num_pages - 1)[: batch * max_pages].reshape(batch, max_pages)
+    for b, length in enumerate(lengths):
+        used = min(-(-max(length, 0) // page_size), max_pages)
+        table[b, used:] = (num_pages - 1, -1, num_pages + 5)[b % 3]  # NaN page, clipped to 0, clipped to the NaN page
+        if 0 < used and length % page_size and length < max_pages * page_size:
+            keys[table[b, used - 1], :, length % page_size:] = np.nan
+            values[table[b, used - 1], :, length % page_size:] = np.nan
+    q = rng.standard_normal((batch, kv_heads * group, head_dim)).astype(np.float32)
+    return (jnp.asarray(q), jnp.asarray(keys, dtype), jnp.asarray(values, dtype),
+            jnp.asarray(table, jnp.int32), jnp.asarray(lengths, jnp.int32))
+
+
+@pytest.mark.parametrize("page_size,kv_heads,group,head_dim,dtype", [
+    (16, 3, 3, 64, jnp.float32),    # SmolLM2's geometry
+    (4, 2, 1, 32, jnp.float32),     # no GQA, small pages
+    (8, 1, 7, 128, jnp.float32),    # GQA ratio 7
+    (16, 3, 3, 64, jnp.bfloat16),   # a bf16 pool
+])
+def test_matches_the_reference(page_size, kv_heads, group, head_dim, dtype):
+    """Lengths 0, 1, a page boundary, mid-page, the full table and past it, negative."""
+    max_pages = 6
+    full = max_pages * page_size
+    lengths = [0, 1, 2 * page_size, 2 * page_size + 3, full, full + 9, -4]
+    args = _case(lengths, page_size, kv_heads, group, head_dim, max_pages, dtype)
+    got_o, got_lse = (np.asarray(a) for a in jax.jit(cpa.paged_decode_attention_partials_cpu)(*args))
+    want_o, want_lse = (np.asarray(a) for a in jax.jit(reference)(*args))
+    assert np.isfinite(got_o).all(), "a slot past a request's length (NaN) reached the output"
+    empty = np.isneginf(want_lse)
+    assert empty[[0, 6]].all() and not empty[1:6].any()
+    np.testing.assert_array_equal(np.isneginf(got_lse), empty)
+    np.testing.assert_array_equal(got_o[[0, 6]], 0.0)
+    np.testing.assert_allclose(got_o, want_o, rtol=TOL, atol=TOL)
+    np.testing.assert_allclose(got_lse[~empty], want_lse[~empty], rtol=TOL, atol=TOL)
+
+
+def test_a_scale_other_than_the_default():
+    args = _case([5, 40], 16, 2, 2)
+    got = jax.jit(functools.partial(cpa.paged_decode_attention_partials_cpu, scale=0.3))(*args)
+    want = reference(*args, scale=0.3)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=TOL, atol=TOL)
+
+
+def test_rows_split_over_threads_give_the_same_bits():
+    """Enough tokens (2 x 2 x 4,000 key-heads > 16K) for the rows to go to several of XLA's pool
+    threads: each row is still computed by one thread in one order, so the bits do not change."""
+    args = _case([4000, 3990], 16, 2, 3, max_pages=250)
+    runs = [jax.jit(functools.partial(cpa.paged_decode_attention_partials_cpu, max_threads=t))(*args)
+            for t in (0, 1)]
+    for split, single in zip(*runs):
+        np.testing.assert_array_equal(np.asarray(split), np.asarray(single))
+    np.testing.assert_allclose(np.asarray(runs[0][0]), np.asarray(reference(*args)[0]), rtol=TOL, atol=TOL)
+
+
+def _step(cfg, enabled: bool):
+    with dispatch.cpu_kernels(enabled):  # read at trace time: lower inside
+        return jax.jit(functools.partial(paged.paged_decode_step_compute, cfg))
+
+
+def test_dispatch_lowers_the_kernel_for_cpu_only():
+    """One kernel call a layer in the CPU program; none with `cpu_kernels(False)`, none in the
+    same step exported for CUDA (the reference is lowered there, so the export still works)."""
+    cfg = tiny_config("llama", head_dim=64, num_layers=2)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    step_args = (jax.eval_shape(lambda: init_params(cfg)), jax.eval_shape(lambda: paged.init_pages(cfg, 9, 4)),
+                 i32(2, 4), i32(2), i32(2))
+    target = f"@{cpa.TARGET}"
+    for enabled, calls in ((True, cfg.num_layers), (False, 0)):
+        with dispatch.cpu_kernels(enabled):
+            text = jax.jit(functools.partial(paged.paged_decode_step_compute, cfg)).lower(*step_args).as_text()
+        assert text.count(target) == calls, enabled
+    with dispatch.backend("xla"), gpu_lowering_context():
+        exported = jax.export.export(jax.jit(functools.partial(paged.paged_decode_step_compute, cfg)),
+                                     platforms=["cuda"])(*step_args)
+    assert cpa.TARGET not in exported.mlir_module()
+
+
+@pytest.fixture(scope="module")
+def smol_like():
+    """A tiny model with SmolLM2's head geometry (H=9, H_kv=3, D=64) and its paged cache filled
+    by a prefill of mixed lengths."""
+    model = tiny_model("llama", num_heads=9, num_kv_heads=3, head_dim=64, seed=4)
+    lengths = np.asarray([3, 40, 17, 64], np.int32)
+    tokens = np.random.default_rng(1).integers(3, model.cfg.vocab_size, (4, 64)).astype(np.int32)
+    _, kv = model.prefill(tokens, lengths)
+    table = jnp.asarray(1 + np.arange(4 * 20).reshape(4, 20), jnp.int32)
+    pages = model.write_prefill_pages(model.init_paged_kv(1 + 4 * 20, 4), table, kv, lengths)
+    return model, pages, table, lengths
+
+
+def test_the_decode_step_with_the_kernel_equals_the_reference_step(smol_like):
+    model, pages, table, lengths = smol_like
+    tok = jnp.asarray([5, 6, 7, 8], jnp.int32)
+    outs = [_step(model.cfg, enabled)(model.params, pages, table, tok, jnp.asarray(lengths)) for enabled in (True, False)]
+    (logits, k, v), (want_logits, want_k, want_v) = outs
+    np.testing.assert_array_equal(np.asarray(k), np.asarray(want_k))  # computed before any attention of layer 0
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
+    assert (np.argmax(np.asarray(logits), -1) == np.argmax(np.asarray(want_logits), -1)).all()
+
+
+def test_jkv_cpu_kernels_0_in_the_environment_turns_the_kernel_off():
+    assert dispatch.cpu_kernels_from_env({}) and dispatch.cpu_kernels_from_env({"JKV_CPU_KERNELS": "1"})
+    assert not dispatch.cpu_kernels_from_env({"JKV_CPU_KERNELS": "0"})
+
+
+def test_a_failed_build_falls_back_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "jkv-no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger=cpa.__name__):
+        assert cpa.available.__wrapped__() is False
+    assert "no C++ compiler" in caplog.text and "XLA gather reference" in caplog.text
+
+
+def test_the_built_library_is_reused(monkeypatch):
+    """A second build in the same cache dir finds the library and runs no compiler."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    first = cpa._build(compiler)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
+    assert cpa._build(compiler) == first and first.exists()
