@@ -153,6 +153,7 @@ class Pipeline:
             stop = done + count * chunk_tokens
             # Splitting the token axis never copies: both are views, [H_kv, count, Nc, D].
             chunks, dest = (a[:, done:stop].reshape(h, count, chunk_tokens, d) for a in (x, out))
+            assert np.may_share_memory(dest, out), "the decoded chunks must land in out"
             header, sections = self._encode_batch(chunks, layer, kind)
             containers += [pack_container(header, [(name, a[c]) for name, a in sections], self.spec.codec)
                            for c in range(count)]

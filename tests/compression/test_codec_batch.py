@@ -119,3 +119,14 @@ def test_apply_frame_checks_every_chunk_before_writing_any():
     assert apply_frame(header, payload, pool, mask) == len(payload)
     assert (mask == LOCAL).all()
     np.testing.assert_array_equal(bits(pool[:, 0]), bits(kv[:, 0]))
+
+
+def test_roundtrip_chunks_validates_its_arguments():
+    pipe = Pipeline(PipelineSpec.parse("identity+kivi4g32+zstdh3"))
+    x = kv_like(0, (H_KV, 256, D))
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        pipe.roundtrip_chunks(x, 0, layer=0, kind="k")
+    with pytest.raises(ValueError, match="out"):
+        pipe.roundtrip_chunks(x, 128, layer=0, kind="k", out=np.zeros((H_KV, 255, D), np.float32))
+    with pytest.raises(ValueError, match="H_kv, N, D"):
+        pipe.roundtrip_chunks(x[0], 128, layer=0, kind="k")
