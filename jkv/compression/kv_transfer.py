@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jkv.compression.pipeline import Calibration, Pipeline, decode_block
+from jkv.compression.pipeline import Calibration, Pipeline, decode_blocks
 from jkv.compression.spec import UNCOMPRESSED, PipelineSpec
 from jkv.framing import pack, unpack
 
@@ -68,6 +68,11 @@ class ChunkPlan:
     def num_chunks(self) -> int:
         return -(-self.blocks_per_layer // self.chunk_blocks)
 
+    @property
+    def chunk_tokens(self) -> int:
+        """Tokens of every chunk but the last (which may be shorter, or empty)."""
+        return self.chunk_blocks * self.block_tokens
+
     def chunk_of(self, m: int) -> int:
         return int(m) // self.chunk_blocks
 
@@ -96,22 +101,24 @@ class RequestCodec:
 
     def absorb(self, layer: int, kv_layer: np.ndarray) -> None:
         """kv_layer: f32[2, H_kv, N, D] (K, V of one layer, this worker's copy), overwritten in place
-        by decode(encode(.)) chunk by chunk; the containers are kept for every later push."""
-        for c in range(self.chunks.num_chunks):
-            start, stop = self.chunks.tokens(c)
-            if start == stop:
-                continue
-            parts = []
-            for kind, i in (("k", 0), ("v", 1)):
-                t0 = time.perf_counter()
-                data, decoded = self.pipeline.roundtrip_block(kv_layer[i, :, start:stop].astype(WIRE_DTYPE),
-                                                              layer=layer, kind=kind)
-                self.encode_s += time.perf_counter() - t0
-                kv_layer[i, :, start:stop] = np.asarray(decoded, np.float32)
-                parts.append(data)
-                self.encoded_bytes += len(data)
-            self.raw_bytes += 2 * kv_layer[0, :, start:stop].size * WIRE_ITEMSIZE
-            self._containers[(layer, c)] = (parts[0], parts[1])
+        by decode(encode(.)) chunk by chunk; the containers are kept for every later push.
+
+        The layer's chunks go through `Pipeline.roundtrip_chunks` (one compiled encode and decode
+        per power-of-two batch of chunks): the same containers, byte for byte, and the same values
+        as `absorb_reference`'s call per chunk, at a fraction of its CPU (docs/compression.md,
+        "Batched prefill-side codec")."""
+        n = self.chunks.num_tokens
+        parts = []
+        for kind, i in (("k", 0), ("v", 1)):
+            t0 = time.perf_counter()
+            containers, _ = self.pipeline.roundtrip_chunks(kv_layer[i, :, :n].astype(WIRE_DTYPE), self.chunks.chunk_tokens,
+                                                           layer=layer, kind=kind, out=kv_layer[i, :, :n])
+            self.encode_s += time.perf_counter() - t0
+            parts.append(containers)
+            self.encoded_bytes += sum(len(data) for data in containers)
+        self.raw_bytes += 2 * kv_layer[0, :, :n].size * WIRE_ITEMSIZE
+        for c, (kb, vb) in enumerate(zip(*parts)):
+            self._containers[(layer, c)] = (kb, vb)
 
     def cover(self, blocks) -> tuple[list[int], list[int]]:
         """Block indices m of one layer -> (chunks covering them, every block of those chunks)."""
@@ -145,6 +152,27 @@ class RequestCodec:
     def cr(self) -> float:
         """fp16 bytes / container bytes over everything absorbed so far."""
         return self.raw_bytes / self.encoded_bytes if self.encoded_bytes else 1.0
+
+
+def absorb_reference(state: RequestCodec, layer: int, kv_layer: np.ndarray) -> None:
+    """`RequestCodec.absorb` one chunk at a time (`Pipeline.roundtrip_block` per chunk, K and V:
+    a compiled call each): the path `absorb` batched, kept as the reference its tests and
+    experiments/codec_batch_ab.py compare it with. Same arguments and effect as `state.absorb`."""
+    for c in range(state.chunks.num_chunks):
+        start, stop = state.chunks.tokens(c)
+        if start == stop:
+            continue
+        parts = []
+        for kind, i in (("k", 0), ("v", 1)):
+            t0 = time.perf_counter()
+            data, decoded = state.pipeline.roundtrip_block(kv_layer[i, :, start:stop].astype(WIRE_DTYPE),
+                                                           layer=layer, kind=kind)
+            state.encode_s += time.perf_counter() - t0
+            kv_layer[i, :, start:stop] = np.asarray(decoded, np.float32)
+            parts.append(data)
+            state.encoded_bytes += len(data)
+        state.raw_bytes += 2 * kv_layer[0, :, start:stop].size * WIRE_ITEMSIZE
+        state._containers[(layer, c)] = (parts[0], parts[1])
 
 
 class KVCodec:
@@ -186,25 +214,33 @@ class KVCodec:
 def apply_frame(header: dict, payload, kv: np.ndarray, mask: np.ndarray) -> int:
     """Receive side of a "ckv" frame: decode each chunk into kv f32[2, L, H_kv, N_cap, D], then set
     its mask bytes i8[L, N_cap] to LOCAL (after the rows, so a LOCAL byte is always safe).
-    Returns the frame's payload bytes. Raises ValueError on a frame that does not fit the pool."""
+    Returns the frame's payload bytes. Raises ValueError on a frame that does not fit the pool,
+    before any row is written (every container is checked before the frame's chunks are decoded
+    together: `decode_blocks`, bit for bit `decode_block` of each)."""
     layer = int(header["layer"])
     _, L, H, cap, D = kv.shape
     if not 0 <= layer < L:
         raise ValueError(f"compressed KV frame for layer {layer} outside [0, {L})")
     mv, pos = memoryview(payload), 0
+    spans, blocks = [], []
     for start, stop, k_len, v_len in header["chunks"]:
         if not 0 <= start < stop <= cap or k_len < 0 or v_len < 0 or pos + k_len + v_len > len(mv):
             raise ValueError(f"compressed KV chunk [{start}, {stop}) of {k_len}+{v_len} bytes does not fit "
                              f"the pool (capacity {cap}) or the frame ({len(mv)} bytes)")
-        for i, n in ((0, k_len), (1, v_len)):
-            x = np.asarray(decode_block(bytes(mv[pos:pos + n])), np.float32)
-            if x.shape != (H, stop - start, D):
-                raise ValueError(f"compressed KV chunk decodes to {x.shape}, expected {(H, stop - start, D)}")
-            kv[i, layer, :, start:stop] = x
-            pos += n
-        mask[layer, start:stop] = LOCAL
+        spans.append((start, stop))
+        blocks += [bytes(mv[pos:pos + k_len]), bytes(mv[pos + k_len:pos + k_len + v_len])]
+        pos += k_len + v_len
     if pos != len(mv):
         raise ValueError(f"compressed KV frame has {len(mv) - pos} trailing bytes")
+    decoded = decode_blocks(blocks)  # [K0, V0, K1, V1, ...]
+    for c, (start, stop) in enumerate(spans):
+        for x in decoded[2 * c:2 * c + 2]:
+            if x.shape != (H, stop - start, D):
+                raise ValueError(f"compressed KV chunk decodes to {x.shape}, expected {(H, stop - start, D)}")
+    for c, (start, stop) in enumerate(spans):
+        kv[0, layer, :, start:stop] = decoded[2 * c]
+        kv[1, layer, :, start:stop] = decoded[2 * c + 1]
+        mask[layer, start:stop] = LOCAL
     return len(mv)
 
 
