@@ -155,8 +155,8 @@ class CompressionPolicy:
         depend on the values; an entropy coder may run a little faster on real KV's codes), for the
         profiles the quality floor lets the controller choose. A decode worker calls it at start;
         a no-op ({}) unless mode "auto" with `calibrate`, or when already measured."""
-        if self.controller is None or not self.config.calibrate:
-            return {}
+        if self.controller is None or not self.config.calibrate or not self._unmeasured(self.config.q_min):
+            return {}  # a policy shared by several workers is measured once, its controller kept
         started = time.perf_counter()
         probe = np.random.default_rng(seed).standard_normal(
             (2, cfg.num_layers, cfg.num_kv_heads, tokens, cfg.head_dim), dtype=np.float32)
@@ -178,19 +178,21 @@ class CompressionPolicy:
         if self.controller is None:
             raise ValueError(f"calibrate_path needs compression='auto', not {self.config.mode!r}")
         codec = codec or KVCodec(min_chunk_tokens=min_chunk_tokens)
-        for f in self.files:
-            for p in f.points:
-                if p.spec_id not in self.path_Bps and servable(p.spec_id) and p.accuracy >= min_quality:
-                    # a dropping profile is charged its kept rows' pipeline over every row: an upper
-                    # bound of its codec work (the keep decision's replay is not charged)
-                    self.path_Bps[p.spec_id] = path_throughput_Bps(
-                        codec.pipeline(inner_pipeline(p.spec_id)), kv_probe, min_chunk_tokens=min_chunk_tokens,
-                        blocks_per_layer=blocks_per_layer, repeats=repeats)
-                    log.info("compression profile %s: transfer path %.1f MB/s (float32), round trip %.1f MB/s",
-                             p.spec_id, self.path_Bps[p.spec_id] / 1e6,
-                             p.throughput_Bps * POOL_ITEMSIZE / WIRE_ITEMSIZE / 1e6)
+        for p in self._unmeasured(min_quality):
+            # a dropping profile is charged its kept rows' pipeline over every row: an upper
+            # bound of its codec work (the keep decision's replay is not charged)
+            self.path_Bps[p.spec_id] = path_throughput_Bps(
+                codec.pipeline(inner_pipeline(p.spec_id)), kv_probe, min_chunk_tokens=min_chunk_tokens,
+                blocks_per_layer=blocks_per_layer, repeats=repeats)
+            log.info("compression profile %s: transfer path %.1f MB/s (float32), round trip %.1f MB/s",
+                     p.spec_id, self.path_Bps[p.spec_id] / 1e6, p.throughput_Bps * POOL_ITEMSIZE / WIRE_ITEMSIZE / 1e6)
         self._build_controller()
         return dict(self.path_Bps)
+
+    def _unmeasured(self, min_quality: float) -> list:
+        """The servable profile points of at least `min_quality` whose transfer path is not measured yet."""
+        return [p for f in self.files for p in f.points
+                if p.spec_id not in self.path_Bps and servable(p.spec_id) and p.accuracy >= min_quality]
 
     @property
     def enabled(self) -> bool:
