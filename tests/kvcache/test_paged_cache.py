@@ -187,6 +187,46 @@ def test_chunked_prefill_equals_whole_prefill(family, chunk, lengths):
                 np.testing.assert_allclose(got[b, :, :n], np.asarray(want)[b, :, :n], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("block,max_pages", [(8, 7), (16, 8), (512, 9)])
+def test_chunk_attention_reads_the_context_block_by_block(monkeypatch, block, max_pages):
+    """The blocked chunk attention (a loop over CONTEXT_BLOCK tokens of context up to max(start))
+    equals attention over the whole gathered table, masked: starts inside a block, at a block edge,
+    0, a table width that is not a multiple of the block, a row with nothing to attend (zeros)."""
+    monkeypatch.setattr(paged, "CONTEXT_BLOCK", block)
+    rng = np.random.default_rng(3)
+    B, C, H, H_kv, D, P, num_pages = 5, 6, 4, 2, 8, 4, 40
+    q = jnp.asarray(rng.standard_normal((B, C, H, D)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((B, C, H_kv, D)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((B, C, H_kv, D)), jnp.float32)
+    K_pages = jnp.asarray(rng.standard_normal((num_pages, H_kv, P, D)), jnp.float32)
+    V_pages = jnp.asarray(rng.standard_normal((num_pages, H_kv, P, D)), jnp.float32)
+    table = jnp.asarray(rng.integers(1, num_pages, (B, max_pages)), jnp.int32)
+    start = jnp.asarray([13, 0, 8, max_pages * P - 1, 0], jnp.int32)
+    lengths = jnp.asarray([6, 3, 1, 6, 0], jnp.int32)
+    got = paged.chunk_attention(q, k, v, K_pages, V_pages, table, start, lengths)
+    want = paged.context_attention(q, k, v, paged.gather_context(K_pages, table), paged.gather_context(V_pages, table),
+                                   start, lengths)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert not np.asarray(got[4]).any()  # start 0, no valid chunk token: every key masked
+
+
+def test_chunk_attention_never_reads_the_blocks_past_the_context(monkeypatch):
+    """The loop stops at the last block holding context (cost follows the chunk's position, not
+    the table's width): pages further on are not read, so NaN there cannot reach the output."""
+    monkeypatch.setattr(paged, "CONTEXT_BLOCK", 8)  # 2 pages of 4 a block
+    rng = np.random.default_rng(4)
+    B, C, H, H_kv, D, P = 2, 4, 2, 1, 8, 4
+    K_pages = rng.standard_normal((6, H_kv, P, D)).astype(np.float32)
+    V_pages = K_pages.copy()
+    K_pages[5] = V_pages[5] = np.nan  # the pages of blocks 1..3
+    table = jnp.asarray([[1, 2, 5, 5, 5, 5, 5, 5], [3, 4, 5, 5, 5, 5, 5, 5]], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((B, C, H, D)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((B, C, H_kv, D)), jnp.float32)
+    out = paged.chunk_attention(q, kv, kv, jnp.asarray(K_pages), jnp.asarray(V_pages), table,
+                                jnp.asarray([5, 8], jnp.int32), jnp.asarray([4, 4], jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
+
+
 def _abstract_decode_step(max_pages: int):
     """(jitted paged decode compute of a 2-layer tiny model, its abstract args for 3 rows)."""
     import functools
