@@ -75,7 +75,7 @@ from models import Model
 
 from ..engine import bucket_prompt_len
 from ..kvcache import H2D_CAUSES, OutOfPages, PageConfig, PagedKVCache, bucket_pages, prefix_namespace
-from ..sampling import sample_tokens
+from ..sampling import sample_or_argmax
 from .admission import AdmissionScheduler, Refit, SchedulingMetrics
 from .batcher import (BatcherConfig, ContextLengthError, ContinuousBatcher, EngineRequest, StreamEvent, _Running,
                       logprob_rows, prompt_logprob_list)
@@ -222,10 +222,11 @@ class PagedBatcher(ContinuousBatcher):
 
             kv.kv = scatter_pages(kv.kv, np.zeros(CHUNK_PAGES, np.int32),
                                   np.zeros((CHUNK_PAGES, *kv.page_shape), kv.dtype))
-        for B in rows:
+        for B in rows:  # the sampler and the all-greedy argmax (`sample_or_argmax`) of every row bucket
             z = np.zeros(B, np.int32)
-            sample_tokens(np.zeros((B, self.model.cfg.vocab_size), np.float32), np.ones(B, np.float32), z,
-                          np.ones(B, np.float32), z.astype(np.uint32), z)
+            for temperature in (1.0, 0.0):
+                sample_or_argmax(np.zeros((B, self.model.cfg.vocab_size), np.float32),
+                                 np.full(B, temperature, np.float32), z, np.ones(B, np.float32), z.astype(np.uint32), z)
         jax.block_until_ready(logits)
 
     def _start_scheduler(self):

@@ -146,6 +146,33 @@ def test_row_buckets_are_powers_of_two_up_to_max_slots():
     assert row_buckets(1) == [1]
 
 
+def test_warmup_compiles_the_greedy_pick_and_the_sampler_of_every_row_bucket(model):
+    """A batch of only greedy rows takes `sample_or_argmax`'s argmax, a program of its own per row
+    bucket: left to the first such step, it compiled mid-serving (a stall of every stream)."""
+    import jax.monitoring
+
+    from jkv.sampling import sample_or_argmax
+
+    b = PagedBatcher(model, BatcherConfig(max_slots=4, max_model_len=64, page_size=PAGE, prefill_chunk=CHUNK))
+    b.warmup()
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for B in row_buckets(4):
+            z = np.zeros(B, np.int32)
+            for temperature in (0.0, 0.7):
+                sample_or_argmax(np.ones((B, model.cfg.vocab_size), np.float32), np.full(B, temperature, np.float32),
+                                 z, np.ones(B, np.float32), z.astype(np.uint32), z)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+
+
 def test_a_decode_step_runs_as_many_rows_as_its_requests_bucket_to(model, llm):
     """One request decodes in the 1-row program, three in the 4-row one, two in the 2-row one (not
     max_slots rows each step), the warm-up compiled each of them, and the tokens are unchanged."""
