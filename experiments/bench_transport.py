@@ -6,7 +6,7 @@ Two OS processes on loopback (the receiver is a child process):
   (and tcp with ``payload_checksum=False``, to separate framing cost from checksum cost),
   vs a raw-socket baseline (``sendall`` of the block / ``recv_into`` the same rotating slots of a
   16 MiB region as the transport's writes, no framing, no checksum) — ratio goal >= 0.85x for blocks >= 1 MiB, with the checksum on
-  (its crc32c rides in a trailer, computed on side threads with >= 4 cores, transport/checksum.py,
+  (its XXH3-64 rides in a trailer, computed on side threads with >= 4 cores, transport/checksum.py,
   else on the socket threads); 64 KiB
   blocks also batched 32 per ``write_many`` (how a layer's blocks are pushed);
 * RPC latency p50/p99 for 64 KiB replies (the decode worker's remote-row fetch);
@@ -41,7 +41,11 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
+# Idle OpenBLAS worker threads spin: a perf profile of this benchmark on 2 cores found them in
+# ~5% of all samples, CPU taken from the socket threads of both sides. Nothing here does BLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -254,11 +258,14 @@ def main() -> int:
         raws, results = [], {name: [] for name in sinks}
         raw_cpu, cpu = [], {name: [] for name in sinks}
         try:
-            for _ in range(args.repeats):  # each round: raw, then every config right after it
+            names = list(sinks)
+            for rnd in range(args.repeats):  # each round: raw, then every config right after it
                 bps, c = measured(raw_sink.run, raw_sink.proc.pid, total)
                 raws.append(bps)
                 raw_cpu.append(c)
-                for name, sink in sinks.items():
+                # the configs' order rotates between rounds: none is always the one right after raw
+                for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                    sink = sinks[name]
                     bps, c = measured(sink.run, sink.child.proc.pid, total // block // sink.batch * sink.batch * block)
                     results[name].append(bps)
                     cpu[name].append(c)

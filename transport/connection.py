@@ -11,14 +11,14 @@ Threads per connection (named ``jkvt-tx-<local>-><peer>`` / ``jkvt-rx-<local><-<
   A payload above ``_SMALL`` bytes goes out with ``FLAG_TRAILER``. With ``checksum_offload``
   the sender hands it to its checksum side thread (``jkvt-crc-tx-*``, :mod:`transport.checksum`)
   and starts writing at once (header and payload in one ``sendmsg``, no joining copy); it waits
-  for the crc32c only to send the last piece and the 4-byte trailer. Without it (the default
-  below 4 cores) the sender crc32c's the payload and writes header, payload and trailer in one
+  for the digest only to send the last piece and the 8-byte XXH3-64 trailer. Without it (the
+  default below 4 cores) the sender digests the payload and writes header, payload and trailer in one
   ``sendmsg``, as a raw socket's ``sendall`` of the block. Smaller
   payloads keep the crc in the header, computed by the submitting thread.
 * **reader** — the only thread that reads. It validates each header (checksum, sequence,
   op, region, bounds, size) *before* a payload byte is written, receives WRITE payloads
   straight into the registered region's memoryview (tcp: ``recv_into``; shm: one copy out
-  of the ring), verifies the payload crc32c, and only then processes the next frame — so
+  of the ring), verifies the payload checksum, and only then processes the next frame — so
   the mask frame after a block is applied after the block is complete. A trailer-carried
   payload is checksummed by its side thread (``jkvt-crc-rx-*``) piece by piece as the pieces
   land, while the reader keeps receiving; the reader compares the result with the trailer
@@ -62,12 +62,14 @@ from transport.pacing import TokenBucket
 from transport.receiver import MAX_ERROR_TEXT as _MAX_ERROR_TEXT, RECV_TIMEOUT_S, ReceiveSide
 from transport.shm import ShmRing
 from transport.transfer import Transfer
-from transport.wire import FLAG_ACK, FLAG_NOCRC, FLAG_TRAILER, TRAILER, Header, Op, crc32c, encode_header
+from transport.wire import (FLAG_ACK, FLAG_NOCRC, FLAG_TRAILER, TRAILER, Header, Op, crc32c, encode_header,
+                            trailer_digest)
 
 log = logging.getLogger(__name__)
 
 _SMALL = 64 * 1024  # header and payload below this go out in one sendall, crc in the header
-_TAIL = 256 * 1024  # trailer frames: the last this-many payload bytes wait for the crc, then go with the trailer
+_TAIL = 256 * 1024  # trailer frames: the last this-many payload bytes wait for the digest, then go with the trailer
+_SUBMIT_DIGEST_MAX = 4 << 20  # tcp without offload: trailer payloads up to this are digested on submit
 _COPY_CHUNK = 1 << 20  # shm: copy into the ring and checksum in cache-sized pieces
 
 
@@ -80,6 +82,7 @@ class Frame:
     aux: int = 0
     flags: int = 0
     crc: int = -1  # payload crc32c; -1: a large payload, checksummed while it is sent (trailer)
+    digest: int = -1  # a trailer payload's XXH3-64 when the submitting thread computed it (submit)
 
     def __post_init__(self):
         # Small payloads: the submitting (user / handler) thread pays for the checksum, which
@@ -117,7 +120,7 @@ class ConnectionHost(Protocol):
     heartbeat: float  # seconds without sending before a PING goes out
     max_message: int
     payload_checksum: bool
-    checksum_offload: bool  # large payloads' crc32c on side threads (transport/checksum.py)
+    checksum_offload: bool  # large payloads' trailer digests on side threads (transport/checksum.py)
 
     def transfer_finished(self, transfer: Transfer) -> None:
         """Whichever thread finished it: an operation submitted on this connection is done."""
@@ -181,6 +184,17 @@ class Connection(ReceiveSide):
 
     # ---------------------------------------------------------------- submission
     def submit(self, op: Operation) -> Transfer:
+        if self.ring_tx is None and not self.pacers and not self.host.checksum_offload:
+            # tcp, unpaced, no side threads: the submitting thread digests a trailer payload of up
+            # to _SUBMIT_DIGEST_MAX bytes, as it checksums small ones, so the hash runs while the
+            # sender thread copies the frames queued before it. Measured on 2 cores
+            # (experiments/bench_transport.py, tcp / raw): 1 MiB writes 0.89-0.91x this way,
+            # 0.78-0.79x digested on the sender thread; 16 MiB writes the other way round
+            # (0.82-0.83x here, 0.88-0.90x on the sender thread, where the hash leaves the start
+            # of the payload in cache for the socket copy), hence the bound.
+            for frame in op.frames:
+                if frame.crc < 0 and frame.digest < 0 and frame.length <= _SUBMIT_DIGEST_MAX:
+                    frame.digest = trailer_digest(*frame.payload)
         with self._cond:
             if self.failed is not None:
                 err = self.failed
@@ -379,16 +393,18 @@ class Connection(ReceiveSide):
                         self._pending[seq] = op
                 h = Header(frame.op, flags, frame.region, seq, frame.offset,
                            frame.length if wire_len is None else wire_len, aux, crc)
-                self._send_frame(h, payload, paced=self.ring_tx is None, trailer=trailer)
+                self._send_frame(h, payload, paced=self.ring_tx is None, trailer=trailer,
+                                 digest=frame.digest)
             paced_bytes += frame.length
         self._count_link_time(t.kind, paced_bytes, time.monotonic() - sending_since)
         if op.expects == "none":
             t.complete()
 
-    def _send_frame(self, h: Header, payload, paced: bool, trailer: bool = False) -> None:
-        """Header, payload and (``trailer``: the payload's crc32c, computed on the side thread
-        meanwhile) on the stream; unpaced large frames use few ``sendmsg`` calls, no copies.
-        The caller holds ``_wlock``."""
+    def _send_frame(self, h: Header, payload, paced: bool, trailer: bool = False,
+                    digest: int = -1) -> None:
+        """Header, payload and (``trailer``: the payload's XXH3-64 — ``digest`` when the
+        submitting thread computed it, else computed here or on the side thread meanwhile) on the
+        stream; unpaced large frames use few ``sendmsg`` calls, no copies. The caller holds ``_wlock``."""
         self._write_residue()
         if h.seq == 0:
             with self._cond:
@@ -399,6 +415,10 @@ class Connection(ReceiveSide):
         parts = [_flat(p) for p in parts if len(p)]
         total = sum(len(p) for p in parts)
         paced = paced and bool(self.pacers) and total > 0
+        if trailer and digest >= 0 and not paced:
+            self._sendmsg_all([hdr, *parts, TRAILER.pack(digest)])
+            self.last_tx = time.monotonic()
+            return
         if trailer and not self.host.checksum_offload and not paced:
             self._send_checksummed(hdr, parts)
             self.last_tx = time.monotonic()
@@ -427,15 +447,13 @@ class Connection(ReceiveSide):
         self.last_tx = time.monotonic()
 
     def _send_checksummed(self, hdr: bytes, parts: list) -> None:
-        """A trailer frame checksummed on this thread: crc32c of the whole payload, then header,
+        """A trailer frame digested on this thread: XXH3-64 of the whole payload, then header,
         payload and trailer in one ``sendmsg`` (as a raw socket's one ``sendall`` of the block).
-        Checksumming 1 MiB pieces each right before its own ``sendmsg`` measured 0.03-0.04 CPU s
-        per GiB more on the sender at 16 MiB writes (one crc pass reads the payload from memory
-        either way; the extra returns to user space cost more than the cache reuse saved)."""
-        crc = 0
-        for part in parts:
-            crc = crc32c(part, crc)
-        self._sendmsg_all([hdr, *parts, TRAILER.pack(crc)])
+        Measured worse on 2 cores (experiments/bench_transport.py, tcp / raw at 1 and 16 MiB):
+        digesting after the ``sendmsg`` and sending the trailer alone (0.72x / 0.87x against
+        0.76x / 0.91x), and 64-256 KiB pieces each digested next to its own ``sendmsg``, before or
+        after it (0.59-0.67x / 0.70-0.77x: a syscall and a socket wake-up per piece)."""
+        self._sendmsg_all([hdr, *parts, TRAILER.pack(trailer_digest(*parts))])
 
     def _sendmsg_all(self, bufs: list) -> None:
         """``sendall`` of several buffers with scatter-gather ``sendmsg`` (one syscall when the

@@ -6,7 +6,7 @@ the header's ``aux`` field says where)::
 
     offset size field
     0      4    magic        b"JKVT"
-    4      1    version      2 (1: the handshake before the client proved first)
+    4      1    version      3 (2: 4-byte crc32c trailers; 1: the handshake before the client proved first)
     5      1    op           Op
     6      2    flags        FLAG_*
     8      4    region       region id (WRITE) / 0
@@ -18,11 +18,17 @@ the header's ``aux`` field says where)::
     44     4    payload_crc  crc32c of the payload bytes (0 with FLAG_TRAILER or FLAG_NOCRC)
     48     4    header_crc   crc32c of bytes 0..47
 
-With ``FLAG_TRAILER`` the payload's crc32c follows the payload on the stream as a 4-byte
-little-endian trailer instead of sitting in the header, so a sender can put the first payload byte
-on the wire before the checksum is computed (large payloads; :mod:`transport.checksum` computes
-it on a side thread while the socket copies). The trailer is covered by nothing but itself: a
-flipped trailer bit is a mismatch like a flipped payload bit.
+With ``FLAG_TRAILER`` the payload's XXH3-64 digest (seed 0) follows the payload on the stream as
+an 8-byte little-endian trailer instead of a crc32c in the header, so a sender can put the first
+payload byte on the wire before the digest is computed (large payloads; :mod:`transport.checksum`
+can compute it on a side thread while the socket copies). The trailer is covered by nothing but
+itself: a flipped trailer bit is a mismatch like a flipped payload bit.
+
+Why XXH3-64 for the large payloads: on a box where sender and receiver each keep a core busy with
+socket copies, the checksum's own CPU is what the link loses. crc32c (SSE4.2) runs ~30 GB/s per
+core here, XXH3 (AVX2/AVX-512) ~90-120 GB/s on the same cache-resident pieces, with a 64-bit value
+(a random corruption passes with probability 2^-64 instead of 2^-32). zstd frames carry XXH64 for
+the same job. Small payloads and headers keep crc32c (its cost there is per call, not per byte).
 
 The header checksum is verified before anything else is looked at, so random bytes never
 get as far as a region lookup. Decoding is pure: :func:`decode_header` either returns a
@@ -35,11 +41,12 @@ import struct
 from dataclasses import dataclass
 
 import crc32c as _crc32c
+import xxhash
 
 from transport.errors import FrameError
 
 MAGIC = b"JKVT"
-VERSION = 2  # 2: the client proves the secret first (transport.auth)
+VERSION = 3  # 3: XXH3-64 trailers; 2: the client proves the secret first (transport.auth)
 _HEADER = struct.Struct("<4sBBHIQQQQII")
 HEADER_SIZE = _HEADER.size  # 52
 _CRC_SPAN = HEADER_SIZE - 4
@@ -47,10 +54,10 @@ _CRC_SPAN = HEADER_SIZE - 4
 FLAG_ACK = 0x1  # receiver acknowledges this frame once it (and every earlier frame) is applied
 FLAG_ERR = 0x2  # REPLY carries an error message instead of a result
 FLAG_NOCRC = 0x4  # WRITE payload carries no checksum (sender has payload_checksum=False)
-FLAG_TRAILER = 0x8  # the payload crc32c follows the payload as a 4-byte trailer (header field 0)
+FLAG_TRAILER = 0x8  # the payload's XXH3-64 follows the payload as an 8-byte trailer (header field 0)
 FLAG_ALL = FLAG_ACK | FLAG_ERR | FLAG_NOCRC | FLAG_TRAILER
-TRAILER = struct.Struct("<I")
-TRAILER_SIZE = TRAILER.size  # 4
+TRAILER = struct.Struct("<Q")
+TRAILER_SIZE = TRAILER.size  # 8
 
 
 class Op(enum.IntEnum):
@@ -75,6 +82,20 @@ def crc32c(data, value: int = 0) -> int:
     """crc32c (Castagnoli) of a bytes-like object, continuing from ``value``; hardware
     accelerated where available."""
     return _crc32c.crc32c(data, value)
+
+
+def trailer_hasher():
+    """A streaming XXH3-64 state (seed 0) for a ``FLAG_TRAILER`` payload: ``update`` it with the
+    payload's bytes in order (any split gives the same value), then ``intdigest()``."""
+    return xxhash.xxh3_64()
+
+
+def trailer_digest(*parts) -> int:
+    """The ``FLAG_TRAILER`` value of a payload given as one or more bytes-like parts, in order."""
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
 
 
 @dataclass(frozen=True, slots=True)

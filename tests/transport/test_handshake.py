@@ -221,14 +221,14 @@ def test_refusal_log_summarises_a_flood_in_one_line_per_interval(caplog):
 def test_protocol_version_mismatch_is_named_on_both_sides(make_endpoint):
     server = make_endpoint("server")
     address = server.listen()
-    old = bytearray(_hello())  # a version-1 client's HELLO
-    old[4] = 1
+    old = bytearray(_hello())  # a version-2 client's HELLO (crc32c trailers)
+    old[4] = 2
     old[48:52] = struct.pack("<I", crc32c(bytes(old[:48])))
     with _connect(address) as s:
         s.sendall(old)
         reply = _read_until_closed(s)
-    assert reply[:4] == MAGIC and reply[4] == VERSION  # an old client's header check names version 2
-    assert b"protocol version mismatch: this endpoint speaks version 2" in reply
+    assert reply[:4] == MAGIC and reply[4] == VERSION == 3
+    assert b"protocol version mismatch: this endpoint speaks version 3" in reply
 
     def old_server(conn):
         recv_frame(conn, Op.HELLO, Deadline(5))
@@ -239,6 +239,6 @@ def test_protocol_version_mismatch_is_named_on_both_sides(make_endpoint):
         _read_until_closed(conn)
 
     fake, t = _fake_server(old_server)
-    with pytest.raises(AuthError, match="peer speaks transport protocol version 1, this side version 2"):
+    with pytest.raises(AuthError, match="peer speaks transport protocol version 1, this side version 3"):
         make_endpoint("client", secret=SECRET).connect(fake)
     t.join(10)

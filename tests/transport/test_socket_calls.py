@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
-from transport.receiver import RECV_TIMEOUT_S
-from transport.wire import (FLAG_ACK, FLAG_TRAILER, HEADER_SIZE, TRAILER, Header, Op, crc32c, decode_header,
-                            encode_header)
+from transport.receiver import _DIGEST_PIECE, RECV_TIMEOUT_S
+from transport.wire import (FLAG_ACK, FLAG_TRAILER, HEADER_SIZE, TRAILER, TRAILER_SIZE, Header, Op, crc32c, decode_header,
+                            encode_header, trailer_digest)
 
 MiB = 1 << 20
 
@@ -67,7 +67,7 @@ class Recorder:
 
 def trailer_write(seq: int, payload: bytes, offset: int = 0) -> bytes:
     h = Header(Op.WRITE, FLAG_ACK | FLAG_TRAILER, 1, seq, offset, len(payload), 0, 0)
-    return encode_header(h) + payload + TRAILER.pack(crc32c(payload))
+    return encode_header(h) + payload + TRAILER.pack(trailer_digest(payload))
 
 
 def read_frames(sock: socket.socket, count: int, timeout: float = 10.0) -> list[Header]:
@@ -113,11 +113,13 @@ def test_a_checksummed_frame_goes_out_in_one_sendmsg(make_endpoint):
         rec.calls.clear()
         peer.write("r", 0, data).wait(10)
         sizes = [size for call, size, _, _ in rec.calls if call == "sendmsg"]
-        assert sizes == [HEADER_SIZE + nbytes + 4], sizes
+        assert sizes == [HEADER_SIZE + nbytes + TRAILER_SIZE], sizes
         assert np.array_equal(region[:nbytes], data)
 
 
-def test_receiver_asks_for_whole_pieces_and_the_trailer_with_the_last(make_endpoint):
+def test_receiver_digests_cache_sized_spans_then_reads_the_trailer(make_endpoint):
+    """A trailer payload is received in spans of at most _DIGEST_PIECE bytes (each hashed while
+    it is in cache), never one MSG_WAITALL call for a whole MiB; the trailer comes last."""
     nbytes = 2 * MiB + 1000
     ep, region, ours, rec = receiver(make_endpoint, nbytes)
     payload = np.random.default_rng(4).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
@@ -128,10 +130,13 @@ def test_receiver_asks_for_whole_pieces_and_the_trailer_with_the_last(make_endpo
     assert ack.op == Op.ACK and ack.aux == 1 and bytes(region) == payload
     asks = [(call, size, flags) for call, size, flags, _ in rec.calls if call.startswith("recv")]
     assert asks[0] == ("recv_into", HEADER_SIZE, 0)
-    assert asks[1] == ("recv_into", MiB, socket.MSG_WAITALL)  # a whole piece, not what the kernel has queued
-    last = [a for a in asks if a[0] == "recvmsg_into"]
-    assert last and all(size[1] == 4 and flags == socket.MSG_WAITALL for _, size, flags in last)
-    assert last[0][1][0] <= MiB and all(size <= MiB for _, size, _ in asks[1:] if isinstance(size, int))
+    trailer_at = next(i for i, (_, size, _) in enumerate(asks) if i and size == TRAILER_SIZE)
+    payload_asks = asks[1:trailer_at]
+    assert payload_asks and all(call == "recv_into" and 0 < size <= _DIGEST_PIECE and flags == 0
+                                for call, size, flags in payload_asks)
+    assert len(payload_asks) >= nbytes // _DIGEST_PIECE
+    assert all(size in (HEADER_SIZE, TRAILER_SIZE) or size < TRAILER_SIZE  # the trailer, then the next header
+               for _, size, _ in asks[trailer_at:])
 
 
 def test_a_piece_arriving_slowly_keeps_the_connection_alive(make_endpoint):

@@ -1,4 +1,4 @@
-"""Checksum trailers (FLAG_TRAILER): large payloads carry their crc32c after the payload, computed
+"""Checksum trailers (FLAG_TRAILER): large payloads carry their XXH3-64 digest after the payload, computed
 on a side thread while the socket copies (or, with checksum_offload=False, on the socket threads).
 A bit flipped anywhere in such a frame (header, payload, trailer), or a frame cut short, is
 rejected: nothing acknowledged, and the mask frame that follows the block on the stream (its
@@ -17,7 +17,7 @@ from transport import checksum
 from transport.checksum import ChecksumWorker
 from transport.connection import _SMALL, _split_tail
 from transport.wire import (FLAG_ACK, FLAG_TRAILER, HEADER_SIZE, TRAILER, Header, Op, crc32c, decode_header,
-                            encode_header)
+                            encode_header, trailer_digest)
 
 BLOCK = _SMALL + 4096 + 3  # above the header-checksum limit, not a round size
 MASK_AT = BLOCK + 100  # the "mask" byte that commits the block, in the same region
@@ -31,7 +31,7 @@ def _block() -> bytes:
 
 def trailer_frame(seq: int, payload: bytes, offset: int = 0, flags: int = FLAG_ACK) -> bytes:
     h = Header(Op.WRITE, flags | FLAG_TRAILER, 1, seq, offset, len(payload), 0, 0)
-    return encode_header(h) + payload + TRAILER.pack(crc32c(payload))
+    return encode_header(h) + payload + TRAILER.pack(trailer_digest(payload))
 
 
 def block_then_mask() -> tuple[bytes, int, int]:
@@ -152,7 +152,7 @@ def test_contradictory_checksum_flags_write_nothing(make_endpoint, flags, payloa
     rx = Receiver(make_endpoint)
     h = Header(Op.WRITE, flags, 1, 1, 0, length, 0, payload_crc)
     payload = _block()
-    rx.feed(encode_header(h) + payload + TRAILER.pack(crc32c(payload)))
+    rx.feed(encode_header(h) + payload + TRAILER.pack(trailer_digest(payload)))
     assert (rx.buf == FILL).all() and rx.rejected() == 1
 
 
@@ -182,15 +182,50 @@ def test_large_writes_calls_and_notifies_round_trip_with_trailers(make_endpoint,
     assert got == [data.tobytes()]
 
 
-def test_checksum_worker_matches_crc_of_the_pieces_in_order():
+def test_tcp_payloads_up_to_4_MiB_are_digested_by_the_submitting_thread(monkeypatch, make_endpoint):
+    """Without side threads, the submitting thread digests a tcp trailer payload of up to
+    _SUBMIT_DIGEST_MAX bytes (overlapping the sender thread's copies); larger ones are digested
+    by the sender thread right before their sendmsg. Either way the receiver accepts them."""
+    from transport import connection
+    threads = []
+
+    def recording(*parts):
+        threads.append((threading.current_thread().name, sum(len(p) for p in parts)))
+        return trailer_digest(*parts)
+
+    monkeypatch.setattr(connection, "trailer_digest", recording)
+    rx = make_endpoint("rx", checksum_offload=False)
+    region = np.zeros(connection._SUBMIT_DIGEST_MAX + 4096, np.uint8)
+    rx.register("r", region)
+    peer = make_endpoint("tx", checksum_offload=False).connect(rx.listen())
+    rng = np.random.default_rng(7)
+    for nbytes, where in [(1 << 20, threading.current_thread().name),
+                          (connection._SUBMIT_DIGEST_MAX, threading.current_thread().name),
+                          (connection._SUBMIT_DIGEST_MAX + 1, "jkvt-tx-")]:
+        threads.clear()
+        data = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        peer.write("r", 0, data).wait(30)
+        assert np.array_equal(region[:nbytes], data)
+        assert [(name.startswith(where), n) for name, n in threads] == [(True, nbytes)], threads
+    assert rx.metrics.snapshot()["frames_rejected"] == 0
+
+
+def test_trailer_is_standard_xxh3_64():
+    """The trailer is plain XXH3-64 (seed 0), so any xxhash implementation can check it."""
+    assert trailer_digest(b"") == 0x2D06800538D394C2
+    assert trailer_digest(b"abc") == 0x78AF5F94892F3950
+    assert trailer_digest(b"a", b"", b"bc") == trailer_digest(b"abc")  # parts are one stream
+
+
+def test_checksum_worker_matches_the_digest_of_the_pieces_in_order():
     worker = ChecksumWorker("jkvt-crc-test")
     try:
         data = np.random.default_rng(0).bytes(1 << 20)
         running = worker.begin()
         for start in range(0, len(data), 70_001):
             running.add(memoryview(data)[start:start + 70_001])
-        assert running.result() == crc32c(data)
-        assert worker.begin().result() == 0  # an empty payload
+        assert running.result() == trailer_digest(data)
+        assert worker.begin().result() == trailer_digest(b"")  # an empty payload
     finally:
         worker.close()
     assert not [t for t in threading.enumerate() if t.name == "jkvt-crc-test"]
@@ -212,7 +247,7 @@ def test_owner_steals_pieces_the_side_thread_has_not_reached():
     data = np.random.default_rng(1).bytes(3 << 20)
     running = worker.begin()
     running.add(data)
-    assert running.result() == crc32c(data)
+    assert running.result() == trailer_digest(data)
     worker._thread = None
 
 
