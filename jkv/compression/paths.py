@@ -19,7 +19,15 @@ with the push pipeline (`policy.CompressionPolicy.choose` -> `PathChoice`):
     * any other lossy push pipeline (KIVI, Hadamard, delta, MixHQ ...) quantizes across rows, but
       its decoded values are float16 numbers: `F16` replies carry them exactly at half the
       float32 bytes.
-- **metadata**: lossless (byte-shuffled, `zstd1`), so it changes nothing but bytes.
+- **metadata**: lossless (byte-shuffled, `zstd1`), which changes nothing but bytes, or lossy
+  `q8+zstd1`: every float row (the last axis, e.g. InfiniGen's partial key of one token of one
+  head, [d_p]) as int8 codes with a float16 absmax scale per row, then zstd-1. It changes which
+  rows a selector ranks first, not any KV value: `experiments/metadata_q8_probe.py` measured 1.79x
+  fewer bytes than `zstd1` on SmolLM2's InfiniGen metadata of a 2,048-token text with 0.993 of the
+  top-20% selection unchanged. Decoding is deterministic, so every transfer mode of a request with
+  this choice selects from the same values (the invariant holds per choice). "auto" offers it only
+  for a request whose push is already lossy (its quality was accepted against the floor) — a
+  request that moves its KV exactly keeps exact metadata.
 
 How "auto" picks the on-demand and metadata codecs (KVServe §6.1 per path): each option is a line
 T(x) = 1/s + x/cr over x = 1/B (Eq. 6); the uncompressed line (cr 1, s = inf) is one of them, and
@@ -47,7 +55,9 @@ from jkv.compression.spec import UNCOMPRESSED, CodecSpec, PipelineSpec, Quantize
 from jkv.framing import pack
 
 F16 = "f16"  # on-demand rows as their exact float16 values (a container of identity+none+none at fp16)
-METADATA_CODEC = "zstd1"
+METADATA_CODEC = "zstd1"  # lossless: byte-shuffled leaves, zstd level 1
+METADATA_Q8 = "q8+zstd1"  # lossy: float rows as int8 codes + a float16 absmax scale per row, zstd level 1
+METADATA_CODECS = (METADATA_CODEC, METADATA_Q8)
 REPLY_MIN_ROWS = 16  # replies are padded to a power of two >= this many rows: one jit per bucket
 
 
@@ -81,6 +91,16 @@ class PathCosts:
     row_Bps: float = 300e6
     metadata_cr: float = 1.15
     metadata_Bps: float = 300e6
+    metadata_q8_cr: float = 2.06  # 1.15 x the probe's 1.79x (experiments/results/metadata_q8_probe.csv)
+    metadata_q8_Bps: float = 300e6
+
+    def metadata_line(self, codec: str | None) -> tuple[float, float]:
+        """(cr, s) of a metadata codec (None: uncompressed leaves)."""
+        if codec is None:
+            return 1.0, math.inf
+        if codec == METADATA_Q8:
+            return self.metadata_q8_cr, self.metadata_q8_Bps
+        return self.metadata_cr, self.metadata_Bps
 
     def on_demand_line(self, option: str | None) -> tuple[float, float]:
         """(cr, s) of an on-demand option."""
@@ -122,21 +142,36 @@ class PathChoice:
 
 
 def choose_paths(push_id: str | None, bandwidth_Bps: float | None, costs: PathCosts = PathCosts(),
-                 fixed: bool = False) -> PathChoice:
+                 fixed: bool = False, metadata: str = "auto") -> PathChoice:
     """The on-demand and metadata choice that goes with a push choice (module docstring).
-    fixed: a configured pipeline (every path compressed); else the per-path envelope at B."""
+    fixed: a configured pipeline (every path compressed, metadata lossless); else the per-path
+    envelope at B, with the lossy metadata codec among the options only when the push is lossy.
+    metadata: "auto" (as just said) or the codec to use whatever the push: "none" or one of
+    METADATA_CODECS."""
+    check_metadata_option(metadata)
     push = None if push_id in (None, UNCOMPRESSED.id) else push_id
     exact = exact_row_option(push)
+    forced = None if metadata == "none" else metadata
     if fixed:
-        return PathChoice(push, exact, METADATA_CODEC, (("on_demand", "fixed"), ("metadata", "fixed")))
+        meta = METADATA_CODEC if metadata == "auto" else forced
+        return PathChoice(push, exact, meta, (("on_demand", "fixed"), ("metadata", "fixed")))
     if bandwidth_Bps is None or not bandwidth_Bps > 0:
-        return PathChoice(push, None, None, (("on_demand", "no_estimate"), ("metadata", "no_estimate")))
+        meta, why = (None, "no_estimate") if metadata == "auto" else (forced, "fixed")
+        return PathChoice(push, None, meta, (("on_demand", "no_estimate"), ("metadata", why)))
     options = [None] + ([exact] if exact is not None else [])
     on_demand = min(options, key=lambda o: line_seconds(*costs.on_demand_line(o), bandwidth_Bps))
-    meta = min([None, METADATA_CODEC], key=lambda c: line_seconds(
-        *((1.0, math.inf) if c is None else (costs.metadata_cr, costs.metadata_Bps)), bandwidth_Bps))
     why = "uncompressed push" if exact is None else "envelope"
+    if metadata != "auto":
+        return PathChoice(push, on_demand, forced, (("on_demand", why), ("metadata", "fixed")))
+    meta_options = [None, METADATA_CODEC] + ([METADATA_Q8] if push is not None else [])
+    meta = min(meta_options, key=lambda c: line_seconds(*costs.metadata_line(c), bandwidth_Bps))
     return PathChoice(push, on_demand, meta, (("on_demand", why), ("metadata", "envelope")))
+
+
+def check_metadata_option(metadata: str) -> None:
+    """Raises ValueError naming the choices unless `metadata` is "auto", "none" or a metadata codec."""
+    if metadata not in ("auto", "none", *METADATA_CODECS):
+        raise ValueError(f"metadata codec {metadata!r}: use 'auto', 'none' or one of {list(METADATA_CODECS)}")
 
 
 # ---------------------------------------------------------------------------- on-demand replies
@@ -185,16 +220,64 @@ def pack_framed_reply(parts: list[bytes]) -> bytes:
 
 
 # ---------------------------------------------------------------------------- metadata
+def _shuffled(a: np.ndarray) -> np.ndarray:
+    """The bytes of equal significance of every element together (float exponents compress,
+    mantissas do not), flat uint8."""
+    a = np.ascontiguousarray(a)
+    return np.ascontiguousarray(a.reshape(-1).view(np.uint8).reshape(-1, a.dtype.itemsize).T).reshape(-1)
+
+
+def _unshuffled(raw: np.ndarray, dt: np.dtype, shape) -> np.ndarray:
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.ascontiguousarray(raw.reshape(dt.itemsize, count).T).reshape(-1).view(dt).reshape(shape).copy()
+
+
+def quantize_rows_q8(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float [..., d] -> (int8 codes [..., d], float16 scale [..., 1]): per row absmax / 127 (a row
+    of zeros gets scale 1)."""
+    f = np.asarray(a, np.float32)
+    scale = (np.abs(f).max(-1, keepdims=True) / 127.0).astype(np.float16)
+    scale = np.where(scale == 0, np.float16(1), scale)
+    codes = np.clip(np.rint(f / scale.astype(np.float32)), -127, 127).astype(np.int8)
+    return codes, scale
+
+
+def dequantize_rows_q8(codes: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
+    """codes * scale in float32, cast to `dtype` (deterministic: both sides compute the same)."""
+    return (codes.astype(np.float32) * scale.astype(np.float32)).astype(dtype)
+
+
+def _q8_leaf(a) -> bool:
+    a = np.asarray(a)
+    return a.ndim >= 1 and a.shape[-1] > 0 and np.issubdtype(a.dtype, np.floating)
+
+
+def q8_metadata_values(leaves: list[np.ndarray]) -> list[np.ndarray]:
+    """What the decode side reads from `pack_metadata(..., METADATA_Q8)`: every float leaf with a
+    row axis dequantized, the other leaves unchanged."""
+    return [dequantize_rows_q8(*quantize_rows_q8(a), np.asarray(a).dtype) if _q8_leaf(a) else np.asarray(a)
+            for a in leaves]
+
+
 def pack_metadata(header: dict, leaves: list[np.ndarray], codec: str) -> bytes:
-    """A "meta" payload whose leaves travel in one checksummed container, byte-shuffled (the bytes
-    of equal significance of every element together: float exponents compress, mantissas do not)."""
-    sections = []
+    """A "meta" payload whose leaves travel in one checksummed container: byte-shuffled for the
+    lossless codec; with `METADATA_Q8` every float leaf as int8 codes (one section) and its per-row
+    float16 scales (byte-shuffled, a second section). Compressed by the codec after the "+"."""
+    if codec not in METADATA_CODECS:
+        raise ValueError(f"metadata codec {codec!r}: one of {list(METADATA_CODECS)}")
+    lossy = codec == METADATA_Q8
+    sections, desc = [], []
     for i, a in enumerate(leaves):
         a = np.ascontiguousarray(a)
-        raw = a.reshape(-1).view(np.uint8).reshape(-1, a.dtype.itemsize).T  # shuffle
-        sections.append((f"leaf{i}", np.ascontiguousarray(raw).reshape(-1)))
-    desc = [[list(a.shape), np.asarray(a).dtype.str] for a in leaves]
-    container = pack_container({"kind": "metadata", "leaves": desc}, sections, CodecSpec.parse(codec))
+        if lossy and _q8_leaf(a):
+            codes, scale = quantize_rows_q8(a)
+            sections += [(f"leaf{i}", codes.reshape(-1).view(np.uint8)), (f"leaf{i}s", _shuffled(scale))]
+            desc.append([list(a.shape), a.dtype.str, "q8"])
+        else:
+            sections.append((f"leaf{i}", _shuffled(a)))
+            desc.append([list(a.shape), a.dtype.str])
+    entropy = CodecSpec.parse(codec.split("+")[-1])
+    container = pack_container({"kind": "metadata", "leaves": desc}, sections, entropy)
     return pack(dict(header, cmeta=1)) + container
 
 
@@ -202,17 +285,31 @@ def unpack_metadata(payload) -> list[np.ndarray]:
     """Leaves of a `pack_metadata` container. Raises ContainerError on any corruption."""
     header, sections = unpack_container(bytes(payload))
     desc = header.get("leaves")
-    if header.get("kind") != "metadata" or not isinstance(desc, list) or len(desc) != len(sections):
+    if (header.get("kind") != "metadata" or not isinstance(desc, list)
+            or not all(isinstance(d, list) and len(d) in (2, 3) for d in desc)):
+        raise ContainerError("metadata container: header does not describe its sections")
+    q8 = [len(d) == 3 and d[2] == "q8" for d in desc]
+    if len(sections) != len(desc) + sum(q8):
         raise ContainerError("metadata container: header does not describe its sections")
     out = []
-    for i, (shape, dtype) in enumerate(desc):
+    for i, d in enumerate(desc):
         try:
-            dt = np.dtype(dtype)
+            dt = np.dtype(d[1])
+            shape = tuple(int(x) for x in d[0])
             count = int(np.prod(shape, dtype=np.int64))
         except (TypeError, ValueError) as e:
             raise ContainerError(f"metadata leaf {i}: bad shape/dtype ({e})") from None
         raw = sections.get(f"leaf{i}")
-        if raw is None or raw.size != count * dt.itemsize:
-            raise ContainerError(f"metadata leaf {i}: {None if raw is None else raw.size} bytes for {shape} {dt}")
-        out.append(np.ascontiguousarray(raw.reshape(dt.itemsize, count).T).reshape(-1).view(dt).reshape(shape).copy())
+        if not q8[i]:
+            if raw is None or raw.size != count * dt.itemsize:
+                raise ContainerError(f"metadata leaf {i}: {None if raw is None else raw.size} bytes for {shape} {dt}")
+            out.append(_unshuffled(raw, dt, shape))
+            continue
+        scales = sections.get(f"leaf{i}s")
+        rows = count // shape[-1] if shape and shape[-1] > 0 else -1
+        if (not np.issubdtype(dt, np.floating) or rows < 0 or raw is None or raw.size != count
+                or scales is None or scales.size != rows * 2):
+            raise ContainerError(f"metadata leaf {i}: its q8 sections do not fit {shape} {dt}")
+        codes = np.asarray(raw).view(np.int8).reshape(shape)
+        out.append(dequantize_rows_q8(codes, _unshuffled(scales, np.dtype(np.float16), (*shape[:-1], 1)), dt))
     return out

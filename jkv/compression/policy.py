@@ -28,7 +28,7 @@ from jkv.compression.bandwidth import BandwidthEstimator
 from jkv.compression.controller import BASELINE, Context, Controller, ControllerConfig, Decision, Profile
 from jkv.compression.dropping import inner_pipeline, parse_drop, servable
 from jkv.compression.kv_transfer import WIRE_ITEMSIZE
-from jkv.compression.paths import PathChoice, PathCosts, choose_paths
+from jkv.compression.paths import PathChoice, PathCosts, check_metadata_option, choose_paths
 from jkv.compression.profiling import ProfileFile, load_profile
 from jkv.compression.spec import PipelineSpec
 
@@ -49,7 +49,10 @@ class CompressionConfig:
     of every profile it may choose on this machine when a decode worker starts (`calibrate_for`)
     instead of charging the profile file's codec speed, which was measured elsewhere (the committed
     file's 1.2-10 MB/s came from a box at load 15-50: on a quiet one the controller then chose the
-    1.9x codec over the 3.2x one, whose real path runs several times faster)."""
+    1.9x codec over the 3.2x one, whose real path runs several times faster); metadata: the selector
+    metadata's codec, "auto" (lossless with a fixed pipeline; in "auto" mode the per-path envelope,
+    with lossy `q8+zstd1` offered only to requests whose push is lossy, `paths.choose_paths`) or
+    one codec for every request ("none", "zstd1", "q8+zstd1")."""
 
     mode: str = "off"
     profiles: tuple[str, ...] = ()
@@ -60,6 +63,7 @@ class CompressionConfig:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
     path_costs: PathCosts = field(default_factory=PathCosts)  # (cr, s) of the on-demand / metadata options
     calibrate: bool = True
+    metadata: str = "auto"  # selector metadata codec: "auto" (paths.choose_paths), "none", "zstd1", "q8+zstd1"
 
     def __post_init__(self):
         if self.mode not in ("off", "auto"):
@@ -73,12 +77,13 @@ class CompressionConfig:
         if self.mode == "auto" and not self.profiles:
             raise ValueError("compression='auto' needs profile files: compression_options={'profiles': [path]} "
                              "(make one with `jkv compress-profile`)")
+        check_metadata_option(self.metadata)
         if not 0 < self.q_min <= 1 or not self.t_slo_s > 0:
             raise ValueError(f"need 0 < {self.q_min=} <= 1 and {self.t_slo_s=} > 0")
 
     @classmethod
     def from_options(cls, mode: str, options: dict) -> "CompressionConfig":
-        known = {"profiles", "workload", "q_min", "t_slo_s", "min_sample_bytes", "calibrate"}
+        known = {"profiles", "workload", "q_min", "t_slo_s", "min_sample_bytes", "calibrate", "metadata"}
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"unknown compression options {sorted(unknown)}; known: {sorted(known)}")
@@ -205,16 +210,18 @@ class CompressionPolicy:
             return None
         if mode != "auto":
             spec_id = mode if parse_drop(mode) is not None else PipelineSpec.parse(mode).id
-            return Choice(spec_id, paths=choose_paths(spec_id, None, self.config.path_costs, fixed=True))
+            return Choice(spec_id, paths=choose_paths(spec_id, None, self.config.path_costs, fixed=True,
+                                                      metadata=self.config.metadata))
         bandwidth = self.estimator.estimate()
         if bandwidth is None:
             log.warning("compression='auto': no bandwidth estimate yet (unpaced link, no transfer observed); "
                         "this request moves uncompressed")
-            return Choice(BASELINE, reason="no_estimate", paths=choose_paths(BASELINE, None))
+            return Choice(BASELINE, reason="no_estimate",
+                          paths=choose_paths(BASELINE, None, metadata=self.config.metadata))
         d = self.controller.decide(Context(self.workload, self.config.t_slo_s, self.config.q_min, int(kv_bytes),
                                            float(t_model_s)))
         # per path (KVServe §6.1 on each path's own lines): on-demand replies and metadata at the same B
-        paths = choose_paths(d.profile.name, d.bandwidth_Bps, self.config.path_costs)
+        paths = choose_paths(d.profile.name, d.bandwidth_Bps, self.config.path_costs, metadata=self.config.metadata)
         return Choice(d.profile.name, d, t_model_s > 0, d.reason.split(":")[0], paths)  # "fallback: why" -> "fallback"
 
     def wire_bytes(self, choice: Choice | None, kv_bytes: int, metadata_bytes: int) -> tuple[float, float]:
@@ -222,12 +229,12 @@ class CompressionPolicy:
         the push compressed cr times, cr times more blocks fit in the prefill window. The KV's cr is
         the controller's line for the chosen profile ("auto"; cr_wire against float32); a fixed
         pipeline has no measured cr here and counts as uncompressed (Kr as without compression,
-        the conservative side). Metadata: `PathCosts.metadata_cr` when its codec is on."""
+        the conservative side). Metadata: the cr of its codec (`PathCosts.metadata_line`)."""
         if choice is None:
             return float(kv_bytes), float(metadata_bytes)
         d = choice.decision
         cr = d.profile.cr if d is not None and d.profile.name != BASELINE else 1.0
-        meta_cr = self.config.path_costs.metadata_cr if choice.metadata is not None else 1.0
+        meta_cr = self.config.path_costs.metadata_line(choice.metadata)[0]
         return kv_bytes / cr, metadata_bytes / meta_cr
 
     def observe_link(self, nbytes: int, busy_s: float) -> None:

@@ -245,8 +245,8 @@ def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, select
             assert policy.path_Bps[SPEC] > 1e5, policy.path_Bps  # measured by the worker, not the file's 1 kB/s
             assert all(o.metrics.extra["compression_reason"] == "greedy" for o in outs), mode  # epsilon=0
             # at 5 Mbit/s the other paths compress too: exact float16 rows (KIVI is not row-granular)
-            # and the lossless metadata codec
-            assert all(o.metrics.extra["compression_paths"] == dict(push=SPEC, on_demand="f16", metadata="zstd1")
+            # and, the push being lossy, the int8 metadata codec
+            assert all(o.metrics.extra["compression_paths"] == dict(push=SPEC, on_demand="f16", metadata="q8+zstd1")
                        for o in outs), mode
             tokens[mode] = [o.token_ids for o in outs]
             if mode == "full":
@@ -255,7 +255,9 @@ def test_controller_compresses_on_a_slow_link_and_bytes_drop_by_cr(model, select
         # float32 rows -> fp16 containers: the wire ratio is 2 x the profile's CR (frame headers
         # cost a little)
         assert 0.9 * 2 * cr <= wire_cr <= 2 * cr, (wire_cr, cr)
-        assert policy.estimator.samples == 2 * len(prompts)  # every hand-off carried a link sample
+        # every full-mode hand-off carried a link sample; a smartgen one moves only its proactive
+        # blocks and the int8 metadata before it, which can stay under min_sample_bytes (no sample)
+        assert len(prompts) <= policy.estimator.samples <= 2 * len(prompts)
         assert slow.worker.link_sample_waits >= 2  # compressed batches wait for their pushes' acks
     finally:
         slow.close()

@@ -13,7 +13,7 @@ from jkv.compression.container import ContainerError
 from jkv.compression.kv_transfer import ChunkPlan, KVCodec, RequestCodec
 from jkv.compression.paths import (F16, METADATA_CODEC, PathCosts, choose_paths, decode_rows, encode_rows,
                                    exact_row_option, pack_framed_reply, pack_metadata, padded_rows, row_granular,
-                                   unpack_metadata)
+                                   unpack_metadata, METADATA_Q8, q8_metadata_values)
 from jkv.compression.policy import CompressionConfig, CompressionPolicy
 from jkv.compression.spec import PipelineSpec
 from jkv.framing import unpack
@@ -95,6 +95,35 @@ def test_metadata_round_trips_losslessly_and_smaller():
     assert len(payload) < sum(a.nbytes for a in leaves)
 
 
+def test_q8_metadata_is_within_half_a_step_per_row_and_smaller():
+    """Lossy metadata: every float row (last axis) comes back as int8 codes times its float16
+    absmax scale — within half a step of the original — and exactly what `q8_metadata_values`
+    computes (what every transfer mode of the request selects from); integer and bool leaves and
+    rows of zeros travel exactly; fewer bytes than the lossless codec."""
+    rng = np.random.default_rng(4)
+    keys = np.cumsum(rng.normal(size=(1, 3, 300, 16)), axis=2).astype(np.float16)  # like partial keys
+    keys[0, 1, 7] = 0  # a row of zeros: scale 1, codes 0
+    leaves = [keys, rng.integers(0, 2**31, (1, 3, 4)).astype(np.int32), np.array([[True, False]])]
+    payload = pack_metadata(dict(rid="r", layer=4), leaves, METADATA_Q8)
+    header, body = unpack(payload)
+    assert header["cmeta"] == 1
+    out = unpack_metadata(body)
+    assert [(a.shape, a.dtype) for a in out] == [(a.shape, a.dtype) for a in leaves]
+    step = np.abs(keys.astype(np.float32)).max(-1, keepdims=True) / 127
+    err = np.abs(out[0].astype(np.float32) - keys.astype(np.float32))
+    assert (err <= 0.51 * step + np.abs(keys.astype(np.float32)) * 2.0**-10).all(), float((err / step).max())
+    assert not out[0][0, 1, 7].any()
+    assert not np.array_equal(out[0], keys)  # it is lossy
+    for a, b in zip(q8_metadata_values(leaves), out):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(out[1], leaves[1])
+    np.testing.assert_array_equal(out[2], leaves[2])
+    lossless = pack_metadata(dict(rid="r", layer=4), leaves, METADATA_CODEC)
+    assert len(payload) < 0.75 * len(lossless)
+    with pytest.raises(ValueError, match="metadata codec"):
+        pack_metadata({}, leaves, "q4+zstd1")
+
+
 def test_a_flipped_bit_in_any_part_is_rejected_not_decoded(monkeypatch):
     """Every byte of a row part and of a metadata container is covered by its checksum: the
     rejection comes before any decode program runs."""
@@ -107,7 +136,8 @@ def test_a_flipped_bit_in_any_part_is_rejected_not_decoded(monkeypatch):
     parts = [encode_rows(codec.pipeline("identity+tok4g32+none"), "identity+tok4g32+none", original[0, 0, pos],
                          original[1, 0, pos], 2),
              encode_rows(None, F16, copy[0, 0, pos], copy[1, 0, pos], 2),
-             unpack(pack_metadata(dict(rid="r", layer=1), [copy[0, 0]], METADATA_CODEC))[1].tobytes()]
+             unpack(pack_metadata(dict(rid="r", layer=1), [copy[0, 0]], METADATA_CODEC))[1].tobytes(),
+             unpack(pack_metadata(dict(rid="r", layer=1), [copy[0, 0]], METADATA_Q8))[1].tobytes()]
     rng = np.random.default_rng(5)
     for i, part in enumerate(parts):
         for at in list(range(0, 64)) + list(rng.integers(0, len(part), 64)):
@@ -143,11 +173,25 @@ def test_choose_paths_follows_the_envelope_per_path():
     fixed = choose_paths("identity+tok4g32+zstd3", None, costs, fixed=True)
     assert (fixed.on_demand, fixed.metadata) == ("identity+tok4g32+none", METADATA_CODEC)
     slow = choose_paths("hadamard+kivi2g32+zstd3", 1e6, costs)  # 8 Mbit/s: every byte counts
-    assert (slow.on_demand, slow.metadata) == (F16, METADATA_CODEC)
+    assert (slow.on_demand, slow.metadata) == (F16, METADATA_Q8)  # a lossy push: lossy metadata offered
     fast = choose_paths("identity+tok4g32+zstd3", 100e9, costs)  # beyond every B*_p (Theorem 6.1)
     assert (fast.on_demand, fast.metadata) == (None, None)
     plain = choose_paths("identity+none+none", 1e6, costs)  # float32 values: no exact smaller rows
     assert plain.push is None and plain.on_demand is None and plain.labels()["push"] == "none"
+    assert plain.metadata == METADATA_CODEC  # an exact push keeps exact metadata, however slow the link
+    # a forced metadata codec, whatever the push and the link
+    assert choose_paths("identity+none+none", 1e6, costs, metadata=METADATA_Q8).metadata == METADATA_Q8
+    assert choose_paths("hadamard+kivi2g32+zstd3", 1e6, costs, metadata="zstd1").metadata == METADATA_CODEC
+    assert choose_paths("identity+tok4g32+zstd3", None, costs, fixed=True, metadata=METADATA_Q8).metadata == METADATA_Q8
+    assert choose_paths("hadamard+kivi2g32+zstd3", 1e6, costs, metadata="none").metadata is None
+    with pytest.raises(ValueError, match="metadata codec 'q4'"):
+        choose_paths("hadamard+kivi2g32+zstd3", 1e6, costs, metadata="q4")
+    with pytest.raises(ValueError, match="metadata codec"):
+        CompressionConfig("hadamard+kivi2g32+zstd3", metadata="lossy")
+    # q8 wins over zstd1 where its (cr, s) line is lower: B < (1/cr_z - 1/cr_q) / (1/s_q - 1/s_z) ... here s
+    # are equal, so at every finite rate where compressing pays at all
+    mid = choose_paths("hadamard+kivi2g32+zstd3", 50e6, costs)
+    assert mid.metadata == METADATA_Q8
     # at the break-even of the row pipeline's line against the uncompressed one (B*_p = (1 - 1/cr) s)
     cr, s = costs.on_demand_line("identity+tok4g32+none")
     b_star = (1 - 1 / cr) * s
@@ -174,10 +218,14 @@ def test_eq2_counts_the_bytes_that_cross_so_a_compressed_push_gets_more_proactiv
     auto = CompressionPolicy(CompressionConfig("auto", profiles=("unused",), q_min=0.97), bandwidth_bps=20e6,
                              profiles=[prof])
     choice = auto.choose(int(kv), t_model_s=6.0)
-    assert choice.spec_id == "hadamard+kivi4g128+zstdh3" and choice.metadata == METADATA_CODEC
+    assert choice.spec_id == "hadamard+kivi4g128+zstdh3" and choice.metadata == METADATA_Q8
     kv_wire, meta_wire = auto.wire_bytes(choice, kv, meta)
     assert kv_wire == pytest.approx(kv / (2 * cr_fp16))  # profile CR is against fp16; the pool is float32
-    assert meta_wire == pytest.approx(meta / PathCosts().metadata_cr)
+    assert meta_wire == pytest.approx(meta / PathCosts().metadata_q8_cr)
+    lossless = CompressionPolicy(CompressionConfig("auto", profiles=("unused",), q_min=0.97, metadata="zstd1"),
+                                 bandwidth_bps=20e6, profiles=[prof])
+    assert lossless.wire_bytes(lossless.choose(int(kv), t_model_s=6.0), kv, meta)[1] == pytest.approx(
+        meta / PathCosts().metadata_cr)
     fixed = CompressionPolicy(CompressionConfig("hadamard+kivi4g128+zstdh3"))
     assert fixed.wire_bytes(fixed.choose(int(kv)), kv, meta)[0] == kv
     assert auto.wire_bytes(None, kv, meta) == (kv, meta)
@@ -185,7 +233,7 @@ def test_eq2_counts_the_bytes_that_cross_so_a_compressed_push_gets_more_proactiv
     cfg = TransferConfig(mode="smartgen", bandwidth_bps=20e6)
     plain, compressed = cfg.kr(geometry, 6.0, kv, meta), cfg.kr(geometry, 6.0, kv_wire, meta_wire)
     assert plain < compressed <= geometry.num_blocks
-    assert compressed >= 5 * plain  # ~7.7x the KV and 1.15x the metadata through the same window
+    assert compressed >= 5 * plain  # ~7.7x the KV and 2.06x the metadata through the same window
 
 
 @settings(max_examples=60, deadline=None)

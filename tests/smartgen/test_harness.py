@@ -49,11 +49,21 @@ def test_harness_with_compression_keeps_the_mode_invariant_and_plans_kr_on_wire_
             assert o.finish_reason == "length"
             assert o.metrics.extra["compression_paths"] == dict(push=spec, on_demand="f16", metadata="zstd1")
         assert [o.token_ids for o in smart_c] == [o.token_ids for o in full_c]
+        # lossy metadata (int8 rows): every mode selects from the same dequantized values
+        q8 = dict(metadata="q8+zstd1")
+        full_q8 = h.run("full", prompts, 4, compression=spec, compression_options=q8)
+        smart_q8 = h.run("smartgen", prompts, 4, compression=spec, compression_options=q8)
+        for o in full_q8 + smart_q8:
+            assert o.metrics.extra["compression_paths"] == dict(push=spec, on_demand="f16", metadata="q8+zstd1")
+        assert [o.token_ids for o in smart_q8] == [o.token_ids for o in full_q8]
+        assert sum(o.metrics.extra["bytes"]["metadata"] for o in smart_q8) < 0.75 * sum(
+            o.metrics.extra["bytes"]["metadata"] for o in smart_c)
         smart = h.run("smartgen", prompts, 4)
         auto = h.run("smartgen", prompts, 4, compression="auto",
                      compression_options=dict(profiles=[str(profile_path)], q_min=0.97, calibrate=False))  # s_p as given
         assert [o.metrics.extra["compression"] for o in auto] == [spec, spec]
-        assert [o.token_ids for o in auto] == [o.token_ids for o in full_c]  # same pipeline: same values
+        assert [o.metrics.extra["compression_paths"]["metadata"] for o in auto] == ["q8+zstd1"] * 2  # a lossy push
+        assert [o.token_ids for o in auto] == [o.token_ids for o in full_q8]  # same pipeline and codecs: same values
         plain_kr = [o.metrics.extra["kr"] for o in smart]
         auto_kr = [o.metrics.extra["kr"] for o in auto]
         assert all(a > p for a, p in zip(auto_kr, plain_kr)), (plain_kr, auto_kr)
