@@ -175,33 +175,6 @@ def absorb_reference(state: RequestCodec, layer: int, kv_layer: np.ndarray) -> N
         state._containers[(layer, c)] = (parts[0], parts[1])
 
 
-MIN_CHUNK_TOKENS = 128  # KVCodec's default smallest container; the decode side plans Kr with it
-
-
-def chunked_kr(order, kr: int, num_tokens: int, blocks_per_layer: int, block_tokens: int,
-               min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> int:
-    """Kr for a compressed push. Eq. 2 counts Kr blocks of `order` (flat ids l * M + m) into the
-    prefill window, but a compressed push sends each block's whole chunk (`RequestCodec.cover`), so
-    scattered blocks carried up to chunk_blocks times the planned bytes (1.39x at 4 x 2K with the
-    importance order). Returns the longest prefix k <= kr of `order` whose chunks hold no more
-    tokens than its first kr blocks do: the bytes that cross fit the window Eq. 2 planned."""
-    plan = ChunkPlan.for_geometry(num_tokens, blocks_per_layer, block_tokens, min_chunk_tokens)
-    order = np.asarray(order[:kr], np.int64)
-    starts = (order % blocks_per_layer) * block_tokens
-    budget = int(np.sum(np.clip(num_tokens - starts, 0, block_tokens)))
-    seen, covered = set(), 0
-    for k, b in enumerate(order.tolist()):
-        layer, m = divmod(b, blocks_per_layer)
-        key = (layer, plan.chunk_of(m))
-        if key not in seen:
-            seen.add(key)
-            start, stop = plan.tokens(key[1])
-            covered += stop - start
-            if covered > budget:
-                return k
-    return len(order)
-
-
 class KVCodec:
     """Builds per-request compressed state from a pipeline id (the send side's codec object).
 
@@ -209,7 +182,7 @@ class KVCodec:
     names every head's bits explicitly and needs none. min_chunk_tokens: smallest container.
     """
 
-    def __init__(self, calibration: Calibration | None = None, min_chunk_tokens: int = MIN_CHUNK_TOKENS):
+    def __init__(self, calibration: Calibration | None = None, min_chunk_tokens: int = 128):
         if min_chunk_tokens < 1:
             raise ValueError(f"{min_chunk_tokens=} must be >= 1 token")
         self.calibration = calibration

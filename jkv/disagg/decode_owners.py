@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-from jkv.compression.dropping import apply_dropping_frame, parse_drop, unpack_keep
-from jkv.compression.kv_transfer import apply_frame, chunked_kr
+from jkv.compression.dropping import apply_dropping_frame, unpack_keep
+from jkv.compression.kv_transfer import apply_frame
 from jkv.compression.paths import unpack_metadata
 from jkv.disagg import protocol as proto
 from jkv.disagg.decode_state import LiveRequest
@@ -195,10 +195,6 @@ class OwnerSide:
             self._warm_up(self._running)  # the running set's next steps are of a new class; compile here
         order = uncached_blocks(order, geometry, hit)
         kr = uncached_kr(self.transfer, kr, len(order)) if hit else min(len(order), kr)
-        push = choice.paths.push if choice is not None and choice.paths is not None else None
-        if push is not None and parse_drop(push) is None and self.transfer.mode != "full" \
-                and self.transfer.kr_fraction is None:  # Eq. 2's Kr: count the chunks that really cross
-            kr = chunked_kr(order, kr, n, geometry.blocks_per_layer, geometry.block_tokens)
         try:
             kv = self.pool.allocate(rid, n, capacity)
             self.endpoint.register(proto.kv_region(rid), kv.kv)

@@ -262,23 +262,3 @@ def test_framed_replies_round_trip_and_reject_exactly_the_corrupted_items(items,
         n = rows.shape[1]
         np.testing.assert_array_equal(reply[:, row:row + n], 0 if i == victim else rows)
         row += n
-
-
-def test_chunked_kr_fits_the_chunks_a_compressed_push_really_sends():
-    """Eq. 2 plans Kr blocks; a compressed push sends each block's whole chunk. chunked_kr keeps
-    the longest prefix of the order whose chunks hold no more tokens than the planned blocks."""
-    from jkv.compression.kv_transfer import ChunkPlan, chunked_kr
-
-    n, M, bt, L = 2048, 64, 32, 3  # 4 blocks (128 tokens) a chunk
-    sequential = np.arange(L * M)
-    assert chunked_kr(sequential, 40, n, M, bt) == 40  # whole chunks in order: nothing changes
-    assert chunked_kr(sequential, 42, n, M, bt) == 40  # the 11th chunk would carry 2 unplanned blocks
-    scattered = np.concatenate([np.arange(0, L * M, 4), np.setdiff1d(np.arange(L * M), np.arange(0, L * M, 4))])
-    k = chunked_kr(scattered, 40, n, M, bt)
-    assert k == 10  # every block opens a new chunk: 10 chunks = 40 blocks' tokens
-    plan = ChunkPlan.for_geometry(n, M, bt, 128)
-    chunks = {(b // M, plan.chunk_of(b % M)) for b in scattered[:k]}
-    assert sum(plan.tokens(c)[1] - plan.tokens(c)[0] for _, c in chunks) <= 40 * bt
-    assert chunked_kr(scattered, 0, n, M, bt) == 0
-    # a short last block and empty trailing blocks count the tokens they hold
-    assert chunked_kr(np.arange(M), M, 100, M, 2) == M
