@@ -35,6 +35,7 @@ from jkv.compression.spec import PipelineSpec
 log = logging.getLogger(__name__)
 
 POOL_ITEMSIZE = 4  # the host pools hold float32 KV
+WARM_RECEIVE_TOKENS = 4096  # a decode worker compiles the chunk decode of prompts up to this at start
 CALIBRATION_TOKENS = 128  # `calibrate_for`'s probe: one container per layer at the default chunking
 TIERS_PREFIX = "tiers:"  # `tokens.TierConfig` ids; hi-only ones are servable (`dropping.py`)
 
@@ -169,6 +170,30 @@ class CompressionPolicy:
         log.info("compression: transfer paths of %d profiles measured in %.1f s (%s)", len(measured),
                  time.perf_counter() - started, ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in measured.items()))
         return measured
+
+    def warm_receive(self, cfg, max_tokens: int = WARM_RECEIVE_TOKENS) -> int:
+        """Compile the decode side of every pipeline this policy may choose (a fixed one, or in
+        "auto" each servable profile point at or above the quality floor) for prompts of up to
+        `max_tokens` (`kv_transfer.warm_receive`). A decode worker calls it at start, so no frame
+        compiles on the notify thread while requests wait on it. Returns programs compiled."""
+        from jkv.compression.kv_transfer import KVCodec, warm_receive
+
+        if self.config.mode == "off":
+            return 0
+        if self.config.mode == "auto":
+            ids = {inner_pipeline(p.spec_id) for f in self.files for p in f.points
+                   if servable(p.spec_id) and p.accuracy >= self.config.q_min}
+        else:
+            ids = {inner_pipeline(self.config.mode)}
+        ids = sorted(PipelineSpec.parse(i).id for i in ids) if ids else []
+        codec, started, compiled = KVCodec(), time.perf_counter(), 0
+        for spec_id in ids:
+            if spec_id != BASELINE:
+                compiled += warm_receive(codec.pipeline(spec_id), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                         max_tokens)
+        log.info("compression: %d receive programs of %d pipelines compiled in %.1f s", compiled, len(ids),
+                 time.perf_counter() - started)
+        return compiled
 
     def calibrate_path(self, kv_probe, *, codec=None, min_chunk_tokens: int = 128,
                        blocks_per_layer: int | None = None, repeats: int = 2,

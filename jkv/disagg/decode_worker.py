@@ -161,6 +161,7 @@ class DecodeWorker(OwnerSide, FetchLanes):
         self.compression = compression  # jkv.compression.policy.CompressionPolicy or None ("off")
         if compression is not None:  # "auto": charge this machine's codec speed, not the profile file's
             compression.calibrate_for(cfg)
+            compression.warm_receive(cfg)  # every chunk batch a "ckv" frame can decode in, compiled now
         self.endpoint.on_notify("ckv", self._on_compressed)
         self.endpoint.on_notify("link", self._on_link)
         self._lock = threading.Lock()

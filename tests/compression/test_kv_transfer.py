@@ -76,6 +76,38 @@ def test_frame_round_trip_is_exactly_the_absorbed_values():
         apply_frame(dict(header, layer=L), payload, kv, mask)
 
 
+def test_warm_receive_compiles_every_chunk_batch_a_frame_can_decode_in():
+    """After the decode worker's warm-up (`CompressionPolicy.warm_receive`), decoding a frame of
+    any number of full-size chunks up to the warmed length compiles nothing: a first-met batch
+    size used to compile on the notify thread while every other frame waited behind it."""
+    import jax.monitoring
+
+    from jkv.compression.pipeline import decode_blocks
+
+    class Cfg:
+        num_layers, num_kv_heads, head_dim = 3, 2, 16
+
+    policy = CompressionPolicy(CompressionConfig("hadamard+kivi2g16+zstd3"))
+    assert policy.warm_receive(Cfg, max_tokens=5 * 128) == 2 * 3  # K and V layouts x batches 1, 2, 4
+    pipeline = KVCodec().pipeline("hadamard+kivi2g16+zstd3")
+    x = np.random.default_rng(1).standard_normal((2, 128, 16)).astype(np.float16)
+    blocks = [pipeline.encode_block(x, layer=layer, kind=kind) for layer in range(3) for kind in ("k", "v")]
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for count in range(1, 6):  # 3 = 2 + 1, 5 = 4 + 1: power-of-two batches, all warmed
+            decode_blocks(blocks[:2] * count)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+    assert CompressionPolicy(CompressionConfig("off")).warm_receive(Cfg) == 0
+
+
 def test_config_validates_the_choice():
     with pytest.raises(ValueError, match="pipeline id"):
         CompressionConfig("zip")
