@@ -171,6 +171,20 @@ class CompressionPolicy:
                  time.perf_counter() - started, ", ".join(f"{k} {v / 1e6:.0f} MB/s" for k, v in measured.items()))
         return measured
 
+    def pipelines(self) -> list[str]:
+        """The compressing pipelines this policy may choose (a token-dropping id: its kept rows'
+        pipeline): a fixed one, or in "auto" each servable profile point at or above the quality
+        floor. What the codecs of both sides warm up for (`warm_receive`, the prefill worker's
+        "warm_codec" notification)."""
+        if self.config.mode == "off":
+            return []
+        if self.config.mode == "auto":
+            ids = {inner_pipeline(p.spec_id) for f in self.files for p in f.points
+                   if servable(p.spec_id) and p.accuracy >= self.config.q_min}
+        else:
+            ids = {inner_pipeline(self.config.mode)}
+        return sorted({PipelineSpec.parse(i).id for i in ids} - {BASELINE})
+
     def warm_receive(self, cfg, max_tokens: int = WARM_RECEIVE_TOKENS) -> int:
         """Compile the decode side of every pipeline this policy may choose (a fixed one, or in
         "auto" each servable profile point at or above the quality floor) for prompts of up to
@@ -178,19 +192,11 @@ class CompressionPolicy:
         compiles on the notify thread while requests wait on it. Returns programs compiled."""
         from jkv.compression.kv_transfer import KVCodec, warm_receive
 
-        if self.config.mode == "off":
-            return 0
-        if self.config.mode == "auto":
-            ids = {inner_pipeline(p.spec_id) for f in self.files for p in f.points
-                   if servable(p.spec_id) and p.accuracy >= self.config.q_min}
-        else:
-            ids = {inner_pipeline(self.config.mode)}
-        ids = sorted(PipelineSpec.parse(i).id for i in ids) if ids else []
+        ids = self.pipelines()
         codec, started, compiled = KVCodec(), time.perf_counter(), 0
         for spec_id in ids:
-            if spec_id != BASELINE:
-                compiled += warm_receive(codec.pipeline(spec_id), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                         max_tokens)
+            compiled += warm_receive(codec.pipeline(spec_id), cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                     max_tokens)
         log.info("compression: %d receive programs of %d pipelines compiled in %.1f s", compiled, len(ids),
                  time.perf_counter() - started)
         return compiled

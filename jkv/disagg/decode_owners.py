@@ -27,6 +27,7 @@ import numpy as np
 from jkv.compression.dropping import apply_dropping_frame, unpack_keep
 from jkv.compression.kv_transfer import apply_frame
 from jkv.compression.paths import unpack_metadata
+from jkv.compression.policy import WARM_RECEIVE_TOKENS
 from jkv.disagg import protocol as proto
 from jkv.disagg.decode_state import LiveRequest
 from jkv.disagg.prefix_split import handin_prefix, mark_cached, prefix_eligible, uncached_blocks, uncached_kr
@@ -69,6 +70,11 @@ class OwnerSide:
             self._bulk_of[name] = lane.name
         if name not in self.owners:
             self.owners.append(name)
+            if self.compression is not None and self.compression.pipelines():
+                # the prefill side compiles its codec for every pipeline this worker may choose
+                # before it takes a request (its notifications are handled in order)
+                self.endpoint.peers[name].notify("warm_codec", proto.pack(dict(pipelines=self.compression.pipelines(),
+                                                                 max_tokens=WARM_RECEIVE_TOKENS)))
         return name
 
     def alive_owners(self) -> list[str]:

@@ -71,6 +71,7 @@ from transport import Endpoint, TransportError
 log = logging.getLogger(__name__)
 
 PREFILL_BUCKET = 64
+MAX_WARM_TOKENS = 32768  # a "warm_codec" notification compiles for prompts up to this at most
 
 
 class DecodePeerGone(RuntimeError):
@@ -140,6 +141,8 @@ class PrefillWorker(PushSide):
             proto.unpack(payload)[0]["bps"]) or b"")
         self.endpoint.on_notify("prefill", self._enqueue)
         self.endpoint.on_notify("spec", self._spec)
+        self.endpoint.on_notify("warm_codec", self._warm_codec)
+        self._warmed_codecs: set[str] = set()
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
@@ -334,6 +337,26 @@ class PrefillWorker(PushSide):
         h.codec.absorb_request(self.model, prompt, h.kv.kv)
         for layer, blocks in proactive.items():
             self._push(peer, h, layer, blocks, "proactive")
+
+    def _warm_codec(self, note) -> None:
+        """A decode worker's pipelines (`CompressionPolicy.pipelines`): compile this worker's
+        prefill-side codec for each (`KVCodec.warm_absorb`) now, on the notification thread, so the
+        "prefill" notifications queued behind it start warm. Once per pipeline per process."""
+        header, _ = proto.unpack(note.payload)
+        cfg = self.model.cfg
+        max_tokens = min(int(header.get("max_tokens", 0)), MAX_WARM_TOKENS)
+        for spec_id in header.get("pipelines", []):
+            if not isinstance(spec_id, str) or spec_id in self._warmed_codecs:
+                continue
+            started = time.perf_counter()
+            try:
+                self._kv_codec().warm_absorb(spec_id, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_tokens)
+            except ValueError as e:  # an unknown pipeline id: its requests fail with the same error later
+                log.warning("%s: cannot warm pipeline %r from %r: %s", self.name, spec_id, note.peer, e)
+                continue
+            self._warmed_codecs.add(spec_id)
+            log.info("%s: codec %s warmed for prompts up to %d tokens in %.1f s", self.name, spec_id, max_tokens,
+                     time.perf_counter() - started)
 
     def _kv_codec(self):
         if self.codec is None:

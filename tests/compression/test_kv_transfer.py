@@ -108,6 +108,32 @@ def test_warm_receive_compiles_every_chunk_batch_a_frame_can_decode_in():
     assert CompressionPolicy(CompressionConfig("off")).warm_receive(Cfg) == 0
 
 
+def test_warm_absorb_leaves_nothing_to_compile_in_a_requests_prefill():
+    """`KVCodec.warm_absorb` (what a prefill worker runs on a decode worker's "warm_codec"
+    notification) compiles every batch a layer of whole chunks is absorbed in, up to max_tokens."""
+    import jax.monitoring
+
+    codec = KVCodec(min_chunk_tokens=64)
+    assert codec.warm_absorb("identity+kivi2g16+zstd3", 2, 2, 16, max_tokens=7 * 64) == 3 * 2  # 1, 2, 4 chunks; K, V
+    compiles = []
+
+    def listener(event, duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for chunks in (3, 7):
+            n = chunks * 64
+            state = codec.start("identity+kivi2g16+zstd3", BlockGeometry(n, 2, n // 16))  # 16-token blocks
+            assert state.chunks.chunk_tokens == 64
+            layer = np.random.default_rng(chunks).standard_normal((2, 2, n, 16)).astype(np.float32)
+            state.absorb(1, layer)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == []
+
+
 def test_config_validates_the_choice():
     with pytest.raises(ValueError, match="pipeline id"):
         CompressionConfig("zip")
@@ -210,6 +236,8 @@ def test_fixed_profile_keeps_the_mode_invariant(model, selector, prompts, fast_l
             assert sum(o.metrics.extra["on_demand_ratio"] for o in outs) > 0  # rows really came on demand
     assert tokens["partial"] == tokens["full"] and tokens["smartgen"] == tokens["full"]
     assert tokens["full"] != [o.token_ids for o in off]
+    # the decode worker told the prefill worker its pipeline on connecting: warmed before any request
+    assert fast_link.worker._warmed_codecs == {PipelineSpec.parse(SPEC).id}
     assert full_bytes < raw_bytes(model, prompts) / 4  # 2-bit codes vs float32 rows
 
 
