@@ -28,6 +28,8 @@ from jkv.compression.dropping import apply_dropping_frame, unpack_keep
 from jkv.compression.kv_transfer import apply_frame
 from jkv.compression.paths import unpack_metadata
 from jkv.compression.policy import WARM_RECEIVE_TOKENS
+
+WARM_TIMEOUT_S = 600.0  # a prefill worker compiling its codec (~5 s a pipeline on 2 cores) before it replies
 from jkv.disagg import protocol as proto
 from jkv.disagg.decode_state import LiveRequest
 from jkv.disagg.prefix_split import handin_prefix, mark_cached, prefix_eligible, uncached_blocks, uncached_kr
@@ -72,9 +74,9 @@ class OwnerSide:
             self.owners.append(name)
             if self.compression is not None and self.compression.pipelines():
                 # the prefill side compiles its codec for every pipeline this worker may choose
-                # before it takes a request (its notifications are handled in order)
-                self.endpoint.peers[name].notify("warm_codec", proto.pack(dict(pipelines=self.compression.pipelines(),
-                                                                 max_tokens=WARM_RECEIVE_TOKENS)))
+                # before this worker sends it a request (first use compiled inside a prefill)
+                self.endpoint.peers[name].call("warm_codec", proto.pack(dict(
+                    pipelines=self.compression.pipelines(), max_tokens=WARM_RECEIVE_TOKENS)), timeout=WARM_TIMEOUT_S)
         return name
 
     def alive_owners(self) -> list[str]:

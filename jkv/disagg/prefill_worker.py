@@ -141,8 +141,9 @@ class PrefillWorker(PushSide):
             proto.unpack(payload)[0]["bps"]) or b"")
         self.endpoint.on_notify("prefill", self._enqueue)
         self.endpoint.on_notify("spec", self._spec)
-        self.endpoint.on_notify("warm_codec", self._warm_codec)
+        self.endpoint.serve("warm_codec", self._warm_codec)
         self._warmed_codecs: set[str] = set()
+        self._warm_lock = threading.Lock()
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._held: dict[str, _Held] = {}
@@ -338,25 +339,28 @@ class PrefillWorker(PushSide):
         for layer, blocks in proactive.items():
             self._push(peer, h, layer, blocks, "proactive")
 
-    def _warm_codec(self, note) -> None:
-        """A decode worker's pipelines (`CompressionPolicy.pipelines`): compile this worker's
-        prefill-side codec for each (`KVCodec.warm_absorb`) now, on the notification thread, so the
-        "prefill" notifications queued behind it start warm. Once per pipeline per process."""
-        header, _ = proto.unpack(note.payload)
+    def _warm_codec(self, peer_name: str, payload) -> bytes:
+        """RPC from a connecting decode worker: its pipelines (`CompressionPolicy.pipelines`). Compile
+        this worker's prefill-side codec for each (`KVCodec.warm_absorb`) and reply when done; the
+        decode worker's connect waits for it, so its first request finds the codec warm. Once per
+        pipeline per process (a lock keeps two decode workers from compiling the same one twice)."""
+        header, _ = proto.unpack(payload)
         cfg = self.model.cfg
         max_tokens = min(int(header.get("max_tokens", 0)), MAX_WARM_TOKENS)
         for spec_id in header.get("pipelines", []):
-            if not isinstance(spec_id, str) or spec_id in self._warmed_codecs:
-                continue
-            started = time.perf_counter()
-            try:
-                self._kv_codec().warm_absorb(spec_id, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_tokens)
-            except ValueError as e:  # an unknown pipeline id: its requests fail with the same error later
-                log.warning("%s: cannot warm pipeline %r from %r: %s", self.name, spec_id, note.peer, e)
-                continue
-            self._warmed_codecs.add(spec_id)
+            with self._warm_lock:
+                if not isinstance(spec_id, str) or spec_id in self._warmed_codecs:
+                    continue
+                started = time.perf_counter()
+                try:
+                    self._kv_codec().warm_absorb(spec_id, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_tokens)
+                except ValueError as e:  # an unknown pipeline id: its requests fail with the same error later
+                    log.warning("%s: cannot warm pipeline %r from %r: %s", self.name, spec_id, peer_name, e)
+                    continue
+                self._warmed_codecs.add(spec_id)
             log.info("%s: codec %s warmed for prompts up to %d tokens in %.1f s", self.name, spec_id, max_tokens,
                      time.perf_counter() - started)
+        return b""
 
     def _kv_codec(self):
         if self.codec is None:
