@@ -4,6 +4,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Tests run on CPU unless a gpu-marked test asks otherwise; keep XLA from grabbing all cores'
 # memory and make results deterministic.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -135,3 +137,28 @@ def pytest_collection_modifyitems(session, config, items):
         return (LONG_FILES.index(path), 0) if path in LONG_FILES else (len(LONG_FILES), -len(files[path]))
 
     items[:] = [item for path in sorted(files, key=rank) for item in files[path]]
+
+
+@pytest.fixture
+def count_compiles():
+    """``with count_compiles() as compiles:`` collects one entry per XLA backend compile inside the
+    block (jax.monitoring), so a test can assert that a warm-up left nothing to compile."""
+    import contextlib
+
+    import jax.monitoring
+
+    @contextlib.contextmanager
+    def counting():
+        compiles = []
+
+        def listener(event, duration, **kw):
+            if event == "/jax/core/compile/backend_compile_duration":
+                compiles.append(event)
+
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        try:
+            yield compiles
+        finally:
+            jax.monitoring.unregister_event_duration_listener(listener)
+
+    return counting

@@ -76,12 +76,10 @@ def test_frame_round_trip_is_exactly_the_absorbed_values():
         apply_frame(dict(header, layer=L), payload, kv, mask)
 
 
-def test_warm_receive_compiles_every_chunk_batch_a_frame_can_decode_in():
+def test_warm_receive_compiles_every_chunk_batch_a_frame_can_decode_in(count_compiles):
     """After the decode worker's warm-up (`CompressionPolicy.warm_receive`), decoding a frame of
     any number of full-size chunks up to the warmed length compiles nothing: a first-met batch
     size used to compile on the notify thread while every other frame waited behind it."""
-    import jax.monitoring
-
     from jkv.compression.pipeline import decode_blocks
 
     class Cfg:
@@ -92,45 +90,25 @@ def test_warm_receive_compiles_every_chunk_batch_a_frame_can_decode_in():
     pipeline = KVCodec().pipeline("hadamard+kivi2g16+zstd3")
     x = np.random.default_rng(1).standard_normal((2, 128, 16)).astype(np.float16)
     blocks = [pipeline.encode_block(x, layer=layer, kind=kind) for layer in range(3) for kind in ("k", "v")]
-    compiles = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compiles() as compiles:
         for count in range(1, 6):  # 3 = 2 + 1, 5 = 4 + 1: power-of-two batches, all warmed
             decode_blocks(blocks[:2] * count)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
     assert CompressionPolicy(CompressionConfig("off")).warm_receive(Cfg) == 0
 
 
-def test_warm_absorb_leaves_nothing_to_compile_in_a_requests_prefill():
+def test_warm_absorb_leaves_nothing_to_compile_in_a_requests_prefill(count_compiles):
     """`KVCodec.warm_absorb` (what a prefill worker runs on a decode worker's "warm_codec"
     notification) compiles every batch a layer of whole chunks is absorbed in, up to max_tokens."""
-    import jax.monitoring
-
     codec = KVCodec(min_chunk_tokens=64)
     assert codec.warm_absorb("identity+kivi2g16+zstd3", 2, 2, 16, max_tokens=7 * 64) == 3 * 2  # 1, 2, 4 chunks; K, V
-    compiles = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compiles() as compiles:
         for chunks in (3, 7):
             n = chunks * 64
             state = codec.start("identity+kivi2g16+zstd3", BlockGeometry(n, 2, n // 16))  # 16-token blocks
             assert state.chunks.chunk_tokens == 64
             layer = np.random.default_rng(chunks).standard_normal((2, 2, n, 16)).astype(np.float32)
             state.absorb(1, layer)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
 
 

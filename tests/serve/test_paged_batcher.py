@@ -146,30 +146,19 @@ def test_row_buckets_are_powers_of_two_up_to_max_slots():
     assert row_buckets(1) == [1]
 
 
-def test_warmup_compiles_the_greedy_pick_and_the_sampler_of_every_row_bucket(model):
+def test_warmup_compiles_the_greedy_pick_and_the_sampler_of_every_row_bucket(model, count_compiles):
     """A batch of only greedy rows takes `sample_or_argmax`'s argmax, a program of its own per row
     bucket: left to the first such step, it compiled mid-serving (a stall of every stream)."""
-    import jax.monitoring
-
     from jkv.sampling import sample_or_argmax
 
     b = PagedBatcher(model, BatcherConfig(max_slots=4, max_model_len=64, page_size=PAGE, prefill_chunk=CHUNK))
     b.warmup()
-    compiles = []
-
-    def listener(event, duration, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with count_compiles() as compiles:
         for B in row_buckets(4):
             z = np.zeros(B, np.int32)
             for temperature in (0.0, 0.7):
                 sample_or_argmax(np.ones((B, model.cfg.vocab_size), np.float32), np.full(B, temperature, np.float32),
                                  z, np.ones(B, np.float32), z.astype(np.uint32), z)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert compiles == []
 
 
