@@ -178,6 +178,13 @@ def absorb_reference(state: RequestCodec, layer: int, kv_layer: np.ndarray) -> N
 MIN_CHUNK_TOKENS = 128  # KVCodec's default smallest container
 
 
+def warm_batch_sizes(max_tokens: int, chunk_tokens: int) -> list[int]:
+    """Every power-of-two batch of full-size chunks a layer of up to `max_tokens` tokens is coded in
+    (`pipeline._power_of_two_batches` of its chunk count): 1, 2, 4, ... up to that count."""
+    max_chunks = max(1, -(-max_tokens // chunk_tokens))
+    return [1 << b for b in range(max_chunks.bit_length())]
+
+
 def warm_receive(pipeline: Pipeline, num_layers: int, num_kv_heads: int, head_dim: int,
                  max_tokens: int, min_chunk_tokens: int = MIN_CHUNK_TOKENS) -> int:
     """Compile the receive side of `pipeline` before any request needs it: `decode_blocks` of
@@ -190,8 +197,7 @@ def warm_receive(pipeline: Pipeline, num_layers: int, num_kv_heads: int, head_di
     from jkv.compression.pipeline import decode_blocks, inspect_block
 
     x = np.random.default_rng(0).standard_normal((num_kv_heads, min_chunk_tokens, head_dim)).astype(WIRE_DTYPE)
-    max_chunks = max(1, -(-max_tokens // min_chunk_tokens))
-    sizes = [1 << b for b in range(max_chunks.bit_length())]
+    sizes = warm_batch_sizes(max_tokens, min_chunk_tokens)
     seen, compiled = set(), 0
     for layer in range(num_layers):
         for kind in ("k", "v"):
@@ -240,11 +246,10 @@ class KVCodec:
 
         pipeline = self.pipeline(inner_pipeline(spec_id))
         chunk = self.min_chunk_tokens
-        max_chunks = max(1, -(-max_tokens // chunk))
         rng = np.random.default_rng(0)
         layers = range(num_layers) if pipeline.spec.id.startswith("mixed-") else (0,)
         runs = 0
-        for count in (1 << b for b in range(max_chunks.bit_length())):
+        for count in warm_batch_sizes(max_tokens, chunk):
             x = rng.standard_normal((num_kv_heads, count * chunk, head_dim)).astype(WIRE_DTYPE)
             for layer in layers:
                 for kind in ("k", "v"):

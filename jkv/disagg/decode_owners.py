@@ -72,11 +72,12 @@ class OwnerSide:
             self._bulk_of[name] = lane.name
         if name not in self.owners:
             self.owners.append(name)
-            if self.compression is not None and self.compression.pipelines():
+            pipelines = self.compression.pipelines() if self.compression is not None else []
+            if pipelines:
                 # the prefill side compiles its codec for every pipeline this worker may choose
                 # before this worker sends it a request (first use compiled inside a prefill)
                 self.endpoint.peers[name].call("warm_codec", proto.pack(dict(
-                    pipelines=self.compression.pipelines(), max_tokens=WARM_RECEIVE_TOKENS)), timeout=WARM_TIMEOUT_S)
+                    pipelines=pipelines, max_tokens=WARM_RECEIVE_TOKENS)), timeout=WARM_TIMEOUT_S)
         return name
 
     def alive_owners(self) -> list[str]:
