@@ -38,7 +38,7 @@ import numpy as np
 from jkv.disagg.harness import Harness, summarize
 from models import DEFAULT_MODEL
 
-from experiments.common import RESULTS, add_model_arg, write_csv
+from experiments.common import RESULTS, add_model_arg, machine_info, write_csv
 MODES = ("full", "partial", "+profile", "+parallel", "smartgen")
 SPEC_RATIOS = (0.05, 0.10, 0.20)
 STRATEGIES = ("profile", "sequential", "random", "streaming", "oracle")
@@ -299,8 +299,13 @@ def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
                              token_agreement_vs_uncompressed=a["fraction"], token_prefix_vs_uncompressed=a["prefix"],
                              same_pipeline_other_mode=same_pipeline,
                              same_tokens_other_mode=o.token_ids == other.token_ids,
-                             encode_s=x.get("encode_s"), decode_s=x.get("decode_s"), kr=x["kr"], blocks=x["blocks"]))
+                             encode_s=x.get("encode_s"), decode_s=x.get("decode_s"), kr=x["kr"], blocks=x["blocks"],
+                             ttft=o.metrics.ttft, ttst=o.metrics.ttst))
     write_csv(os.path.join(RESULTS, f"{tag}_compression_requests.csv"), reqs)
+    write_csv(os.path.join(RESULTS, f"{tag}_compression_phases.csv"),
+              [dict(run=name, steps=window, phase=k, mean_per_step=v) for name in r
+               for window, phases in phase_table(r[name]).items() for k, v in phases.items()],
+              fields=["run", "steps", "phase", "mean_per_step"])
     bounds = link_bounds(runs, bw, args.workers, max_tokens, ("compression", "full"), ("compression", "smartgen+comp"))
     figures = dict(ttst_full_over_smartgen_comp=rows[3]["ttst_full_over_run"],
                    ttst_full_over_full_comp=rows[1]["ttst_full_over_run"],
@@ -313,6 +318,7 @@ def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
                    min_profile_quality=min((q["profile_quality"] for q in reqs if q["profile_quality"] is not None),
                                            default=float("nan")),
                    same_pipeline_same_tokens=same_choice_equal, compression=args.compression,
+                   cpu_model=machine_info()["cpu_model"], cores=machine_info()["cores"],
                    tp_s=tp, bandwidth_mbit=bw / 1e6, load_avg_at_pacing=args.pace_load,
                    load_avg_1min=os.getloadavg()[0], **bounds)
     write_csv(os.path.join(RESULTS, f"{tag}_compression_summary.csv"),
@@ -331,6 +337,11 @@ def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
     print(f"smartgen+comp link bound: TTST >= {bounds['ttst_smartgen_link_s']:.1f}s, ratio <= "
           f"{bounds['ttst_ratio_link_bound']:.2f}x; on demand {bounds['smartgen_on_demand_MB_per_step_11_64']:.2f} MB "
           f"per step 11-{hi} -> TBT floor {bounds['tbt_ratio_link_floor']:.2f}x full's")
+    for name in r:  # where step 1 (token 2) goes: the TTST stall after the first token
+        step1 = phase_table(r[name]).get("1-1", {})
+        print(f"  step 1 of {name:<14} per request TTFT {' '.join(f'{o.metrics.ttft:.2f}' for o in r[name])} s, "
+              f"TTST {' '.join(f'{o.metrics.ttst:.2f}' for o in r[name])} s; "
+              + ", ".join(f"{k} {v:.3f}" if not k.endswith("_n") else f"{k} {v:.0f}" for k, v in step1.items()))
     print(f"mode invariant (same pipeline -> same tokens in full and smartgen): {same_choice_equal}")
     return same_choice_equal
 
