@@ -302,11 +302,13 @@ def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
                              encode_s=x.get("encode_s"), decode_s=x.get("decode_s"), kr=x["kr"], blocks=x["blocks"],
                              ttft=o.metrics.ttft, ttst=o.metrics.ttst))
     write_csv(os.path.join(RESULTS, f"{tag}_compression_requests.csv"), reqs)
+    phases = {name: phase_table(outs) for name, outs in r.items()}
     write_csv(os.path.join(RESULTS, f"{tag}_compression_phases.csv"),
               [dict(run=name, steps=window, phase=k, mean_per_step=v) for name in r
-               for window, phases in phase_table(r[name]).items() for k, v in phases.items()],
+               for window, table in phases[name].items() for k, v in table.items()],
               fields=["run", "steps", "phase", "mean_per_step"])
     bounds = link_bounds(runs, bw, args.workers, max_tokens, ("compression", "full"), ("compression", "smartgen+comp"))
+    machine = machine_info()
     figures = dict(ttst_full_over_smartgen_comp=rows[3]["ttst_full_over_run"],
                    ttst_full_over_full_comp=rows[1]["ttst_full_over_run"],
                    ttst_full_over_smartgen=rows[2]["ttst_full_over_run"],
@@ -318,7 +320,7 @@ def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
                    min_profile_quality=min((q["profile_quality"] for q in reqs if q["profile_quality"] is not None),
                                            default=float("nan")),
                    same_pipeline_same_tokens=same_choice_equal, compression=args.compression,
-                   cpu_model=machine_info()["cpu_model"], cores=machine_info()["cores"],
+                   cpu_model=machine["cpu_model"], cores=machine["cores"],
                    tp_s=tp, bandwidth_mbit=bw / 1e6, load_avg_at_pacing=args.pace_load,
                    load_avg_1min=os.getloadavg()[0], **bounds)
     write_csv(os.path.join(RESULTS, f"{tag}_compression_summary.csv"),
@@ -338,7 +340,7 @@ def write_compression(runs, tag, max_tokens, tp, bw, args, options) -> bool:
           f"{bounds['ttst_ratio_link_bound']:.2f}x; on demand {bounds['smartgen_on_demand_MB_per_step_11_64']:.2f} MB "
           f"per step 11-{hi} -> TBT floor {bounds['tbt_ratio_link_floor']:.2f}x full's")
     for name in r:  # where step 1 (token 2) goes: the TTST stall after the first token
-        step1 = phase_table(r[name]).get("1-1", {})
+        step1 = phases[name].get("1-1", {})
         print(f"  step 1 of {name:<14} per request TTFT {' '.join(f'{o.metrics.ttft:.2f}' for o in r[name])} s, "
               f"TTST {' '.join(f'{o.metrics.ttst:.2f}' for o in r[name])} s; "
               + ", ".join(f"{k} {v:.3f}" if not k.endswith("_n") else f"{k} {v:.0f}" for k, v in step1.items()))
