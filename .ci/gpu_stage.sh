@@ -3,7 +3,7 @@
 # real Hopper code without a GPU.
 #   1. a Python 3.12 venv (.venv312) with the pinned jax >= 0.11 + CUDA 13 plugin
 #      (.ci/requirements-gpu-stage.txt); installed once, then reused (a stamp keyed on the file);
-#   2. tests/kernels on that jax: interpret mode (Triton and Mosaic GPU kernels) and export;
+#   2. tests/kernel_tests on that jax: interpret mode (Triton and Mosaic GPU kernels) and export;
 #   3. experiments/compile_sm90.py: deviceless compilation of every kernel configuration and the
 #      jitted decode programs to sm_90a cubins with the machine's ptxas, plus a negative control
 #      that must be refused; results in experiments/results/gpu_compile.csv.
@@ -55,14 +55,14 @@ echo "# gpu stage: $("$VENV/bin/python" -c 'import sys, jax; print(f"Python {sys
 export JAX_PLATFORMS=cpu PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 t0=$(date +%s)
-echo "# gpu stage 1/2: tests/kernels on jax >= 0.11 (interpret + export)"
+echo "# gpu stage 1/2: tests/kernel_tests on jax >= 0.11 (interpret + export)"
 # -m "not slow": the gpu_check.sh dry run (slow) already runs in the main stage.
 # XLA:CPU at LLVM -O0, as in the main stage: tests/conftest.py leaves XLA_FLAGS alone where a jax
 # plugin is installed (this venv has the CUDA one), but this step compiles nothing for a GPU (CPU
 # only: interpret mode and jax.export), and its CPU time is mostly XLA compiling the interpreted
 # kernels. Only this command gets the flag: step 2 compiles for sm_90a with XLA's defaults.
 XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_backend_optimization_level=0" \
-    "$VENV/bin/python" -m pytest -q tests/kernels -m "not slow" -p no:cacheprovider -W ignore::DeprecationWarning || status=1
+    "$VENV/bin/python" -m pytest -q tests/kernel_tests -m "not slow" -p no:cacheprovider -W ignore::DeprecationWarning || status=1
 tests_s=$(( $(date +%s) - t0 ))
 
 t0=$(date +%s)

@@ -64,7 +64,7 @@ class Case:
 
 
 def kernel_cases() -> list[Case]:
-    """Every kernel configuration the tests lower (tests/kernels/test_gpu_lowering.py: top-k,
+    """Every kernel configuration the tests lower (tests/kernel_tests/test_gpu_lowering.py: top-k,
     split/reorder, Triton attention, the paged gather) and the Mosaic attention kernels (selected
     rows and pages) at decode sizes, in bf16 / f16 and in f32 (3xbf16 products) at both head dims
     f32 takes (64, 128: the SMEM-tightest)."""

@@ -9,7 +9,7 @@
 #   env       jax version, devices, nvidia-smi, dispatch's backend choice
 #   wheels    installs what `import models, pallas_kernels, jkv` needs and the image lacks, from
 #             experiments/gpu/wheels/ (made by --prepare; carry it: it is git-ignored)
-#   kernels   tests/kernels with the kernels compiled (JKV_KERNEL_MODE=compiled), no -x
+#   kernels   tests/kernel_tests with the kernels compiled (JKV_KERNEL_MODE=compiled), no -x
 #   bench     experiments/bench_kernels.py: each op per backend (mosaic / triton / xla), GB/s,
 #             fraction of measured HBM bandwidth, at k = 2,048, B*H_kv = 64
 #   f32_attention  f32 sparse decode attention per backend (the Mosaic kernel runs it as 3xbf16
@@ -56,15 +56,15 @@ if [ "$MODE" = cpu ]; then
     export JAX_PLATFORMS=cpu
     KERNEL_MODE=interpret
     # A quick subset: the point is that every step of the script runs (pytest, its junit XML, the
-    # summary), not kernel coverage, which the main suite's run of tests/kernels has. The dispatch
+    # summary), not kernel coverage, which the main suite's run of tests/kernel_tests has. The dispatch
     # tests of this file lower Triton/Mosaic programs for CUDA (~1 min of CPU between them) and run
     # in the suite anyway; the refusal and backend-choice tests take a second.
-    KERNEL_TESTS=(tests/kernels/test_mosaic_attention.py -k "refused or auto_prefers")
+    KERNEL_TESTS=(tests/kernel_tests/test_mosaic_attention.py -k "refused or auto_prefers")
     BENCH_ARGS=(--device cpu --batch 1 --kv-heads 2 --tokens 2048 --head-dim 64 --repeats 1)
     PROGRAM_ARGS=(--small)
 else
     KERNEL_MODE=compiled
-    KERNEL_TESTS=(tests/kernels -m "not slow")  # not the CPU dry run of this very script
+    KERNEL_TESTS=(tests/kernel_tests -m "not slow")  # not the CPU dry run of this very script
     BENCH_ARGS=(--device gpu --batch 8 --kv-heads 8 --tokens 10240 --ratio 0.2 --head-dim 128)
     PROGRAM_ARGS=()
 fi

@@ -11,7 +11,7 @@ paged step at b=8 and 1K tokens (docs/performance.md, "Where decode time goes").
 (`cpu_paged_attention.cc`) walks each row's pages where they lie in the pool: K once for the
 logits, V once for the weighted sum, nothing copied. It follows the reference's two-pass softmax,
 so it differs from it only by float summation order and its own vectorized exp (measured
-<= 1e-6; tests/kernels/test_cpu_paged_attention.py).
+<= 1e-6; tests/kernel_tests/test_cpu_paged_attention.py).
 
 Build: the C++ source is compiled once per (source, compiler flags, jaxlib, CPU) with the system's
 C++ compiler (`$CXX`, default `c++`; `-O3 -march=native`) against jaxlib's XLA FFI headers, into

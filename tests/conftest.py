@@ -99,7 +99,7 @@ LONG_FILES = (
     "tests/serve/test_disagg.py",
     "tests/serve/test_prefix_batcher.py",
     "tests/serve/test_paged_batcher.py",
-    "tests/kernels/test_gpu_check.py",
+    "tests/kernel_tests/test_gpu_check.py",
     "tests/serve/test_disagg_reconnect.py",
     "tests/serve/test_metrics_transfer.py",
     "tests/serve/test_router.py",

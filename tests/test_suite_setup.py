@@ -93,3 +93,19 @@ def test_xla_cpu_backend_optimization_is_off_and_moves_logits_by_rounding_only()
     o0, default = outs
     assert o0.shape == (4, 301) and (o0.argmax(-1) == default.argmax(-1)).all()
     np.testing.assert_allclose(o0, default, rtol=1e-5, atol=1e-5)
+
+
+def test_no_test_package_shadows_an_installed_distribution():
+    """pytest puts tests/ first on sys.path (rootdir-relative imports), so a test directory with an
+    __init__.py is a top-level package named like the directory: `tests/kernels` hid Hugging Face's
+    `kernels` (a dependency of transformers >= 5.25), and every test that imported transformers'
+    hub-kernel integration failed with "cannot import name 'CUDAProperties' from 'kernels'"."""
+    import importlib.metadata
+
+    installed = {name.replace("-", "_").lower() for dist in importlib.metadata.distributions()
+                 for name in [dist.metadata["Name"] or ""] + (dist.read_text("top_level.txt") or "").split()}
+    packages = [p.parent.name for p in (ROOT / "tests").glob("*/__init__.py")]
+    assert packages, "no test package found: the check would pass vacuously"
+    clashes = sorted(name for name in packages if name.lower() in installed)
+    assert not clashes, (f"tests/{clashes[0]} is importable as the top-level package {clashes[0]!r}, which an installed "
+                         f"distribution also provides; rename the test directory")
