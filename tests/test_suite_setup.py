@@ -102,10 +102,9 @@ def test_no_test_package_shadows_an_installed_distribution():
     hub-kernel integration failed with "cannot import name 'CUDAProperties' from 'kernels'"."""
     import importlib.metadata
 
-    installed = {name.replace("-", "_").lower() for dist in importlib.metadata.distributions()
-                 for name in [dist.metadata["Name"] or ""] + (dist.read_text("top_level.txt") or "").split()}
+    installed = importlib.metadata.packages_distributions()  # top-level import name -> distributions
     packages = [p.parent.name for p in (ROOT / "tests").glob("*/__init__.py")]
     assert packages, "no test package found: the check would pass vacuously"
-    clashes = sorted(name for name in packages if name.lower() in installed)
+    clashes = sorted(name for name in packages if name in installed)
     assert not clashes, (f"tests/{clashes[0]} is importable as the top-level package {clashes[0]!r}, which an installed "
                          f"distribution also provides; rename the test directory")
