@@ -238,7 +238,7 @@ def topk_select(scores: jax.Array, valid_len: jax.Array, k: int) -> jax.Array:
     _check_lengths("valid_len", valid_len, scores.shape[0])
     interpret = _kernel_mode()
     if interpret is None:
-        return topk.topk_select_reference(scores, valid_len, k)
+        return topk.topk_select_xla(scores, valid_len, k)
     return topk.topk_select_pallas(scores, valid_len, k, interpret=interpret)
 
 
@@ -255,7 +255,7 @@ def topk_select_fused(
     _check_lengths("valid_len", valid_len, k_partial.shape[0])
     interpret = _kernel_mode()
     if interpret is None:
-        return topk.topk_select_fused_reference(q_partial, k_partial, valid_len, k)
+        return topk.topk_select_fused_xla(q_partial, k_partial, valid_len, k)
     return topk.topk_select_fused_pallas(q_partial, k_partial, valid_len, k, interpret=interpret)
 
 

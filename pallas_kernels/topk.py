@@ -302,6 +302,40 @@ def topk_select_reference(
     return jnp.where(slot < jnp.minimum(valid_len, k)[:, None], order, -1)
 
 
+def topk_select_xla(
+    scores: jax.Array,  # f32|bf16[R, N]
+    valid_len: jax.Array,  # i32[R]
+    k: int,
+) -> jax.Array:  # i32[R, k]
+    """`topk_select_reference`'s contract on XLA's own partial selection (`lax.top_k`), what the
+    "xla" backend runs: a full sort of every row costs ~7x more on XLA:CPU (12 rows of 2,112
+    scores, k = 423: 10.4 ms vs 1.5 ms; f32 `top_k` is a native partial sort there, an i32 one a
+    full sort). `lax.top_k` keeps ties in position order, so every slot below -inf's class keeps
+    the reference's order: valid numbers score themselves, invalid positions -inf (they sit past
+    every valid one, so a tie puts them after a valid -inf, and the -1 tail hides them). Only a
+    NaN inside the valid range has no f32 key between -inf and the invalid class: a batch with one
+    takes the reference (`lax.cond`, a branch XLA runs only when taken)."""
+    rows, n = scores.shape
+    x = scores.astype(jnp.float32)
+    valid_len = clamp_len(valid_len, n)
+    valid = jnp.arange(n, dtype=jnp.int32)[None, :] < valid_len[:, None]
+    nan = jnp.isnan(x)
+
+    def selected(x, valid_len):
+        key = jnp.where(valid & ~nan, jnp.where(x == 0.0, 0.0, x), -jnp.inf)  # -0.0 ties +0.0
+        _, order = lax.top_k(key, min(k, n))
+        if k > n:
+            order = jnp.pad(order, ((0, 0), (0, k - n)))
+        slot = jnp.arange(k, dtype=jnp.int32)[None, :]
+        return jnp.where(slot < jnp.minimum(valid_len, k)[:, None], order.astype(jnp.int32), -1)
+
+    return lax.cond(jnp.any(valid & nan), functools.partial(topk_select_reference, k=k), selected, x, valid_len)
+
+
+def topk_select_fused_xla(q_partial, k_partial, valid_len, k: int) -> jax.Array:
+    return topk_select_xla(partial_scores_reference(q_partial, k_partial), valid_len, k)
+
+
 def partial_scores_reference(q_partial: jax.Array, k_partial: jax.Array) -> jax.Array:
     """f32[R, N] = sum over the G query heads of q_partial[r, g] · k_partial[r, n]."""
     return jnp.einsum(

@@ -124,3 +124,54 @@ def test_128k_token_row():
     n, k = 131_072, 26_215  # the longest rows the engine serves; k = 20%
     scores = poison_beyond(rng.standard_normal((1, n)).astype(np.float32), [n - 5])
     _assert_topk(jnp.asarray(scores, jnp.bfloat16), np.array([n - 5]), k)
+
+
+_xla = jax.jit(topk.topk_select_xla, static_argnames="k")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_xla_backend_select_matches_reference(dtype, with_nan):
+    """The "xla" backend's `lax.top_k` select against the sort: ties, +-inf, +-0, k > valid length,
+    nothing valid, valid_len > N; a NaN inside the valid range takes the sort's branch."""
+    n, k = 1500, 600
+    scores, valid_len = _adversarial_rows(n, k, np.random.default_rng(5))
+    if not with_nan:  # NaN only past the valid length (poisoned), where it must not matter
+        scores = np.where(np.isnan(scores) & (np.arange(n)[None, :] < valid_len[:, None]), -np.inf, scores)
+    scores = jnp.asarray(scores, dtype)
+    for kk in (1, 77, k, n, n + 40):
+        got = np.asarray(_xla(scores, jnp.asarray(valid_len), kk))
+        np.testing.assert_array_equal(got, np.asarray(_reference(scores, jnp.asarray(valid_len), kk)))
+
+
+@settings(**HYPOTHESIS_SETTINGS)
+@given(data=st.data())
+def test_xla_backend_select_matches_reference_on_random_rows(data):
+    rows, n, k = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 300)), data.draw(st.integers(1, 320))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    valid_len = rng.integers(0, n + 2, rows).astype(np.int32)
+    scores = rng.choice(np.array([np.inf, -np.inf, 0.0, -0.0, 1.0, -2.5, 3.0], np.float32), (rows, n))
+    if data.draw(st.booleans(), label="nan"):
+        scores[rng.random((rows, n)) < 0.05] = np.nan
+    scores = jnp.asarray(scores, data.draw(st.sampled_from([jnp.float32, jnp.bfloat16]), label="dtype"))
+    np.testing.assert_array_equal(np.asarray(_xla(scores, jnp.asarray(valid_len), k)),
+                                  np.asarray(_reference(scores, jnp.asarray(valid_len), k)))
+
+
+def test_dispatch_xla_backend_runs_the_top_k_select(monkeypatch):
+    """Under "xla" the dispatched select, plain and fused, is `topk_select_xla` (not the full sort)."""
+    from pallas_kernels import dispatch
+    calls, real = [], topk.topk_select_xla
+    monkeypatch.setattr(topk, "topk_select_xla", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = np.random.default_rng(6)
+    scores = jnp.asarray(rng.standard_normal((3, 50)), jnp.float32)
+    lengths = jnp.asarray([50, 20, 0], jnp.int32)
+    with dispatch.backend("xla"):
+        got = dispatch.topk_select(scores, lengths, 10)
+        fused = dispatch.topk_select_fused(scores[:, None, :1], scores[:, :, None], lengths, 10)
+    assert len(calls) == 2
+    want = np.argsort(-np.asarray(scores), axis=1, kind="stable")[:, :10]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(_reference(scores, lengths, 10)))
+    np.testing.assert_array_equal(np.asarray(got)[0], want[0])
+    np.testing.assert_array_equal(np.asarray(fused), np.asarray(got))
+    assert (np.asarray(got)[2] == -1).all()
