@@ -42,7 +42,9 @@ def child(args) -> dict:
     steps = outs[0].metrics.extra["step_phases"][1:]
     mean = {k: float(np.mean([s.get(k, 0) for s in steps])) / 1e6
             for k in ("cpu_us_n", "engine_cpu_us_n", "hint_cpu_us_n", "probe_cpu_us_n")}
-    return dict(steps=len(steps), remote_n=float(np.mean([s.get("remote_n", 0) for s in steps])), **mean)
+    wall = {"wall_s": float(np.mean([sum(v for k, v in s.items() if not k.endswith("_n")) for s in steps])),
+            "landed_s": float(np.mean([s.get("landed", 0.0) for s in steps]))}
+    return dict(steps=len(steps), remote_n=float(np.mean([s.get("remote_n", 0) for s in steps])), **mean, **wall)
 
 
 def main(argv=None) -> int:
@@ -81,7 +83,8 @@ def main(argv=None) -> int:
         m = {k: np.mean([r[k] for r in rs]) for k in rs[0]}
         print(f"  {tree}: decode process {m['cpu_us_n']:.4f} (engine thread {m['engine_cpu_us_n']:.4f}, hint "
               f"thread {m['hint_cpu_us_n']:.4f}), prefill process {m['probe_cpu_us_n']:.4f}; remote entries "
-              f"{m['remote_n']:.0f}; per round {[round(r['cpu_us_n'], 4) for r in rs]}")
+              f"{m['remote_n']:.0f}; per round {[round(r['cpu_us_n'], 4) for r in rs]}; wall s per step "
+              f"{m['wall_s']:.4f}, of it the `landed` program {m['landed_s']:.4f}")
     return 0
 
 
