@@ -50,7 +50,10 @@ class Model:
         # Under tensor parallelism each program pins the layout of what it returns (KV sharded by
         # KV head, activations and logits replicated) so caches never drift to another layout.
         jit = self._jit
-        self._prefill_layer = jit(p(tfm.prefill_layer, cfg), lambda s: (s.replicated, s.kv, s.kv))
+        # The native CPU prefill attention is an opaque custom call the SPMD partitioner cannot
+        # split: a tensor-parallel model keeps the XLA formulation.
+        self._prefill_layer = jit(p(tfm.prefill_layer, cfg, native_attention=s is None),
+                                  lambda s: (s.replicated, s.kv, s.kv))
         self._prefill_layer_after = jit(p(paged.prefill_layer_after, cfg), lambda s: (s.replicated, s.kv, s.kv))
         self._embed = jit(tfm.embed, lambda s: s.replicated)
         self._logits = jit(p(tfm.final_logits, cfg), lambda s: s.replicated)

@@ -24,6 +24,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import dispatch
+
 from .config import ModelConfig, llama3_inv_freq
 
 # Queries are processed in chunks of this many tokens when a prompt is longer, bounding the
@@ -173,13 +175,16 @@ def blocked_causal_attention(q, K, V, positions, lengths, block: int):
     return o.transpose(0, 3, 1, 2, 4).reshape(B, T, H * D).astype(q.dtype)
 
 
-def prefill_attention(q, K, V, positions, lengths):
+def prefill_attention(q, K, V, positions, lengths, native: bool = False):
     """Causal attention over a right-padded batch of prompts prefilled from position 0: blocked
     (`blocked_causal_attention`) when T is a multiple of PREFILL_BLOCK above it, else whole or in
-    query chunks of PREFILL_QUERY_CHUNK.
+    query chunks of PREFILL_QUERY_CHUNK. native: where the program is lowered for CPU, the native
+    kernel instead (`dispatch.causal_prefill_attention`; ~2x faster at 2K tokens, equal to ~1e-6).
 
     q: [B, T, H, D]; K, V: [B, H_kv, T, D]; positions: i32[B, T] (positions[b, t] <= t); lengths: i32[B].
     """
+    if native:
+        return dispatch.causal_prefill_attention(q, K, V, positions, lengths, reference=prefill_attention)
     B, T, H, D = q.shape
     if T > PREFILL_BLOCK and T % PREFILL_BLOCK == 0:
         return blocked_causal_attention(q, K, V, positions, lengths, PREFILL_BLOCK)
@@ -199,13 +204,14 @@ def prefill_attention(q, K, V, positions, lengths):
     return out.swapaxes(0, 1).reshape(B, T, H * D)
 
 
-def prefill_layer(cfg: ModelConfig, layer_params, x, positions, lengths):
-    """One layer of batched prefill. x: [B, T, hidden] -> (x, K [B,H_kv,T,D], V [B,H_kv,T,D])."""
+def prefill_layer(cfg: ModelConfig, layer_params, x, positions, lengths, native_attention: bool = False):
+    """One layer of batched prefill. x: [B, T, hidden] -> (x, K [B,H_kv,T,D], V [B,H_kv,T,D]).
+    native_attention: `prefill_attention(native=True)` (a model whose arrays are not sharded)."""
     layer = DecoderLayer(cfg)
     q, k, v = layer.apply({"params": layer_params}, x, positions, method=DecoderLayer.qkv)
     K = k.transpose(0, 2, 1, 3)
     V = v.transpose(0, 2, 1, 3)
-    attn = prefill_attention(q, K, V, positions, lengths)
+    attn = prefill_attention(q, K, V, positions, lengths, native=native_attention)
     x = layer.apply({"params": layer_params}, x, attn, method=DecoderLayer.attn_out_and_mlp)
     return x, K, V
 

@@ -75,6 +75,7 @@ __all__ = [
     "paged_gather",
     "resolved_backend",
     "set_backend",
+    "causal_prefill_attention",
     "set_cpu_kernels",
     "sparse_decode_attention",
     "sparse_decode_attention_partials",
@@ -349,6 +350,21 @@ def paged_decode_attention_partials(
         # "cuda" from this CPU host lowers only the reference, never the CPU custom call.
         native = functools.partial(cpu_paged_attention.paged_decode_attention_partials_cpu, scale=scale)
         return jax.lax.platform_dependent(*args, cpu=native, default=reference)
+    return reference(*args)
+
+
+def causal_prefill_attention(q: jax.Array, K: jax.Array, V: jax.Array, positions: jax.Array, lengths: jax.Array,
+                             reference) -> jax.Array:
+    """Causal prefill attention, `models.transformer.prefill_attention`'s contract (q [B, T, H, D],
+    K, V [B, H_kv, T, D], positions i32[B, T], lengths i32[B] -> [B, T, H*D]): when lowered for
+    CPU, the native kernel (`cpu_paged_attention.prefill_attention_cpu`: float32, D a multiple of
+    16, unless `set_cpu_kernels(False)` or it could not be built); otherwise `reference(q, K, V,
+    positions, lengths)` (the XLA formulation every other platform lowers)."""
+    args = (q, K, V, positions, lengths)
+    if _cpu_kernels and cpu_paged_attention.prefill_supports(q, K) and cpu_paged_attention.available():
+        # Per lowering platform, as paged decode attention: a program exported for "cuda" lowers
+        # only the reference.
+        return jax.lax.platform_dependent(*args, cpu=cpu_paged_attention.prefill_attention_cpu, default=reference)
     return reference(*args)
 
 

@@ -156,3 +156,76 @@ def test_the_built_library_is_reused(monkeypatch):
     first = cpa._build(compiler)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("compiled again"))
     assert cpa._build(compiler) == first and first.exists()
+
+
+# ------------------------------------------------------------------ causal prefill attention
+def _prefill_case(batch, tokens, kv_heads, group, head_dim, lengths, seed=0):
+    """q [B, T, H, D], K, V [B, H_kv, T, D] NaN past each row's length (a padded prompt's keys must
+    not leak into the valid ones), positions = t."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((batch, tokens, kv_heads * group, head_dim)).astype(np.float32)
+    K, V = (rng.standard_normal((batch, kv_heads, tokens, head_dim)).astype(np.float32) for _ in range(2))
+    for b, n in enumerate(lengths):
+        K[b, :, max(n, 0):] = V[b, :, max(n, 0):] = np.nan
+    positions = np.broadcast_to(np.arange(tokens, dtype=np.int32), (batch, tokens))
+    return tuple(map(jnp.asarray, (q, K, V, positions, np.asarray(lengths, np.int32))))
+
+
+def _whole_causal(q, K, V, positions, lengths):
+    """The definition: one masked softmax over every key (fully masked queries give zeros)."""
+    from models import transformer as tfm
+
+    key = jnp.arange(K.shape[2])
+    mask = (key[None, None, :] <= positions[:, :, None]) & (key[None, None, :] < lengths[:, None, None])
+    return tfm.attention(q, jnp.nan_to_num(K), jnp.nan_to_num(V), mask[:, None])
+
+
+@pytest.mark.parametrize("tokens,kv_heads,group,head_dim,lengths", [
+    (300, 3, 3, 64, [300, 77]),     # SmolLM2's geometry; a padded row (queries past 77 see 0..76)
+    (37, 2, 1, 32, [37, 1]),        # no GQA, T not a multiple of the 8-key panels or 12-row tiles
+    (64, 1, 7, 128, [50, 64]),      # GQA ratio 7, head dim 128
+    (24, 2, 3, 16, [0, 24]),        # an empty row: every query sees no key -> zeros
+])
+def test_prefill_kernel_matches_whole_causal_attention(tokens, kv_heads, group, head_dim, lengths):
+    args = _prefill_case(len(lengths), tokens, kv_heads, group, head_dim, lengths)
+    got = np.asarray(jax.jit(cpa.prefill_attention_cpu)(*args))
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, np.asarray(_whole_causal(*args)), rtol=TOL, atol=TOL)
+    if lengths[0] == 0:
+        assert not got[0].any()
+
+
+def test_prefill_kernel_tiles_split_over_threads_give_the_same_bits():
+    args = _prefill_case(2, 512, 3, 3, 64, [512, 300], seed=2)
+    split, single = (np.asarray(jax.jit(functools.partial(cpa.prefill_attention_cpu, max_threads=t))(*args))
+                     for t in (0, 1))
+    np.testing.assert_array_equal(split, single)
+
+
+def test_prefill_dispatch_lowers_the_kernel_for_cpu_only_and_model_prefill_agrees():
+    """Model.prefill lowers one kernel call a layer for CPU, none with `cpu_kernels(False)` or for
+    CUDA; its logits and KV equal the XLA formulation's (KV bit for bit: written before attention)."""
+    from models import transformer as tfm
+
+    cfg = tiny_config("llama", num_heads=9, num_kv_heads=3, head_dim=64, num_layers=2)
+    f32, i32 = (lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)), (lambda *s: jax.ShapeDtypeStruct(s, jnp.int32))
+    layer_args = (jax.eval_shape(lambda: init_params(cfg))["layers"][0], f32(1, 256, cfg.hidden_size),
+                  i32(1, 256), i32(1))
+    layer = lambda: jax.jit(functools.partial(tfm.prefill_layer, cfg, native_attention=True))
+    for enabled, calls in ((True, 1), (False, 0)):
+        with dispatch.cpu_kernels(enabled):
+            assert layer().lower(*layer_args).as_text().count(f"@{cpa.PREFILL_TARGET}") == calls
+    with gpu_lowering_context():
+        exported = jax.export.export(layer(), platforms=["cuda"])(*layer_args)
+    assert cpa.PREFILL_TARGET not in exported.mlir_module()
+
+    tokens = np.random.default_rng(3).integers(3, cfg.vocab_size, (2, 200)).astype(np.int32)
+    lengths = np.array([200, 61], np.int32)
+    runs = []
+    for enabled in (True, False):
+        with dispatch.cpu_kernels(enabled):
+            model = tiny_model("llama", num_heads=9, num_kv_heads=3, head_dim=64, num_layers=2, seed=7)
+            runs.append(model.prefill(tokens, lengths))
+    (logits, kv), (want_logits, want_kv) = runs
+    np.testing.assert_array_equal(np.asarray(kv[0][0]), np.asarray(want_kv[0][0]))
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
