@@ -50,8 +50,8 @@ class Model:
         # Under tensor parallelism each program pins the layout of what it returns (KV sharded by
         # KV head, activations and logits replicated) so caches never drift to another layout.
         jit = self._jit
-        # The native CPU prefill attention is an opaque custom call the SPMD partitioner cannot
-        # split: a tensor-parallel model keeps the XLA formulation.
+        # The native CPU prefill attention (whole prompts and chunks) is an opaque custom call the
+        # SPMD partitioner cannot split: a tensor-parallel model keeps the XLA formulation.
         self._prefill_layer = jit(p(tfm.prefill_layer, cfg, native_attention=s is None),
                                   lambda s: (s.replicated, s.kv, s.kv))
         self._prefill_layer_after = jit(p(paged.prefill_layer_after, cfg), lambda s: (s.replicated, s.kv, s.kv))
@@ -70,7 +70,7 @@ class Model:
         # Under TP with query heads split, paged decode attention runs per shard (shard_map).
         head_mesh = s.mesh if s is not None and s.layout.attention else None
         self._paged_decode_compute = jit(p(paged.paged_decode_step_compute, cfg, head_mesh=head_mesh), new_kv)
-        self._prefill_chunk_compute = jit(p(paged.prefill_chunk_compute, cfg), new_kv)
+        self._prefill_chunk_compute = jit(p(paged.prefill_chunk_compute, cfg, native_attention=s is None), new_kv)
         self._paged_write = jit(paged.paged_write, lambda s: s.kv, donate_argnums=(0,))
         self._paged_write_prefill = jit(paged.paged_write_prefill, lambda s: s.kv, donate_argnums=(0,))
         del s

@@ -156,15 +156,19 @@ def gather_context(pages, page_table):
     return pages[page_table].transpose(0, 2, 1, 3, 4).reshape(B, H_kv, max_pages * P, D)
 
 
-def chunk_attention(q, k, v, K_pages, V_pages, page_table, start, lengths):
+def chunk_attention(q, k, v, K_pages, V_pages, page_table, start, lengths, native: bool = False):
     """Causal attention of a prefill chunk over the request's earlier tokens plus the chunk.
 
     q: [B, C, H, D]; k, v: [B, C, H_kv, D] (the chunk, RoPE applied); K_pages, V_pages:
     [num_pages, H_kv, P, D]; page_table: i32[B, max_pages] covering positions < start[b];
     start, lengths: i32[B] (chunk token j of row b is at position start[b] + j, valid when
     j < lengths[b]). Returns [B, C, H*D]. Queries are processed PREFILL_QUERY_CHUNK at a time
-    for long chunks, as in whole-prompt prefill.
+    for long chunks, as in whole-prompt prefill. native: where lowered for CPU, the native kernel
+    instead (`dispatch.chunk_prefill_attention`; equal to ~1e-6).
     """
+    if native:
+        return dispatch.chunk_prefill_attention(q, k, v, K_pages, V_pages, page_table, start, lengths,
+                                                reference=chunk_attention)
     B, C = q.shape[:2]
     step = tfm.PREFILL_QUERY_CHUNK
     if C <= step or C % step:
@@ -258,12 +262,14 @@ def context_attention(q, k, v, K_ctx, V_ctx, start, lengths):
     return out.swapaxes(0, 1).reshape(B, C, -1)
 
 
-def prefill_chunk_compute(cfg: ModelConfig, params, cache, page_table, tokens, start, lengths):
+def prefill_chunk_compute(cfg: ModelConfig, params, cache, page_table, tokens, start, lengths,
+                          native_attention: bool = False):
     """The read-only half of a chunked-prefill step.
 
     tokens: i32[B, C] at positions start[b] + j (start, lengths: i32[B]; lengths[b] <= C valid
     tokens, right-padded). Returns (logits f32[B, V] at each row's last valid chunk token,
     new_k [L, B, H_kv, C, D], new_v [L, B, H_kv, C, D]) for `paged_write_prefill`.
+    native_attention: `chunk_attention(native=True)` (a model whose arrays are not sharded).
     """
     B, C = tokens.shape
     positions = start[:, None] + jnp.arange(C, dtype=jnp.int32)[None, :]
@@ -272,7 +278,7 @@ def prefill_chunk_compute(cfg: ModelConfig, params, cache, page_table, tokens, s
     new_k, new_v = [], []
     for layer_params, (K, V) in zip(params["layers"], cache):
         q, k, v = layer.apply({"params": layer_params}, x, positions, method=tfm.DecoderLayer.qkv)
-        attn = chunk_attention(q, k, v, K, V, page_table, start, lengths)
+        attn = chunk_attention(q, k, v, K, V, page_table, start, lengths, native=native_attention)
         x = layer.apply({"params": layer_params}, x, attn, method=tfm.DecoderLayer.attn_out_and_mlp)
         new_k.append(k.transpose(0, 2, 1, 3))
         new_v.append(v.transpose(0, 2, 1, 3))

@@ -25,6 +25,7 @@
 #include <condition_variable>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -272,7 +273,7 @@ inline v8f exp8_nonpositive(v8f x) {
 // One tile: rows (token t, head g) i0 .. i0 + rows - 1 of (b, KV head h), t-major.
 //   q_row[r]  -> the row's query [D]; out_row[r] -> its output [D]; limit[r] keys visible (<= n).
 //   kt: K of (b, h) in panels of 8 keys, [Tp / 8, D, 8]; vb: V [T, D] of (b, h); scores: scratch
-//   [kRows, Tp]; probs: scratch [Tp, kRows].
+//   [kRows, Tp]; probs: scratch [64, kRows] at least.
 template <int kD>
 void prefill_tile(const float* const* q_row, float* const* out_row, const int64_t* limit, int rows, int64_t n,
                   const float* kt, int64_t Tp, const float* vb, int64_t D_runtime, float scale, float* scores,
@@ -309,52 +310,83 @@ void prefill_tile(const float* const* q_row, float* const* out_row, const int64_
     for (int i = 0; i < 8; ++i) sum += sum8[i];
     inverse[r] = m_r > 0 ? 1.0f / sum : 0.0f;
   }
-  for (int64_t j = 0; j < n; ++j)
-    for (int r = 0; r < kRows; ++r) probs[j * kRows + r] = scores[r * Tp + j];
-  for (int64_t d0 = 0; d0 < D; d0 += 16) {  // out[r, d0:d0+16] = sum_j p[j, r] v[j, d0:d0+16] / sum_r
-    for (int half = 0; half < kRows; half += kRows / 2) {
-      v8f lo[kRows / 2] = {}, hi[kRows / 2] = {};
-      for (int64_t j = 0; j < n; ++j) {
-        const v8f v_lo = load8(vb + j * D + d0), v_hi = load8(vb + j * D + d0 + 8);
-        const float* p = probs + j * kRows + half;
+  // out[r, :] = sum_j p[r, j] v[j, :] / sum_r, over blocks of kBlock keys whose V rows (16 KB at
+  // D = 64) stay in L1 across the passes over the head dims (16 at a time, half the rows a pass);
+  // a pass over all n keys a time streamed V from L2 8 times and ran at half the scores' speed.
+  constexpr int64_t kBlock = 64;
+  float acc_out[kRows * (kD ? kD : 256)];
+  std::fill(acc_out, acc_out + kRows * D, 0.0f);
+  for (int64_t j0 = 0; j0 < n; j0 += kBlock) {
+    const int64_t nb = std::min(kBlock, n - j0);
+    for (int64_t j = 0; j < nb; ++j)  // the block's probabilities [j, r]: one base pointer a key
+      for (int r = 0; r < kRows; ++r) probs[j * kRows + r] = scores[r * Tp + j0 + j];
+    const float* vblk = vb + j0 * D;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      for (int half = 0; half < kRows; half += kRows / 2) {
+        v8f lo[kRows / 2], hi[kRows / 2];
         for (int r = 0; r < kRows / 2; ++r) {
-          lo[r] += v_lo * p[r];
-          hi[r] += v_hi * p[r];
+          lo[r] = load8(acc_out + (half + r) * D + d0);
+          hi[r] = load8(acc_out + (half + r) * D + d0 + 8);
         }
-      }
-      for (int r = 0; r < kRows / 2 && half + r < rows; ++r) {
-        store8(out_row[half + r] + d0, lo[r] * inverse[half + r]);
-        store8(out_row[half + r] + d0 + 8, hi[r] * inverse[half + r]);
+        for (int64_t j = 0; j < nb; ++j) {
+          const v8f v_lo = load8(vblk + j * D + d0), v_hi = load8(vblk + j * D + d0 + 8);
+          const float* p = probs + j * kRows + half;
+          for (int r = 0; r < kRows / 2; ++r) {
+            lo[r] += v_lo * p[r];
+            hi[r] += v_hi * p[r];
+          }
+        }
+        for (int r = 0; r < kRows / 2; ++r) {
+          store8(acc_out + (half + r) * D + d0, lo[r]);
+          store8(acc_out + (half + r) * D + d0 + 8, hi[r]);
+        }
       }
     }
   }
+  for (int r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < D; ++d) out_row[r][d] = acc_out[r * D + d] * inverse[r];
 }
 
-void prefill_attend(ffi::ThreadPool& pool, int64_t max_workers, const float* q, const float* k, const float* v,
-                    const int32_t* positions, const int32_t* lengths, int64_t B, int64_t T, int64_t H,
-                    int64_t H_kv, int64_t D, float scale, float* out) {
-  const int64_t G = H / H_kv, Tp = (T + 7) / 8 * 8;
-  // K per (b, h) in panels of 8 keys [Tp / 8, D, 8] (zeros past T): the scores read 8 keys a load
-  // from one contiguous panel (a [D, T] transpose made 64 strided streams, 3x slower).
-  auto kt = std::make_shared<std::vector<float>>(static_cast<size_t>(B * H_kv * D * Tp), 0.0f);
-  for (int64_t bh = 0; bh < B * H_kv; ++bh) {
-    const float* src = k + bh * T * D;
-    float* dst = kt->data() + bh * D * Tp;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t d = 0; d < D; ++d) dst[(t / 8 * D + d) * 8 + t % 8] = src[t * D + d];
+// Runs the tiles of every (b, KV head h) over its first key_counts[b] keys (clamped to [0, N]),
+// which `locate(b, h, j)` finds as (K row, V row) of D floats each. Those keys are first copied
+// into per-(b, h) scratch: K in panels of 8 keys [n / 8, D, 8] (the scores read 8 keys a load from
+// one contiguous panel; a [D, T] transpose made 64 strided streams, 3x slower) and V as rows.
+template <typename Locate>
+void attend_causal(ffi::ThreadPool& pool, int64_t max_workers, const float* q, const int32_t* positions,
+                   const int32_t* key_counts, int64_t B, int64_t T, int64_t H, int64_t H_kv, int64_t D, int64_t N,
+                   float scale, float* out, Locate locate) {
+  const int64_t G = H / H_kv, BH = B * H_kv;
+  std::vector<int64_t> keys(B), offset(BH + 1, 0);  // offset: (b, h)'s scratch, in floats
+  for (int64_t b = 0; b < B; ++b) keys[b] = std::clamp<int64_t>(key_counts[b], 0, N);
+  for (int64_t bh = 0; bh < BH; ++bh) offset[bh + 1] = offset[bh] + (keys[bh / H_kv] + 7) / 8 * 8 * D;
+  auto kt = std::shared_ptr<float[]>(new float[std::max<int64_t>(1, offset[BH])]);
+  auto vr = std::shared_ptr<float[]>(new float[std::max<int64_t>(1, offset[BH])]);
+  for (int64_t bh = 0; bh < BH; ++bh) {
+    const int64_t b = bh / H_kv, h = bh % H_kv, n = keys[b], n8 = (n + 7) / 8 * 8;
+    float* k_dst = kt.get() + offset[bh];
+    float* v_dst = vr.get() + offset[bh];
+    if (n8 > n) std::fill(k_dst + (n8 - 8) * D, k_dst + n8 * D, 0.0f);  // the last panel's unused keys
+    for (int64_t j = 0; j < n; ++j) {
+      const auto [k_row, v_row] = locate(b, h, j);
+      float* panel = k_dst + (j / 8) * 8 * D + j % 8;
+      for (int64_t d = 0; d < D; ++d) panel[d * 8] = k_row[d];
+      std::memcpy(v_dst + j * D, v_row, D * sizeof(float));
+    }
   }
-  const int64_t tiles = (T * G + kRows - 1) / kRows, items = B * H_kv * tiles;
+  const int64_t tiles = (T * G + kRows - 1) / kRows, items = BH * tiles;
   auto queue = std::make_shared<RowQueue>();
+  auto keys_shared = std::make_shared<std::vector<int64_t>>(std::move(keys));
+  auto offsets = std::make_shared<std::vector<int64_t>>(std::move(offset));
   auto work = [=]() {
     std::vector<float> scores, probs;
     const float* q_row[kRows];
     float* out_row[kRows];
     int64_t limit[kRows];
     for (int64_t r; (r = queue->next.fetch_add(1)) < items;) {
-      if (scores.empty()) scores.resize(kRows * Tp), probs.resize(kRows * Tp);
-      const int64_t tile = tiles - 1 - r / (B * H_kv), bh = r % (B * H_kv), b = bh / H_kv, h = bh % H_kv;
-      const int64_t i0 = tile * kRows, rows = std::min<int64_t>(kRows, T * G - i0);
-      const int64_t length = std::clamp<int64_t>(lengths[b], 0, T);
+      const int64_t tile = tiles - 1 - r / BH, bh = r % BH, b = bh / H_kv, h = bh % H_kv;
+      const int64_t i0 = tile * kRows, rows = std::min<int64_t>(kRows, T * G - i0), length = (*keys_shared)[b];
+      const int64_t width = (length + 7) / 8 * 8;
+      if (static_cast<int64_t>(scores.size()) < kRows * width) scores.resize(kRows * width), probs.resize(kRows * width);
       int64_t n = 0;
       for (int64_t i = 0; i < kRows; ++i) {
         const int64_t row = std::min(i0 + i, T * G - 1), t = row / G, head = h * G + row % G;
@@ -364,8 +396,8 @@ void prefill_attend(ffi::ThreadPool& pool, int64_t max_workers, const float* q, 
         n = std::max(n, limit[i]);
       }
       auto tile_fn = D == 64 ? prefill_tile<64> : D == 128 ? prefill_tile<128> : prefill_tile<0>;
-      tile_fn(q_row, out_row, limit, static_cast<int>(rows), n, kt->data() + bh * D * Tp, Tp, v + bh * T * D, D,
-              scale, scores.data(), probs.data());
+      tile_fn(q_row, out_row, limit, static_cast<int>(rows), n, kt.get() + (*offsets)[bh], width,
+              vr.get() + (*offsets)[bh], D, scale, scores.data(), probs.data());
       if (queue->done.fetch_add(1) + 1 == items) {
         std::lock_guard<std::mutex> lock(queue->mutex);
         queue->finished.notify_all();
@@ -385,17 +417,69 @@ ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, f
                                 ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), pd = positions.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4 || pd.size() != 2) {
-    return ffi::Error::InvalidArgument("jkv prefill attention: expects q [B, T, H, D], k, v [B, H_kv, T, D]");
+    return ffi::Error::InvalidArgument("jkv prefill attention: expects q [B, T, H, D], k, v [B, H_kv, N, D]");
   }
   const int64_t B = qd[0], T = qd[1], H = qd[2], D = qd[3], H_kv = kd[1];
-  if (kd[0] != B || kd[2] != T || kd[3] != D || H_kv <= 0 || H % H_kv != 0 || D % 16 != 0 || D > 256 || pd[0] != B ||
+  if (kd[0] != B || kd[3] != D || v.dimensions()[2] != kd[2] || H_kv <= 0 || H % H_kv != 0 || D % 16 != 0 || D > 256 || pd[0] != B ||
       pd[1] != T) {
     return ffi::Error::InvalidArgument("jkv prefill attention: shapes disagree (B, T, D % 16 and <= 256, H % H_kv)");
   }
   const int64_t workers = std::max<int64_t>(1, max_threads > 0 ? max_threads : pool.num_threads());
   if (B * T > 0) {
-    prefill_attend(pool, workers, q.typed_data(), k.typed_data(), v.typed_data(), positions.typed_data(),
-                   lengths.typed_data(), B, T, H, H_kv, D, scale, out->typed_data());
+    const float *k_data = k.typed_data(), *v_data = v.typed_data();
+    const int64_t N = kd[2];
+    attend_causal(pool, workers, q.typed_data(), positions.typed_data(), lengths.typed_data(), B, T, H, H_kv, D, N,
+                  scale, out->typed_data(), [=](int64_t b, int64_t h, int64_t j) {
+                    const int64_t row = ((b * H_kv + h) * N + j) * D;
+                    return std::make_pair(k_data + row, v_data + row);
+                  });
+  }
+  return ffi::Error::Success();
+}
+
+// A prefill chunk over the paged context (`models.paged.chunk_attention`'s contract):
+//   q          f32[B, C, H, D]          the chunk's queries; chunk token j of row b is at position start[b] + j
+//   k, v       f32[B, C, H_kv, D]       the chunk's keys and values (valid for j < lengths[b])
+//   k_pages, v_pages f32[num_pages, H_kv, P, D]; table s32[B, max_pages]: position t < start[b] is
+//                                       page table[b, t / P] (clipped into the pool), slot t % P
+//   start, lengths s32[B]
+//   out        f32[B, C, H, D]          query j sees positions <= start[b] + j that are < start[b] + lengths[b]
+ffi::Error ChunkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                              ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> lengths,
+                              float scale, int64_t max_threads, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), pd = k_pages.dimensions(), td = table.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4 || pd.size() != 4 ||
+      v_pages.dimensions().size() != 4 || td.size() != 2) {
+    return ffi::Error::InvalidArgument(
+        "jkv chunk attention: expects q [B, C, H, D], k, v [B, C, H_kv, D], pages [num_pages, H_kv, P, D]");
+  }
+  const int64_t B = qd[0], C = qd[1], H = qd[2], D = qd[3], H_kv = kd[2], num_pages = pd[0], P = pd[2];
+  if (kd[0] != B || kd[1] != C || kd[3] != D || pd[1] != H_kv || pd[3] != D || H_kv <= 0 || H % H_kv != 0 ||
+      D % 16 != 0 || D > 256 || td[0] != B || num_pages <= 0 || P <= 0) {
+    return ffi::Error::InvalidArgument("jkv chunk attention: shapes disagree (B, C, D % 16 and <= 256, H % H_kv)");
+  }
+  const int64_t workers = std::max<int64_t>(1, max_threads > 0 ? max_threads : pool.num_threads());
+  const int64_t max_pages = td[1], N = max_pages * P + C;
+  std::vector<int32_t> first(B), positions(B * C), key_counts(B);
+  for (int64_t b = 0; b < B; ++b) {
+    first[b] = static_cast<int32_t>(std::clamp<int64_t>(start.typed_data()[b], 0, max_pages * P));
+    key_counts[b] = first[b] + static_cast<int32_t>(std::clamp<int64_t>(lengths.typed_data()[b], 0, C));
+    for (int64_t j = 0; j < C; ++j) positions[b * C + j] = first[b] + static_cast<int32_t>(j);
+  }
+  if (B * C > 0) {
+    const float *kc = k.typed_data(), *vc = v.typed_data(), *kp = k_pages.typed_data(), *vp = v_pages.typed_data();
+    const int32_t* tab = table.typed_data();
+    attend_causal(pool, workers, q.typed_data(), positions.data(), key_counts.data(), B, C, H, H_kv, D, N, scale,
+                  out->typed_data(), [&](int64_t b, int64_t h, int64_t j) {
+                    if (j < first[b]) {
+                      const int64_t page = std::clamp<int64_t>(tab[b * max_pages + j / P], 0, num_pages - 1);
+                      const int64_t row = ((page * H_kv + h) * P + j % P) * D;
+                      return std::make_pair(kp + row, vp + row);
+                    }
+                    const int64_t row = ((b * C + (j - first[b])) * H_kv + h) * D;
+                    return std::make_pair(kc + row, vc + row);
+                  });
   }
   return ffi::Error::Success();
 }
@@ -421,6 +505,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JkvPrefillAttention, PrefillAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("max_threads")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JkvChunkAttention, ChunkAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<float>("scale")

@@ -46,6 +46,8 @@ TARGET = "jkv_paged_decode_attention"
 SYMBOL = "JkvPagedDecodeAttention"
 PREFILL_TARGET = "jkv_prefill_attention"
 PREFILL_SYMBOL = "JkvPrefillAttention"
+CHUNK_TARGET = "jkv_chunk_attention"
+CHUNK_SYMBOL = "JkvChunkAttention"
 # -fopenmp-simd: the `#pragma omp simd reduction` dot products vectorize without -ffast-math
 # (which would let the compiler reorder every float sum, not only the ones marked).
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -102,8 +104,8 @@ def available() -> bool:
             raise FileNotFoundError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} not on PATH)")
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
-        jax.ffi.register_ffi_target(PREFILL_TARGET, jax.ffi.pycapsule(getattr(library, PREFILL_SYMBOL)),
-                                    platform="cpu")
+        for target, symbol in ((PREFILL_TARGET, PREFILL_SYMBOL), (CHUNK_TARGET, CHUNK_SYMBOL)):
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     except (OSError, AttributeError, subprocess.SubprocessError, ValueError) as exc:
         detail = getattr(exc, "stderr", None) or exc
         log.warning("CPU paged attention kernel unavailable (%s); paged decode uses the XLA gather reference",
@@ -136,15 +138,15 @@ def paged_decode_attention_partials_cpu(q, k_pages, v_pages, page_table, lengths
 
 def prefill_supports(q: jax.Array, k: jax.Array) -> bool:
     """Whether `prefill_attention_cpu` takes these operands: float32 q [B, T, H, D] and K
-    [B, H_kv, T, D], H a multiple of H_kv, D a multiple of 16 up to 256."""
+    [B, H_kv, N, D], H a multiple of H_kv, D a multiple of 16 up to 256."""
     return (q.ndim == 4 and k.ndim == 4 and q.dtype == jnp.float32 and k.dtype == jnp.float32
-            and q.shape[3] == k.shape[3] and q.shape[3] % 16 == 0 and q.shape[3] <= 256 and q.shape[1] == k.shape[2]
+            and q.shape[3] == k.shape[3] and q.shape[3] % 16 == 0 and q.shape[3] <= 256
             and q.shape[2] % max(1, k.shape[1]) == 0)
 
 
 def prefill_attention_cpu(q, k, v, positions, lengths, *, scale: float | None = None, max_threads: int = 0):
     """Causal prefill attention, the contract of `models.transformer.prefill_attention`: q
-    f32[B, T, H, D], k, v f32[B, H_kv, T, D], positions i32[B, T] (query t of row b sees keys
+    f32[B, T, H, D], k, v f32[B, H_kv, N, D] (N = T there), positions i32[B, T] (query t of row b sees keys
     j <= positions[b, t] and j < lengths[b]), lengths i32[B] -> f32[B, T, H*D] (zeros for a query
     that sees no key). Call only when `available()` and `prefill_supports(q, k)`; lowers for the
     "cpu" platform only. Query tiles are split over at most `max_threads` threads of XLA's intra-op
@@ -153,5 +155,32 @@ def prefill_attention_cpu(q, k, v, positions, lengths, *, scale: float | None = 
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     out = jax.ffi.ffi_call(PREFILL_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")(
         q, k, v.astype(k.dtype), positions.astype(jnp.int32), lengths.astype(jnp.int32),
+        scale=np.float32(scale), max_threads=np.int64(max_threads))
+    return out.reshape(batch, tokens, heads * head_dim)
+
+
+def chunk_supports(q: jax.Array, k_pages: jax.Array) -> bool:
+    """Whether `chunk_attention_cpu` takes these operands: float32 q [B, C, H, D] and pages
+    [num_pages, H_kv, P, D], H a multiple of H_kv, D a multiple of 16 up to 256."""
+    return (q.ndim == 4 and k_pages.ndim == 4 and q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
+            and q.shape[3] == k_pages.shape[3] and q.shape[3] % 16 == 0 and q.shape[3] <= 256
+            and q.shape[2] % max(1, k_pages.shape[1]) == 0)
+
+
+def chunk_attention_cpu(q, k, v, k_pages, v_pages, page_table, start, lengths, *, scale: float | None = None,
+                        max_threads: int = 0):
+    """A prefill chunk's causal attention over its paged context, the contract of
+    `models.paged.chunk_attention`: q f32[B, C, H, D]; k, v f32[B, C, H_kv, D] (the chunk);
+    k_pages, v_pages f32[num_pages, H_kv, P, D]; page_table i32[B, max_pages] (position
+    t < start[b] is page page_table[b, t // P], clipped into the pool, slot t % P); start, lengths
+    i32[B] (chunk token j is at position start[b] + j, valid for j < lengths[b]) -> f32[B, C, H*D].
+    The context is read from the pages up to start[b] only (the kernel copies those keys into a
+    scratch once per call, K in panels, V as rows). Call only when `available()` and
+    `chunk_supports(q, k_pages)`; lowers for "cpu" only."""
+    batch, tokens, heads, head_dim = q.shape
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    out = jax.ffi.ffi_call(CHUNK_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")(
+        q, k.astype(jnp.float32), v.astype(jnp.float32), k_pages, v_pages.astype(k_pages.dtype),
+        page_table.astype(jnp.int32), start.astype(jnp.int32), lengths.astype(jnp.int32),
         scale=np.float32(scale), max_threads=np.int64(max_threads))
     return out.reshape(batch, tokens, heads * head_dim)

@@ -76,6 +76,7 @@ __all__ = [
     "resolved_backend",
     "set_backend",
     "causal_prefill_attention",
+    "chunk_prefill_attention",
     "set_cpu_kernels",
     "sparse_decode_attention",
     "sparse_decode_attention_partials",
@@ -365,6 +366,17 @@ def causal_prefill_attention(q: jax.Array, K: jax.Array, V: jax.Array, positions
         # Per lowering platform, as paged decode attention: a program exported for "cuda" lowers
         # only the reference.
         return jax.lax.platform_dependent(*args, cpu=cpu_paged_attention.prefill_attention_cpu, default=reference)
+    return reference(*args)
+
+
+def chunk_prefill_attention(q, k, v, K_pages, V_pages, page_table, start, lengths, reference) -> jax.Array:
+    """A prefill chunk's attention over its paged context (`models.paged.chunk_attention`'s
+    contract): when lowered for CPU, the native kernel (`cpu_paged_attention.chunk_attention_cpu`:
+    float32 pages, D a multiple of 16, unless `set_cpu_kernels(False)` or it could not be built);
+    otherwise `reference(q, k, v, K_pages, V_pages, page_table, start, lengths)`."""
+    args = (q, k, v, K_pages, V_pages, page_table, start, lengths)
+    if _cpu_kernels and cpu_paged_attention.chunk_supports(q, K_pages) and cpu_paged_attention.available():
+        return jax.lax.platform_dependent(*args, cpu=cpu_paged_attention.chunk_attention_cpu, default=reference)
     return reference(*args)
 
 

@@ -229,3 +229,37 @@ def test_prefill_dispatch_lowers_the_kernel_for_cpu_only_and_model_prefill_agree
     (logits, kv), (want_logits, want_kv) = runs
     np.testing.assert_array_equal(np.asarray(kv[0][0]), np.asarray(want_kv[0][0]))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("H,H_kv,D,P,max_pages", [(9, 3, 64, 16, 5), (4, 2, 16, 4, 7), (7, 1, 32, 8, 3)])
+def test_chunk_kernel_matches_the_xla_chunk_attention(H, H_kv, D, P, max_pages):
+    """Starts 13 (mid-page), 0, a page edge, the table's last slot, 0 with nothing to attend
+    (zeros); every page outside a row's context is NaN (must not be read) and table entries past
+    the context are -1 / past the pool (clipped, as the reference)."""
+    rng = np.random.default_rng(5)
+    B, C = 5, 6
+    num_pages = B * max_pages + 2
+    q = jnp.asarray(rng.standard_normal((B, C, H, D)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((B, C, H_kv, D)), jnp.float32) for _ in range(2))
+    start = np.array([13, 0, P, max_pages * P - 1, 0], np.int32)
+    lengths = np.array([6, 3, 1, 6, 0], np.int32)
+    K_pages, V_pages = (np.full((num_pages, H_kv, P, D), np.nan, np.float32) for _ in range(2))
+    table = rng.permutation(np.arange(1, num_pages))[: B * max_pages].reshape(B, max_pages).astype(np.int32)
+    for b in range(B):
+        used = -(-start[b] // P)
+        for page in table[b, :used]:
+            K_pages[page], V_pages[page] = rng.standard_normal((2, H_kv, P, D))
+        if start[b] % P:  # the last context page's tail: not context
+            K_pages[table[b, used - 1], :, start[b] % P:] = np.nan
+        table[b, used:] = (-1, num_pages + 3)[b % 2]
+    args = (q, k, v, jnp.asarray(K_pages), jnp.asarray(V_pages), jnp.asarray(table), jnp.asarray(start),
+            jnp.asarray(lengths))
+    got = np.asarray(jax.jit(cpa.chunk_attention_cpu)(*args))
+    assert np.isfinite(got).all() and not got[4].any()
+    K_ref, V_ref = (jnp.asarray(np.nan_to_num(a)) for a in (K_pages, V_pages))
+    want = paged.chunk_attention(q, k, v, K_ref, V_ref, jnp.asarray(table), jnp.asarray(start), jnp.asarray(lengths))
+    np.testing.assert_allclose(got, np.asarray(want), rtol=TOL, atol=TOL)
+    with dispatch.cpu_kernels(True):
+        native = jax.jit(functools.partial(paged.chunk_attention, native=True))
+        assert f"@{cpa.CHUNK_TARGET}" in native.lower(*args).as_text()
+        np.testing.assert_array_equal(np.asarray(native(*args)), got)
