@@ -1,6 +1,7 @@
 """Per-op CPU cost, XLA:CPU (jax) vs torch, at SmolLM2-135M's shapes in float32, side by side in one
 process: the matmuls of a prefill (T tokens) and of decode steps at batch 1 and 8, the LM head, and
-prefill attention (`models.transformer.prefill_attention` vs torch's scaled_dot_product_attention).
+prefill attention (`models.transformer.prefill_attention(native=True)`, what `Model.prefill` runs: the
+native CPU kernel, vs torch's scaled_dot_product_attention).
 
 Per op: CPU milliseconds per call (time.process_time: user+sys of every thread of this process, so
 a thread spinning at an OpenMP barrier counts) and wall milliseconds, means over
@@ -58,7 +59,7 @@ def attention_pair(rng, T: int):
     kv = rng.standard_normal((2, 1, H_KV, T, D), np.float32)
     jq, jk, jv = jnp.asarray(q), jnp.asarray(kv[0]), jnp.asarray(kv[1])
     pos, lengths = jnp.arange(T, dtype=jnp.int32)[None], jnp.array([T], jnp.int32)
-    f = jax.jit(prefill_attention)
+    f = jax.jit(lambda *a: prefill_attention(*a, native=True))  # as Model.prefill: the CPU kernel
     tq = torch.from_numpy(q).transpose(1, 2)
     tk, tv = (torch.from_numpy(x).repeat_interleave(H // H_KV, 1) for x in kv)
     sdpa = torch.nn.functional.scaled_dot_product_attention
