@@ -137,8 +137,10 @@ def paged_decode_attention_partials_cpu(q, k_pages, v_pages, page_table, lengths
 
 
 def prefill_supports(q: jax.Array, k: jax.Array) -> bool:
-    """Whether `prefill_attention_cpu` takes these operands: float32 q [B, T, H, D] and K
-    [B, H_kv, N, D], H a multiple of H_kv, D a multiple of 16 up to 256."""
+    """Whether the prefill kernels take these operands: float32 q [B, T, H, D] and float32 keys
+    with KV heads on axis 1 and D last (`prefill_attention_cpu`'s K [B, H_kv, N, D],
+    `chunk_attention_cpu`'s pages [num_pages, H_kv, P, D]), H a multiple of H_kv, D a multiple of 16
+    up to 256."""
     return (q.ndim == 4 and k.ndim == 4 and q.dtype == jnp.float32 and k.dtype == jnp.float32
             and q.shape[3] == k.shape[3] and q.shape[3] % 16 == 0 and q.shape[3] <= 256
             and q.shape[2] % max(1, k.shape[1]) == 0)
@@ -159,14 +161,6 @@ def prefill_attention_cpu(q, k, v, positions, lengths, *, scale: float | None = 
     return out.reshape(batch, tokens, heads * head_dim)
 
 
-def chunk_supports(q: jax.Array, k_pages: jax.Array) -> bool:
-    """Whether `chunk_attention_cpu` takes these operands: float32 q [B, C, H, D] and pages
-    [num_pages, H_kv, P, D], H a multiple of H_kv, D a multiple of 16 up to 256."""
-    return (q.ndim == 4 and k_pages.ndim == 4 and q.dtype == jnp.float32 and k_pages.dtype == jnp.float32
-            and q.shape[3] == k_pages.shape[3] and q.shape[3] % 16 == 0 and q.shape[3] <= 256
-            and q.shape[2] % max(1, k_pages.shape[1]) == 0)
-
-
 def chunk_attention_cpu(q, k, v, k_pages, v_pages, page_table, start, lengths, *, scale: float | None = None,
                         max_threads: int = 0):
     """A prefill chunk's causal attention over its paged context, the contract of
@@ -176,7 +170,7 @@ def chunk_attention_cpu(q, k, v, k_pages, v_pages, page_table, start, lengths, *
     i32[B] (chunk token j is at position start[b] + j, valid for j < lengths[b]) -> f32[B, C, H*D].
     The context is read from the pages up to start[b] only (the kernel copies those keys into a
     scratch once per call, K in panels, V as rows). Call only when `available()` and
-    `chunk_supports(q, k_pages)`; lowers for "cpu" only."""
+    `prefill_supports(q, k_pages)`; lowers for "cpu" only."""
     batch, tokens, heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
     out = jax.ffi.ffi_call(CHUNK_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="sequential")(

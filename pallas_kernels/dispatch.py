@@ -375,7 +375,7 @@ def chunk_prefill_attention(q, k, v, K_pages, V_pages, page_table, start, length
     float32 pages, D a multiple of 16, unless `set_cpu_kernels(False)` or it could not be built);
     otherwise `reference(q, k, v, K_pages, V_pages, page_table, start, lengths)`."""
     args = (q, k, v, K_pages, V_pages, page_table, start, lengths)
-    if _cpu_kernels and cpu_paged_attention.chunk_supports(q, K_pages) and cpu_paged_attention.available():
+    if _cpu_kernels and cpu_paged_attention.prefill_supports(q, K_pages) and cpu_paged_attention.available():
         return jax.lax.platform_dependent(*args, cpu=cpu_paged_attention.chunk_attention_cpu, default=reference)
     return reference(*args)
 
