@@ -5,7 +5,7 @@ The same 4 x 512-token prompts as the quick SmartGen run (`jkv.disagg.harness.te
 corpus windows + a summarization question, chat template), prefilled once to a float32 host pool
 (what serving's uncompressed path moves). Each variant replaces the prompt's KV by the profile
 evaluation's round trip (`workloads.chunked_roundtrip` of the fp16 KV at 128-token chunks — the
-served KV bit for bit, `tests/compression/test_kv_transfer.py::test_served_kv_is_the_profile_evaluations_round_trip`),
+served KV bit for bit, `tests/compression_tests/test_kv_transfer.py::test_served_kv_is_the_profile_evaluations_round_trip`),
 then decodes `--tokens` greedy tokens with dense attention and with InfiniGen (the selector the
 SmartGen run decodes with; token-level here, `jkv.selection.sparse_decode`). Per request and
 variant: generated-token agreement with the float32 run of the same selector (prefix, fraction:

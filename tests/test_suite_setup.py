@@ -95,16 +95,25 @@ def test_xla_cpu_backend_optimization_is_off_and_moves_logits_by_rounding_only()
     np.testing.assert_allclose(o0, default, rtol=1e-5, atol=1e-5)
 
 
+# Top-level packages newer Pythons add to the standard library (sys.stdlib_module_names lists only
+# the running interpreter's): Python 3.14's `compression` (compression.zstd, which its zipfile,
+# tarfile and shutil import) would have been shadowed by tests/compression.
+NEWER_STDLIB_PACKAGES = {"compression", "annotationlib"}
+
+
 def test_no_test_package_shadows_an_installed_distribution():
     """pytest puts tests/ first on sys.path (rootdir-relative imports), so a test directory with an
     __init__.py is a top-level package named like the directory: `tests/kernels` hid Hugging Face's
     `kernels` (a dependency of transformers >= 5.25), and every test that imported transformers'
-    hub-kernel integration failed with "cannot import name 'CUDAProperties' from 'kernels'"."""
+    hub-kernel integration failed with "cannot import name 'CUDAProperties' from 'kernels'". The
+    standard library's names count too, this interpreter's and those of newer Pythons."""
     import importlib.metadata
 
-    installed = importlib.metadata.packages_distributions()  # top-level import name -> distributions
+    installed = set(importlib.metadata.packages_distributions())  # top-level import names of distributions
+    taken = installed | set(sys.stdlib_module_names) | NEWER_STDLIB_PACKAGES
     packages = [p.parent.name for p in (ROOT / "tests").glob("*/__init__.py")]
     assert packages, "no test package found: the check would pass vacuously"
-    clashes = sorted(name for name in packages if name in installed)
-    assert not clashes, (f"tests/{clashes[0]} is importable as the top-level package {clashes[0]!r}, which an installed "
-                         f"distribution also provides; rename the test directory")
+    clashes = sorted(name for name in packages if name in taken)
+    assert not clashes, (f"tests/{clashes[0]} is importable as the top-level package {clashes[0]!r}, which "
+                         f"{'an installed distribution' if clashes[0] in installed else 'the standard library'} "
+                         f"also provides; rename the test directory")

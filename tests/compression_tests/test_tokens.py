@@ -10,7 +10,7 @@ from jkv.compression.tokens import (TierConfig, decode_request, encode_request, 
                                     request_bytes, tier_counts, token_importance)
 from jkv.compression.workloads import ModelObjective, WorkloadSample
 from models import tiny_model
-from tests.compression.conftest import kv_like
+from tests.compression_tests.conftest import kv_like
 
 LOSSLESS = "identity+none+none"
 

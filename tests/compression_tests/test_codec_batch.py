@@ -22,7 +22,7 @@ from .conftest import kv_like
 
 PROFILE = Path(__file__).resolve().parents[2] / "experiments" / "results" / "kvserve_profile_table1_split.json"
 # The profile's chunk-codec pipelines: its token-dropping entries (SnapKV tiers, Duo streaming heads)
-# are absorbed per request by DroppingCodec (tests/compression/test_dropping.py), not per chunk.
+# are absorbed per request by DroppingCodec (tests/compression_tests/test_dropping.py), not per chunk.
 PROFILED = [p["spec_id"] for p in json.loads(PROFILE.read_text())["points"] if not is_dropping_id(p["spec_id"])]
 # Stage families the profile lacks: entropy-coded (a mean/std per group), delta anchors, per-head
 # mixed bits (several head sets, reordered), per-channel / per-token on both kinds, lz4.
