@@ -47,8 +47,7 @@ class RequestKV:
         self.request_id = request_id
         self.prompt_len = prompt_len
         self.capacity = capacity
-        self.kv = aligned_empty((2, num_layers, num_kv_heads, capacity, head_dim), dtype)
-        self.kv[...] = 0
+        self.kv = aligned_empty((2, num_layers, num_kv_heads, capacity, head_dim), dtype, zeroed=True)
         self.mask = None
         if with_mask:
             self.mask = np.full((num_layers, capacity), PAD, np.int8)

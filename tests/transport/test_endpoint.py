@@ -224,6 +224,17 @@ def test_aligned_empty_is_page_aligned():
     assert a.ctypes.data % 4096 == 0 and a.shape == (3, 1000) and a.flags.c_contiguous
 
 
+def test_aligned_empty_zeroed_is_zeros_even_where_freed_memory_is_reused():
+    for _ in range(3):  # small sizes come from malloc's free lists: calloc must clear what it reuses
+        dirty = aligned_empty((3, 1000), np.float16)
+        dirty[...] = 7
+        del dirty
+        a = aligned_empty((3, 1000), np.float16, zeroed=True)
+        assert a.ctypes.data % 4096 == 0 and a.shape == (3, 1000) and not a.any()
+    big = aligned_empty((2, 30, 3, 2176, 64), np.float32, zeroed=True)  # a 4 x 2K request's staging
+    assert big.ctypes.data % 4096 == 0 and not big[:, :, :, ::97].any() and not big[-1, -1, -1, -1].any()
+
+
 def test_payload_checksum_off_must_match_on_both_sides(make_endpoint):
     fast = make_endpoint("fast-rx", payload_checksum=False)
     pool = np.zeros(1 << 16, np.uint8)
