@@ -28,6 +28,7 @@
 #include <utility>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <vector>
 
@@ -484,6 +485,53 @@ ffi::Error ChunkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Top-k selection (`pallas_kernels.topk.topk_select_reference`'s contract):
+//   scores     f32[R, N]
+//   valid_len  s32[R]         row r selects among its first clamp(valid_len[r], 0, N) scores
+//   k          i64 attribute
+//   out        s32[R, k]      indices by descending score (-0 ties +0), ties by lower index, a NaN
+//                             after every number (NaNs by index); slots past min(k, valid) are -1
+// Why a kernel: XLA:CPU's TopK is a std::partial_sort of every row with a comparator that
+// converts both floats per comparison: at the decode worker's 12 rows of 2,176 scores and k = 544
+// it took 1.5 ms a layer, ~16 % of a full-mode decode step (docs/performance.md). Here each
+// candidate becomes one 64-bit key (score's order in the high half, the inverted index in the
+// low half), nth_element finds the k largest in linear time and only those k are sorted.
+inline int64_t topk_key(float x, int64_t index) {
+  int64_t order;
+  if (x != x) {
+    order = std::numeric_limits<int32_t>::min();  // below -inf's order (-2139095041); key >= INT64_MIN
+  } else {
+    int32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    order = x == 0.0f ? 0 : bits >= 0 ? bits : bits ^ 0x7fffffff;  // monotone in x; -0 is +0
+  }
+  return order * (int64_t{1} << 32) + (0xffffffffLL - index);  // larger key first: lower index on ties
+}
+
+ffi::Error TopkSelectImpl(ffi::Buffer<ffi::F32> scores, ffi::Buffer<ffi::S32> valid_len, int64_t k,
+                          ffi::ResultBuffer<ffi::S32> out) {
+  const auto sd = scores.dimensions();
+  if (sd.size() != 2 || valid_len.dimensions().size() != 1 || valid_len.dimensions()[0] != sd[0] || k < 1 ||
+      out->dimensions().size() != 2 || out->dimensions()[1] != k) {
+    return ffi::Error::InvalidArgument("jkv top-k: expects scores [R, N], valid_len [R], out [R, k], k >= 1");
+  }
+  const int64_t R = sd[0], N = sd[1];
+  const float* x = scores.typed_data();
+  int32_t* o = out->typed_data();
+  std::vector<int64_t> keys(N);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t m = std::clamp<int64_t>(valid_len.typed_data()[r], 0, N), take = std::min(k, m);
+    for (int64_t j = 0; j < m; ++j) keys[j] = topk_key(x[r * N + j], j);
+    auto first = keys.begin(), cut = first + take, last = first + m;
+    if (take < m) std::nth_element(first, cut, last, std::greater<int64_t>());
+    std::sort(first, cut, std::greater<int64_t>());
+    for (int64_t i = 0; i < take; ++i) o[r * k + i] = static_cast<int32_t>(0xffffffffLL - (keys[i] & 0xffffffffLL));
+    std::fill(o + r * k + take, o + (r + 1) * k, -1);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JkvPagedDecodeAttention, PagedDecodeAttentionImpl,
@@ -525,3 +573,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JkvChunkAttention, ChunkAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("max_threads")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JkvTopkSelect, TopkSelectImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("k")
+                                  .Ret<ffi::Buffer<ffi::S32>>());

@@ -13,6 +13,11 @@ logits, V once for the weighted sum, nothing copied. It follows the reference's 
 so it differs from it only by float summation order and its own vectorized exp (measured
 <= 1e-6; tests/kernel_tests/test_cpu_paged_attention.py).
 
+The same source holds the causal prefill attentions (`prefill_attention_cpu`, `chunk_attention_cpu`)
+and the top-k select of the "xla" backend (`topk_select_cpu`: XLA's own TopK is a partial sort
+whose comparator converts both floats on every comparison; this one keys each candidate once and
+runs nth_element, the same indices; docs/kernels.md, "CPU top-k").
+
 Build: the C++ source is compiled once per (source, compiler flags, jaxlib, CPU) with the system's
 C++ compiler (`$CXX`, default `c++`; `-O3 -march=native`) against jaxlib's XLA FFI headers, into
 `$JKV_CACHE_DIR` (default `~/.cache/jkv`), and registered as an FFI target for the "cpu" platform.
@@ -48,6 +53,8 @@ PREFILL_TARGET = "jkv_prefill_attention"
 PREFILL_SYMBOL = "JkvPrefillAttention"
 CHUNK_TARGET = "jkv_chunk_attention"
 CHUNK_SYMBOL = "JkvChunkAttention"
+TOPK_TARGET = "jkv_topk_select"
+TOPK_SYMBOL = "JkvTopkSelect"
 # -fopenmp-simd: the `#pragma omp simd reduction` dot products vectorize without -ffast-math
 # (which would let the compiler reorder every float sum, not only the ones marked).
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w")
@@ -104,11 +111,13 @@ def available() -> bool:
             raise FileNotFoundError(f"no C++ compiler ({os.environ.get('CXX', 'c++')!r} not on PATH)")
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
-        for target, symbol in ((PREFILL_TARGET, PREFILL_SYMBOL), (CHUNK_TARGET, CHUNK_SYMBOL)):
+        for target, symbol in ((PREFILL_TARGET, PREFILL_SYMBOL), (CHUNK_TARGET, CHUNK_SYMBOL),
+                               (TOPK_TARGET, TOPK_SYMBOL)):
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     except (OSError, AttributeError, subprocess.SubprocessError, ValueError) as exc:
         detail = getattr(exc, "stderr", None) or exc
-        log.warning("CPU paged attention kernel unavailable (%s); paged decode uses the XLA gather reference",
+        log.warning("CPU kernels unavailable (%s); paged decode uses the XLA gather reference, prefill "
+                    "attention XLA's blocked loop, the top-k XLA's TopK",
                     str(detail).strip()[-2000:])
         return False
     log.info("CPU paged attention kernel loaded (%s)", TARGET)
@@ -178,3 +187,13 @@ def chunk_attention_cpu(q, k, v, k_pages, v_pages, page_table, start, lengths, *
         page_table.astype(jnp.int32), start.astype(jnp.int32), lengths.astype(jnp.int32),
         scale=np.float32(scale), max_threads=np.int64(max_threads))
     return out.reshape(batch, tokens, heads * head_dim)
+
+
+def topk_select_cpu(scores, valid_len, k: int):
+    """`pallas_kernels.topk.topk_select_reference`'s contract (scores f32|bf16[R, N], valid_len
+    i32[R] -> i32[R, k]: by descending score, -0 tying +0, ties and NaNs by lower index, NaNs after
+    every number, -1 past min(k, valid_len[r])), the same indices bit for bit, in linear time a row
+    (nth_element, then a sort of the k). Call only when `available()`; lowers for "cpu" only."""
+    rows = scores.shape[0]
+    return jax.ffi.ffi_call(TOPK_TARGET, jax.ShapeDtypeStruct((rows, k), jnp.int32), vmap_method="sequential")(
+        scores.astype(jnp.float32), valid_len.astype(jnp.int32), k=np.int64(k))

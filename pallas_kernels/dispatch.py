@@ -30,8 +30,10 @@ before a switch keeps its old backend: choose once at startup with `set_backend(
 
 Native CPU kernels: where a program is lowered for XLA:CPU, `paged_decode_attention_partials` runs
 an XLA FFI kernel built from C++ at first use (`cpu_paged_attention`), whatever the backend
-(none of the Pallas ones runs compiled on CPU); `set_cpu_kernels(False)` / `with cpu_kernels(False)`
-keep the XLA reference there.
+(none of the Pallas ones runs compiled on CPU), and so do the causal prefill attentions and, on
+the "xla" backend, `topk_select` / `topk_select_fused`'s selection (the same indices as XLA's
+partial sort, in linear time a row); `set_cpu_kernels(False)` / `with cpu_kernels(False)` keep the
+XLA references there.
 
 Shapes are validated here, once, with errors that name the value; the kernel modules assume them.
 """
@@ -240,8 +242,19 @@ def topk_select(scores: jax.Array, valid_len: jax.Array, k: int) -> jax.Array:
     _check_lengths("valid_len", valid_len, scores.shape[0])
     interpret = _kernel_mode()
     if interpret is None:
-        return topk.topk_select_xla(scores, valid_len, k)
+        return _topk_select_xla(scores, valid_len, k)
     return topk.topk_select_pallas(scores, valid_len, k, interpret=interpret)
+
+
+def _topk_select_xla(scores: jax.Array, valid_len: jax.Array, k: int) -> jax.Array:
+    """The "xla" backend's top-k: when lowered for CPU the native kernel
+    (`cpu_paged_attention.topk_select_cpu`, the same indices, unless `set_cpu_kernels(False)` or it
+    could not be built), otherwise XLA's partial selection (`topk.topk_select_xla`)."""
+    reference = functools.partial(topk.topk_select_xla, k=k)
+    if _cpu_kernels and cpu_paged_attention.available():
+        native = functools.partial(cpu_paged_attention.topk_select_cpu, k=k)
+        return jax.lax.platform_dependent(scores, valid_len, cpu=native, default=reference)
+    return reference(scores, valid_len)
 
 
 def topk_select_fused(
@@ -257,7 +270,7 @@ def topk_select_fused(
     _check_lengths("valid_len", valid_len, k_partial.shape[0])
     interpret = _kernel_mode()
     if interpret is None:
-        return topk.topk_select_fused_xla(q_partial, k_partial, valid_len, k)
+        return _topk_select_xla(topk.partial_scores_reference(q_partial, k_partial), valid_len, k)
     return topk.topk_select_fused_pallas(q_partial, k_partial, valid_len, k, interpret=interpret)
 
 

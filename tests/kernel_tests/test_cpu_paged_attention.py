@@ -263,3 +263,70 @@ def test_chunk_kernel_matches_the_xla_chunk_attention(H, H_kv, D, P, max_pages):
         native = jax.jit(functools.partial(paged.chunk_attention, native=True))
         assert f"@{cpa.CHUNK_TARGET}" in native.lower(*args).as_text()
         np.testing.assert_array_equal(np.asarray(native(*args)), got)
+
+
+def _topk_rows(rng, rows, n, kind):
+    """Scores with many ties (small integers); with NaN, +-inf and -0.0 sprinkled in; or normal."""
+    if kind == "normal":
+        return rng.standard_normal((rows, n)).astype(np.float32)
+    x = rng.integers(-4, 5, (rows, n)).astype(np.float32)
+    if kind == "specials":
+        u = rng.random((rows, n))
+        x[u < 0.1], x[(u >= 0.1) & (u < 0.2)], x[(u >= 0.2) & (u < 0.3)] = np.nan, np.inf, -np.inf
+        x[(u >= 0.3) & (u < 0.4)] = -0.0
+    return x
+
+
+@pytest.mark.parametrize("kind", ["ties", "specials", "normal"])
+def test_topk_kernel_returns_the_reference_indices(kind):
+    """Same indices and order as `topk_select_reference` (score descending, -0 tying +0, ties and
+    NaNs by lower index, NaNs after -inf, -1 past min(k, valid_len)) for lengths below 0, 0, inside
+    and past N, and k below, at and past N; bf16 scores are widened first."""
+    from pallas_kernels import topk
+
+    rng = np.random.default_rng({"ties": 0, "specials": 1, "normal": 2}[kind])
+    rows, n = 5, 64
+    for k in (1, 17, 64, 70):  # one compile each of the kernel and the reference
+        kernel = jax.jit(functools.partial(cpa.topk_select_cpu, k=k))
+        reference = jax.jit(functools.partial(topk.topk_select_reference, k=k))
+        for _ in range(8):
+            x = jnp.asarray(_topk_rows(rng, rows, n, kind))
+            valid = jnp.asarray(rng.integers(-2, n + 3, rows), jnp.int32)
+            np.testing.assert_array_equal(np.asarray(kernel(x, valid)), np.asarray(reference(x, valid)))
+    x16 = jnp.asarray(rng.standard_normal((3, 50)), jnp.bfloat16)  # bf16 rounding makes ties
+    valid = jnp.asarray([50, 7, 0], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(cpa.topk_select_cpu(x16, valid, 20)),
+                                  np.asarray(topk.topk_select_reference(x16, valid, 20)))
+
+
+def test_topk_kernel_at_the_decode_worker_shape_equals_xlas_partial_sort():
+    """12 rows (4 requests x 3 KV heads) of 2,176 scores, k = 544, the decode step's shape at 4 x 2K."""
+    from pallas_kernels import topk
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((12, 2176)), jnp.float32)
+    valid = jnp.asarray(rng.integers(1500, 2177, 12), jnp.int32)
+    np.testing.assert_array_equal(np.asarray(cpa.topk_select_cpu(x, valid, 544)),
+                                  np.asarray(topk.topk_select_xla(x, valid, 544)))
+
+
+def test_topk_dispatch_lowers_the_kernel_for_cpu_only():
+    """On the "xla" backend `topk_select_fused` (InfiniGen's selection) lowers the kernel for CPU
+    and agrees with XLA's selection; not with `cpu_kernels(False)`, nor in a CUDA export."""
+    from pallas_kernels import topk
+
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((6, 3, 8)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((6, 40, 8)), jnp.float32)
+    valid = jnp.asarray([40, 39, 12, 1, 0, 33], jnp.int32)
+    select = jax.jit(functools.partial(dispatch.topk_select_fused, k=16))
+    with dispatch.backend("xla"):
+        for enabled in (True, False):
+            with dispatch.cpu_kernels(enabled):
+                lowered = jax.jit(functools.partial(dispatch.topk_select_fused, k=16)).lower(q, keys, valid)
+                assert (f"@{cpa.TOPK_TARGET}" in lowered.as_text()) == enabled
+                np.testing.assert_array_equal(np.asarray(lowered.compile()(q, keys, valid)),
+                                              np.asarray(topk.topk_select_fused_xla(q, keys, valid, 16)))
+        with gpu_lowering_context():
+            exported = jax.export.export(select, platforms=["cuda"])(q, keys, valid)
+    assert cpa.TOPK_TARGET not in exported.mlir_module()

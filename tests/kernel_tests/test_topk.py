@@ -159,14 +159,15 @@ def test_xla_backend_select_matches_reference_on_random_rows(data):
 
 
 def test_dispatch_xla_backend_runs_the_top_k_select(monkeypatch):
-    """Under "xla" the dispatched select, plain and fused, is `topk_select_xla` (not the full sort)."""
+    """Under "xla" without the native CPU kernels the dispatched select, plain and fused, is
+    `topk_select_xla` (not the full sort); with them, the kernel (test_cpu_paged_attention.py)."""
     from pallas_kernels import dispatch
     calls, real = [], topk.topk_select_xla
     monkeypatch.setattr(topk, "topk_select_xla", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     rng = np.random.default_rng(6)
     scores = jnp.asarray(rng.standard_normal((3, 50)), jnp.float32)
     lengths = jnp.asarray([50, 20, 0], jnp.int32)
-    with dispatch.backend("xla"):
+    with dispatch.backend("xla"), dispatch.cpu_kernels(False):
         got = dispatch.topk_select(scores, lengths, 10)
         fused = dispatch.topk_select_fused(scores[:, None, :1], scores[:, :, None], lengths, 10)
     assert len(calls) == 2
