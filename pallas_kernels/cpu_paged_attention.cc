@@ -153,35 +153,49 @@ struct RowQueue {
   std::condition_variable finished;
 };
 
-template <typename T>
-void attend(ffi::ThreadPool& pool, int64_t max_workers, const float* q, const T* k_pages, const T* v_pages,
-            const int32_t* table, const int32_t* lengths, int64_t B, int64_t H, int64_t D, int64_t num_pages,
-            int64_t H_kv, int64_t P, int64_t max_pages, float scale, float* out, float* lse) {
-  const int64_t G = H / H_kv, capacity = max_pages * P, page_stride = H_kv * P * D, rows = B * H_kv;
+// Runs `make_task()(i)` for every i in [0, items) on the calling thread and `workers - 1` tasks of
+// the pool (see RowQueue). `make_task` is copied into each task and called once per thread that
+// claims an item: the callable it returns holds that thread's scratch. Everything either reads
+// must be owned by value or by shared_ptr (a late task may run after the caller returned).
+template <typename MakeTask>
+void run_items(ffi::ThreadPool& pool, int64_t workers, int64_t items, MakeTask make_task) {
   auto queue = std::make_shared<RowQueue>();
   auto work = [=]() {
-    std::vector<float> logits, row;
-    for (int64_t r; (r = queue->next.fetch_add(1)) < rows;) {
-      if (logits.empty()) logits.resize(G * capacity), row.resize(P * D);
-      const int64_t b = r / H_kv, h = r % H_kv, first = b * H + h * G;  // query heads h*G .. h*G+G-1 of row b
-      const int64_t n = std::clamp<int64_t>(lengths[b], 0, capacity);
-      auto row_fn = D == 64 ? attend_row<64, T> : D == 128 ? attend_row<128, T> : attend_row<0, T>;
-      row_fn(q + first * D, k_pages, v_pages, table + b * max_pages, n, num_pages, page_stride, h * P * D, P, D, G,
-             scale, logits.data(), row.data(), out + first * D, lse + first);
-      if (queue->done.fetch_add(1) + 1 == rows) {
+    int64_t i = queue->next.fetch_add(1);
+    if (i >= items) return;
+    auto task = make_task();
+    for (; i < items; i = queue->next.fetch_add(1)) {
+      task(i);
+      if (queue->done.fetch_add(1) + 1 == items) {
         std::lock_guard<std::mutex> lock(queue->mutex);
         queue->finished.notify_all();
       }
     }
   };
+  for (int64_t t = 1; t < std::min(workers, items); ++t) pool.Schedule(decltype(work)(work));  // a copy per task
+  work();
+  std::unique_lock<std::mutex> lock(queue->mutex);
+  queue->finished.wait(lock, [&] { return queue->done.load() == items; });
+}
+
+template <typename T>
+void attend(ffi::ThreadPool& pool, int64_t max_workers, const float* q, const T* k_pages, const T* v_pages,
+            const int32_t* table, const int32_t* lengths, int64_t B, int64_t H, int64_t D, int64_t num_pages,
+            int64_t H_kv, int64_t P, int64_t max_pages, float scale, float* out, float* lse) {
+  const int64_t G = H / H_kv, capacity = max_pages * P, page_stride = H_kv * P * D, rows = B * H_kv;
   // A task pays a wake-up (~10 us); split only rows worth several of those (~16K key-head reads).
   int64_t tokens = 0;
   for (int64_t b = 0; b < B; ++b) tokens += std::clamp<int64_t>(lengths[b], 0, capacity) * H_kv;
   const int64_t workers = std::min({max_workers, rows, 1 + tokens / 16384});
-  for (int64_t i = 1; i < workers; ++i) pool.Schedule(decltype(work)(work));  // a copy per task
-  work();
-  std::unique_lock<std::mutex> lock(queue->mutex);
-  queue->finished.wait(lock, [&] { return queue->done.load() == rows; });
+  run_items(pool, workers, rows, [=]() {
+    return [=, logits = std::vector<float>(G * capacity), row = std::vector<float>(P * D)](int64_t r) mutable {
+      const int64_t b = r / H_kv, h = r % H_kv, first = b * H + h * G;  // query heads h*G .. h*G+G-1 of row b
+      const int64_t n = std::clamp<int64_t>(lengths[b], 0, capacity);
+      auto row_fn = D == 64 ? attend_row<64, T> : D == 128 ? attend_row<128, T> : attend_row<0, T>;
+      row_fn(q + first * D, k_pages, v_pages, table + b * max_pages, n, num_pages, page_stride, h * P * D, P, D, G,
+             scale, logits.data(), row.data(), out + first * D, lse + first);
+    };
+  });
 }
 
 ffi::Error PagedDecodeAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pages,
@@ -375,15 +389,13 @@ void attend_causal(ffi::ThreadPool& pool, int64_t max_workers, const float* q, c
     }
   }
   const int64_t tiles = (T * G + kRows - 1) / kRows, items = BH * tiles;
-  auto queue = std::make_shared<RowQueue>();
   auto keys_shared = std::make_shared<std::vector<int64_t>>(std::move(keys));
   auto offsets = std::make_shared<std::vector<int64_t>>(std::move(offset));
-  auto work = [=]() {
-    std::vector<float> scores, probs;
-    const float* q_row[kRows];
-    float* out_row[kRows];
-    int64_t limit[kRows];
-    for (int64_t r; (r = queue->next.fetch_add(1)) < items;) {
+  run_items(pool, max_workers, items, [=]() {
+    return [=, scores = std::vector<float>(), probs = std::vector<float>()](int64_t r) mutable {
+      const float* q_row[kRows];
+      float* out_row[kRows];
+      int64_t limit[kRows];
       const int64_t tile = tiles - 1 - r / BH, bh = r % BH, b = bh / H_kv, h = bh % H_kv;
       const int64_t i0 = tile * kRows, rows = std::min<int64_t>(kRows, T * G - i0), length = (*keys_shared)[b];
       const int64_t width = (length + 7) / 8 * 8;
@@ -399,17 +411,8 @@ void attend_causal(ffi::ThreadPool& pool, int64_t max_workers, const float* q, c
       auto tile_fn = D == 64 ? prefill_tile<64> : D == 128 ? prefill_tile<128> : prefill_tile<0>;
       tile_fn(q_row, out_row, limit, static_cast<int>(rows), n, kt.get() + (*offsets)[bh], width,
               vr.get() + (*offsets)[bh], D, scale, scores.data(), probs.data());
-      if (queue->done.fetch_add(1) + 1 == items) {
-        std::lock_guard<std::mutex> lock(queue->mutex);
-        queue->finished.notify_all();
-      }
-    }
-  };
-  const int64_t workers = std::min(max_workers, items);
-  for (int64_t i = 1; i < workers; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  std::unique_lock<std::mutex> lock(queue->mutex);
-  queue->finished.wait(lock, [&] { return queue->done.load() == items; });
+    };
+  });
 }
 
 ffi::Error PrefillAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
