@@ -497,7 +497,7 @@ ffi::Error ChunkAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
 //                             after every number (NaNs by index); slots past min(k, valid) are -1
 // Why a kernel: XLA:CPU's TopK is a std::partial_sort of every row with a comparator that
 // converts both floats per comparison: at the decode worker's 12 rows of 2,176 scores and k = 544
-// it took 1.5 ms a layer, ~16 % of a full-mode decode step (docs/performance.md). Here each
+// it took 1.25 ms a call, ~42 ms of a full-mode decode step (docs/performance.md). Here each
 // candidate becomes one 64-bit key (score's order in the high half, the inverted index in the
 // low half), nth_element finds the k largest in linear time and only those k are sorted.
 inline int64_t topk_key(float x, int64_t index) {
